@@ -1,0 +1,14 @@
+"""moe_compile: a torch.compile backend that makes Mixture-of-Experts training fast.
+
+    cmodel = torch.compile(model, backend="moe", fullgraph=True, options={...})
+
+No import is needed for that line (the backend is an entry point); import the
+package for its configuration and counters.
+"""
+from . import ops
+from .config import ConfigError, MoECompileConfig, config
+from .counters import counters
+
+__version__ = "0.1.0"
+
+__all__ = ["ConfigError", "MoECompileConfig", "config", "counters", "ops"]

@@ -1,0 +1,1 @@
+"""Compressors and all-to-all algorithms, as registries (issues: expert parallelism, compression)."""

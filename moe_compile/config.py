@@ -1,0 +1,153 @@
+"""The one configuration of moe_compile (DESIGN.md "User surface").
+
+A typed dataclass with a documented default per field. ``MOE_COMPILE_*``
+environment variables are read here and nowhere else; ``torch.compile(...,
+options={...})`` overrides fields per call. Every value is validated: an unknown
+key or a bad value raises :class:`ConfigError` naming the key and what is allowed.
+
+    import moe_compile
+    with moe_compile.config.patch(verify_regions=False):
+        torch.compile(model, backend="moe")(x)
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+__all__ = ["ConfigError", "MoECompileConfig", "config", "INNER_COMPILERS"]
+
+INNER_COMPILERS = ("auto", "eager", "inductor")
+_ENV_PREFIX = "MOE_COMPILE_"
+
+
+class ConfigError(ValueError):
+    """A bad option: names the key, the value, and what is allowed."""
+
+
+@dataclasses.dataclass
+class MoECompileConfig:
+    """Options of the ``moe`` backend. Defaults keep the model's own semantics."""
+
+    #: Write ``<dir>/rank<r>/graph<id>/<NN>_<pass>_{before,after}.py`` (env MOE_COMPILE_DEBUG_DIR).
+    debug_dir: str | None = None
+    #: Compiler run after the passes: "eager" (AOTAutograd graphs run as they are),
+    #: "inductor", or "auto" = inductor when the graph's tensors are on CUDA, else eager.
+    inner: str = "auto"
+    #: Find MoE layers and rewrite them into the canonical ``moe.*`` ops. False hands
+    #: every graph to the inner compiler untouched.
+    rewrite: bool = True
+    #: Capacity override (Tutel §4.1 contract). None keeps the matched model's own
+    #: capacity; > 0: C = ceil(k·f·T/E), tokens beyond dropped; 0: no drop;
+    #: < 0: no drop up to C = ceil(k·|f|·T/E), dropped beyond.
+    capacity_factor: float | None = None
+    #: Before a region is rewritten, run the matched layer and its canonical form on
+    #: random inputs (also all-equal tokens, which overflow any capacity) and keep
+    #: the rewrite only if they agree. A mismatch leaves the layer untouched, logged.
+    verify_regions: bool = True
+    #: Relative / absolute tolerance of that check for float32 (bf16/fp16 use 1.6e-2 / 1e-2).
+    verify_rtol: float = 1e-4
+    verify_atol: float = 1e-5
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> MoECompileConfig:
+        _check_optional_str(self, "debug_dir")
+        if self.inner not in INNER_COMPILERS:
+            raise ConfigError(
+                f"options['inner']={self.inner!r}: not an inner compiler; choose one of "
+                f"{', '.join(INNER_COMPILERS)}"
+            )
+        for name in ("rewrite", "verify_regions"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"options[{name!r}]={getattr(self, name)!r}: expected True or False")
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf != cf):
+            raise ConfigError(
+                f"options['capacity_factor']={cf!r}: expected a number (> 0 fixed capacity, "
+                f"0 no drop, < 0 adaptive up to -f) or None to keep the model's capacity"
+            )
+        for name in ("verify_rtol", "verify_atol"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ConfigError(f"options[{name!r}]={v!r}: expected a number >= 0")
+        return self
+
+    def merged(self, options: Mapping[str, Any] | None) -> MoECompileConfig:
+        """A validated copy with ``options`` (from ``torch.compile(options=...)``) applied."""
+        changes = dict(options or {})
+        _check_keys(changes)
+        return dataclasses.replace(self, **changes).validate()
+
+    @contextlib.contextmanager
+    def patch(self, **changes: Any) -> Iterator[MoECompileConfig]:
+        """Temporarily change fields: ``with config.patch(inner="eager"): ...``."""
+        _check_keys(changes)
+        old = {name: getattr(self, name) for name in changes}
+        try:
+            for name, value in changes.items():
+                setattr(self, name, value)
+            self.validate()
+            yield self
+        finally:
+            for name, value in old.items():
+                setattr(self, name, value)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> MoECompileConfig:
+        """Defaults overridden by ``MOE_COMPILE_<FIELD>`` variables (the only env reads)."""
+        environ = os.environ if environ is None else environ
+        cfg = cls()
+        for field in dataclasses.fields(cls):
+            raw = environ.get(_ENV_PREFIX + field.name.upper())
+            if raw is not None:
+                setattr(cfg, field.name, _parse_env(field.name, raw, getattr(cfg, field.name)))
+        return cfg.validate()
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(MoECompileConfig)]
+
+
+def _check_keys(changes: Mapping[str, Any]) -> None:
+    names = _field_names()
+    for key in changes:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"options[{key!r}]: unknown option{hint}; the moe backend accepts {', '.join(names)}"
+            )
+
+
+def _check_optional_str(cfg: MoECompileConfig, name: str) -> None:
+    value = getattr(cfg, name)
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"options[{name!r}]={value!r}: expected a path string or None")
+
+
+def _parse_env(name: str, raw: str, default: Any) -> Any:
+    env = _ENV_PREFIX + name.upper()
+    if isinstance(default, bool):
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{env}={raw!r}: expected one of 1, 0, true, false")
+    if name == "capacity_factor" or isinstance(default, float):
+        if raw == "" and name == "capacity_factor":
+            return None
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"{env}={raw!r}: expected a number") from None
+    return raw or None if default is None else raw
+
+
+#: The process-wide configuration; ``options=`` of each torch.compile call is merged into a copy.
+config = MoECompileConfig.from_env()

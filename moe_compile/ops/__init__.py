@@ -1,0 +1,30 @@
+"""Canonical MoE ops, namespace ``moe`` (DESIGN.md "Canonical ops").
+
+Importing this package registers:
+
+- ``torch.ops.moe.dispatch``  tokens → ``[E, C, M]`` expert buffer + locations
+  (Tutel §4.2 fast encode, O(T·k·M), never a ``[T, E, C]`` one-hot);
+- ``torch.ops.moe.combine``   ``[E, C, M]`` → weighted tokens (fast decode);
+- ``torch.ops.moe.experts``   batched expert MLP over ``[E, C, M]``.
+"""
+from .dispatch import (
+    combine,
+    combine_torch,
+    dispatch,
+    dispatch_torch,
+    dropped_tokens,
+    expert_locations,
+)
+from .experts import ACTIVATIONS, experts, experts_torch
+
+__all__ = [
+    "ACTIVATIONS",
+    "combine",
+    "combine_torch",
+    "dispatch",
+    "dispatch_torch",
+    "dropped_tokens",
+    "expert_locations",
+    "experts",
+    "experts_torch",
+]

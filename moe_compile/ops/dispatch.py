@@ -1,0 +1,198 @@
+"""``moe::dispatch`` and ``moe::combine``: Tutel's fast encode / decode.
+
+Tutel §4.2 (Fig. 19) replaces GShard's one-hot einsums, O(T·E·C·M)::
+
+    dispatch_mask [T, E, C] = one_hot(expert) ⊗ one_hot(location)
+    buffer [E, C, M]        = einsum("tec,tm->ecm", dispatch_mask, x)
+    y [T, M]                = einsum("tec,ecm->tm", combine_weights, expert_out)
+
+by gathers and scatters over ``(expert_ids, locations, gate_weights)``, O(T·k·M)::
+
+    buffer[expert_ids[t, j], locations[t, j]] = x[t]                    (dispatch)
+    y[t] = Σ_j gate_weights[t, j] · expert_out[expert_ids[t, j], locations[t, j]]   (combine)
+
+Locations follow GShard's priority (Tutel §2.1 eq. 1 capacity): all first
+choices in token order, then all second choices, ... ("k-major"). A choice whose
+location is ≥ capacity is dropped: its location is -1, it is not written to the
+buffer and contributes nothing to the output. The integer ``capacity`` follows
+Tutel's contract (§4.1, Fig. 16): ``> 0`` fixed; ``0`` dropless, the capacity is
+the largest expert load of this batch (a data-dependent size); ``< 0`` adaptive,
+the largest load but at most ``-capacity``.
+
+Each op is a ``torch.library.custom_op`` with ``register_fake`` (so shapes trace)
+and ``register_autograd``: the adjoint of dispatch is a weight-1 combine
+(``moe::dispatch_backward``), the adjoint of combine is a weighted dispatch into
+the ``[E, C, M]`` layout plus the gate-weight gradient
+``∂y/∂w[t, j] = <grad_y[t], expert_out[e, loc]>`` (``moe::combine_backward``).
+The ``*_torch`` functions are the plain-torch references used on CPU and by the
+Triton kernels' tests.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "combine",
+    "combine_torch",
+    "dispatch",
+    "dispatch_torch",
+    "dropped_tokens",
+    "expert_locations",
+]
+
+
+def expert_locations(expert_ids: Tensor, num_experts: int, capacity: int) -> tuple[Tensor, int]:
+    """Slot of every (token, choice) in its expert's buffer, GShard k-major priority.
+
+    Returns ``(locations [T, k] int64, capacity)``; dropped choices get -1.
+    ``capacity``: > 0 fixed, 0 the largest expert load (nothing dropped), < 0 the
+    largest load capped at ``-capacity``.
+    Stable sort instead of a ``[T·k, E]`` cumsum: O(T·k log T·k) time, O(T·k) memory.
+    """
+    num_tokens, top_k = expert_ids.shape
+    flat = expert_ids.t().reshape(-1)  # k-major: choice j of every token before choice j+1
+    counts = torch.bincount(flat, minlength=num_experts)
+    order = torch.argsort(flat, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    ranks = torch.empty_like(flat)
+    ranks[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    if capacity <= 0:
+        max_load = int(counts.max().item()) if flat.numel() > 0 else 0
+        capacity = max_load if capacity == 0 else min(max_load, -capacity)
+    ranks = torch.where(ranks < capacity, ranks, torch.full_like(ranks, -1))
+    return ranks.reshape(top_k, num_tokens).t().contiguous(), capacity
+
+
+def dropped_tokens(locations: Tensor) -> Tensor:
+    """Number of (token, choice) pairs dropped by the capacity (a 0-d int64 tensor)."""
+    return (locations < 0).sum()
+
+
+def _flat_slots(expert_ids: Tensor, locations: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
+    keep = locations >= 0
+    slots = expert_ids * capacity + locations.clamp(min=0)
+    return slots, keep
+
+
+def dispatch_torch(
+    x: Tensor, expert_ids: Tensor, num_experts: int, capacity: int
+) -> tuple[Tensor, Tensor]:
+    """Reference fast encode: ``[T, M]`` → ``([E, C, M] buffer, [T, k] locations)``."""
+    locations, capacity = expert_locations(expert_ids, num_experts, capacity)
+    buffer = x.new_zeros(num_experts * capacity, x.shape[-1])
+    slots, keep = _flat_slots(expert_ids, locations, capacity)
+    token = torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand_as(slots)
+    buffer[slots[keep]] = x[token[keep]]
+    return buffer.view(num_experts, capacity, x.shape[-1]), locations
+
+
+def combine_torch(expert_out: Tensor, expert_ids: Tensor, locations: Tensor, gate_weights: Tensor) -> Tensor:
+    """Reference fast decode: ``y[t] = Σ_j w[t, j] · expert_out[e[t, j], loc[t, j]]``.
+
+    Computed in the promoted dtype of ``expert_out`` and ``gate_weights`` (what
+    ``expert_out * weights`` gives in eager).
+    """
+    num_experts, capacity, model_dim = expert_out.shape
+    dtype = torch.promote_types(expert_out.dtype, gate_weights.dtype)
+    slots, keep = _flat_slots(expert_ids, locations, capacity)
+    rows = expert_out.reshape(num_experts * capacity, model_dim).index_select(0, slots.reshape(-1))
+    weights = torch.where(keep, gate_weights.to(dtype), torch.zeros((), dtype=dtype, device=gate_weights.device))
+    rows = rows.view(*slots.shape, model_dim).to(dtype)
+    return torch.einsum("tkm,tk->tm", rows, weights)
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+@torch.library.custom_op("moe::dispatch", mutates_args=())
+def dispatch(x: Tensor, expert_ids: Tensor, num_experts: int, capacity: int) -> tuple[Tensor, Tensor]:
+    """Fast encode (Tutel K0/K1): see the module docstring."""
+    buffer, locations = dispatch_torch(x, expert_ids.long(), num_experts, capacity)
+    return buffer, locations
+
+
+@dispatch.register_fake
+def _dispatch_fake(x, expert_ids, num_experts, capacity):
+    if capacity <= 0:
+        capacity = torch.library.get_ctx().new_dynamic_size()
+    buffer = x.new_empty(num_experts, capacity, x.shape[-1])
+    return buffer, expert_ids.new_empty(expert_ids.shape, dtype=torch.long)
+
+
+@torch.library.custom_op("moe::dispatch_backward", mutates_args=())
+def dispatch_backward(grad_buffer: Tensor, expert_ids: Tensor, locations: Tensor) -> Tensor:
+    """Adjoint of dispatch: ``grad_x[t] = Σ_j grad_buffer[e[t, j], loc[t, j]]`` over kept choices."""
+    ones = torch.ones(expert_ids.shape, dtype=grad_buffer.dtype, device=grad_buffer.device)
+    return combine_torch(grad_buffer, expert_ids.long(), locations, ones)
+
+
+@dispatch_backward.register_fake
+def _dispatch_backward_fake(grad_buffer, expert_ids, locations):
+    return grad_buffer.new_empty(expert_ids.shape[0], grad_buffer.shape[-1])
+
+
+def _dispatch_setup_context(ctx, inputs, output):
+    _, expert_ids, _, _ = inputs
+    _, locations = output
+    ctx.save_for_backward(expert_ids, locations)
+
+
+def _dispatch_autograd(ctx, grad_buffer, _grad_locations):
+    expert_ids, locations = ctx.saved_tensors
+    return dispatch_backward(grad_buffer.contiguous(), expert_ids, locations), None, None, None
+
+
+dispatch.register_autograd(_dispatch_autograd, setup_context=_dispatch_setup_context)
+
+
+# --------------------------------------------------------------------------- combine
+
+
+@torch.library.custom_op("moe::combine", mutates_args=())
+def combine(expert_out: Tensor, expert_ids: Tensor, locations: Tensor, gate_weights: Tensor) -> Tensor:
+    """Fast decode (Tutel K2): see the module docstring."""
+    return combine_torch(expert_out, expert_ids.long(), locations, gate_weights)
+
+
+@combine.register_fake
+def _combine_fake(expert_out, expert_ids, locations, gate_weights):
+    dtype = torch.promote_types(expert_out.dtype, gate_weights.dtype)
+    return expert_out.new_empty(expert_ids.shape[0], expert_out.shape[-1], dtype=dtype)
+
+
+@torch.library.custom_op("moe::combine_backward", mutates_args=())
+def combine_backward(
+    grad_y: Tensor, expert_out: Tensor, expert_ids: Tensor, locations: Tensor, gate_weights: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Adjoint of combine: (grad of expert_out [E, C, M], grad of gate_weights [T, k])."""
+    num_experts, capacity, model_dim = expert_out.shape
+    slots, keep = _flat_slots(expert_ids.long(), locations, capacity)
+    keep_f = keep.to(grad_y.dtype)
+    # grad_expert_out[e, loc] += w[t, j] * grad_y[t]
+    contrib = grad_y.unsqueeze(1) * (gate_weights.to(grad_y.dtype) * keep_f).unsqueeze(-1)  # [T, k, M]
+    grad_out = grad_y.new_zeros(num_experts * capacity, model_dim)
+    grad_out.index_add_(0, slots.reshape(-1), contrib.reshape(-1, model_dim))
+    # grad_w[t, j] = <grad_y[t], expert_out[e, loc]>
+    rows = expert_out.reshape(num_experts * capacity, model_dim).index_select(0, slots.reshape(-1))
+    grad_w = torch.einsum("tkm,tm->tk", rows.view(*slots.shape, model_dim).to(grad_y.dtype), grad_y) * keep_f
+    return grad_out.view(num_experts, capacity, model_dim).to(expert_out.dtype), grad_w.to(gate_weights.dtype)
+
+
+@combine_backward.register_fake
+def _combine_backward_fake(grad_y, expert_out, expert_ids, locations, gate_weights):
+    return torch.empty_like(expert_out), torch.empty_like(gate_weights)
+
+
+def _combine_setup_context(ctx, inputs, output):
+    expert_out, expert_ids, locations, gate_weights = inputs
+    ctx.save_for_backward(expert_out, expert_ids, locations, gate_weights)
+
+
+def _combine_autograd(ctx, grad_y):
+    expert_out, expert_ids, locations, gate_weights = ctx.saved_tensors
+    grad_out, grad_w = combine_backward(grad_y.contiguous(), expert_out, expert_ids, locations, gate_weights)
+    return grad_out, None, None, grad_w
+
+
+combine.register_autograd(_combine_autograd, setup_context=_combine_setup_context)

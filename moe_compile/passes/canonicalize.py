@@ -1,0 +1,316 @@
+"""Canonicalize: each detected MoE layer → ``moe.dispatch`` / ``moe.experts`` / ``moe.combine``.
+
+Before (GShard style; sort and loop styles differ only between ``topk`` and ``out``)::
+
+    vals, ids = topk(softmax(linear(x2d, W_gate)), k)
+    w = vals / vals.sum(-1)
+    dispatch_mask, combine_weights = <one-hot / cumsum [T, E, C]>
+    buf = einsum("tec,tm->ecm", dispatch_mask, x2d)
+    y = einsum("ech,ehm->ecm", relu(einsum("ecm,emh->ech", buf, W1)), W2)
+    out = einsum("tec,ecm->tm", combine_weights, y).view(hidden.shape)
+
+After::
+
+    vals, ids = topk(softmax(linear(x2d, W_gate)), k)         # router kept as written
+    w = vals / vals.sum(-1)
+    buf, loc = moe.dispatch(x2d, ids, E, C)                    # C = 0: dropless
+    y = moe.experts(buf, W1ᵀ, W2ᵀ, None, "relu")               # weights in [E, out, in]
+    out = moe.combine(y, ids, loc, w.view(-1, k)).reshape_as(hidden)
+
+Contract: the router (everything the gate weights and ids are computed from)
+stays as the model wrote it; the capacity semantics are the model's (a dropless
+model stays dropless, a capacity-C model keeps C and GShard's k-major priority)
+unless ``config.capacity_factor`` overrides them. The rewrite is built on a copy
+of the layer's subgraph, checked against the original on random inputs
+(``config.verify_regions``), and only then spliced into the graph. A layer that
+fails any step is left untouched and logged once.
+
+Steps: 1. extract the layer into its own graph; 2. build the canonical ops in a
+second copy and drop what became dead; 3. verify; 4. splice the canonical copy in
+place of the layer.
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx
+from torch.fx import Graph, GraphModule, Node
+
+from .. import ops  # noqa: F401  (registers torch.ops.moe.*)
+from ..config import MoECompileConfig
+from ..counters import counters
+from ..debug import log
+from .detect import ExpertLinear, MoERegion, find_moe_regions
+from .graph_utils import example_value, is_inplace, shape_of
+from .manager import PassResult
+
+__all__ = ["Canonicalize", "Detect", "capacity_from_factor"]
+
+
+class Detect:
+    """Stage-1 pass: find MoE layers, record them in ``gm.meta["moe_regions"]``; never edits."""
+
+    name = "detect"
+
+    def __call__(self, gm: GraphModule) -> PassResult:
+        regions, skips = find_moe_regions(gm.graph)
+        gm.meta["moe_regions"] = regions
+        gm.meta["moe_skips"] = skips
+        counters["regions_found"] += len(regions)
+        for skip in skips:
+            counters["regions_skipped"] += 1
+            log.warning("moe_compile: MoE-like layer %s left unchanged: %s", skip.name, skip.reason)
+        if not regions and not skips:
+            log.info("moe_compile: no MoE layer in this graph (no top-k router); compiled unchanged")
+        for region in regions:
+            counters[f"pattern:{region.pattern}"] += 1
+            log.info(
+                "moe_compile: found %s MoE layer %s (E=%d, k=%d, capacity=%s)",
+                region.pattern, region.name, region.num_experts, region.top_k, region.capacity or "dropless",
+            )
+        return PassResult(gm, False)
+
+
+def capacity_from_factor(capacity_factor: float, num_tokens: int, num_experts: int, top_k: int) -> int:
+    """Tutel's contract (§2.1 eq. 1, §4.1) as ``moe.dispatch``'s integer capacity."""
+    if capacity_factor == 0:
+        return 0
+    capacity = max(1, math.ceil(top_k * abs(capacity_factor) * num_tokens / num_experts))
+    return capacity if capacity_factor > 0 else -capacity
+
+
+class Canonicalize:
+    """Stage-1 pass: rewrite every region found by :class:`Detect` (see module docstring)."""
+
+    name = "canonicalize"
+
+    def __init__(self, cfg: MoECompileConfig):
+        self.cfg = cfg
+
+    def __call__(self, gm: GraphModule) -> PassResult:
+        regions = gm.meta.get("moe_regions")
+        if regions is None:
+            regions, _ = find_moe_regions(gm.graph)
+        modified = False
+        for region in regions:
+            reason = self._rewrite(gm, region)
+            if reason is None:
+                counters["regions_rewritten"] += 1
+                modified = True
+                log.info("moe_compile: rewrote %s MoE layer %s into moe.dispatch/experts/combine", region.pattern, region.name)
+            else:
+                counters["regions_skipped"] += 1
+                log.warning("moe_compile: MoE layer %s left unchanged: %s", region.name, reason)
+        gm.meta["moe_regions"] = []
+        return PassResult(gm, modified)
+
+    def _rewrite(self, gm: GraphModule, region: MoERegion) -> str | None:
+        """Rewrite one region; the reason it was left alone, or None."""
+        at = _splice_point(region)
+        if at is None:
+            return "its inputs are defined after the first use of its output"
+        try:
+            original, _ = _extract(gm, region)
+            canonical, env = _extract(gm, region)
+            dispatch = _build(canonical, region, env)
+            if self.cfg.verify_regions:
+                mismatch = verify(original, canonical, region, self.cfg)
+                if mismatch is not None:
+                    return f"its canonical form does not reproduce it ({mismatch})"
+        except Exception as e:  # noqa: BLE001 - any failure leaves the layer as written
+            log.debug("moe_compile: canonicalizing %s raised", region.name, exc_info=True)
+            return f"building or checking its canonical form raised {type(e).__name__}: {e}"
+        if self.cfg.capacity_factor is not None:
+            num_tokens = shape_of(region.tokens)[0]
+            if not isinstance(num_tokens, int):
+                return "capacity_factor needs a static token count"
+            capacity = capacity_from_factor(self.cfg.capacity_factor, num_tokens, region.num_experts, region.top_k)
+            dispatch.update_arg(3, capacity)
+            canonical.recompile()
+        _splice(gm, region, canonical, at)
+        return None
+
+
+# --------------------------------------------------------------------------- build
+
+
+def _extract(gm: GraphModule, region: MoERegion) -> tuple[GraphModule, dict[Node, Node]]:
+    graph = Graph()
+    env: dict[Node, Node] = {}
+    for node in region.inputs:
+        p = graph.placeholder(node.name)
+        p.meta = dict(node.meta)
+        env[node] = p
+    for node in region.nodes:
+        env[node] = graph.node_copy(node, lambda a: env[a])
+    graph.output(tuple(env[o] for o in region.outputs))
+    return GraphModule(gm, graph), env
+
+
+def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
+    """Add the canonical ops to ``sub`` (a copy of the layer), route the output through them."""
+    graph = sub.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    k, num_experts = region.top_k, region.num_experts
+    meta = {key: region.output.meta[key] for key in ("nn_module_stack", "stack_trace") if key in region.output.meta}
+    meta["moe_region"] = region.name
+
+    def call(target, *args, method=False):
+        node = graph.call_method(target, args) if method else graph.call_function(target, args)
+        node.meta.update(meta)
+        return node
+
+    with graph.inserting_before(output):
+        tokens = env[region.tokens]
+        ids = call("reshape", env[region.expert_ids], (-1, k), method=True)
+        weights = call("reshape", env[region.gate_weights], (-1, k), method=True)
+        w1 = _canonical_weight(call, region.experts.w1, env)
+        w2 = _canonical_weight(call, region.experts.w2, env)
+        w3 = _canonical_weight(call, region.experts.w3, env) if region.experts.w3 else None
+        dispatch = call(torch.ops.moe.dispatch.default, tokens, ids, num_experts, region.capacity)
+        buffer = call(operator.getitem, dispatch, 0)
+        locations = call(operator.getitem, dispatch, 1)
+        expert_out = call(torch.ops.moe.experts.default, buffer, w1, w2, w3, region.experts.activation)
+        combined = call(torch.ops.moe.combine.default, expert_out, ids, locations, weights)
+        out_dtype = example_value(region.output).dtype
+        combined = call("to", combined, out_dtype, method=True)
+        result = call("reshape_as", combined, env[region.hidden], method=True)
+    old = env[region.output]
+    output.args = (tuple(result if a is old else a for a in output.args[0]),)
+    _eliminate_dead_code(graph)
+    sub.recompile()
+    return dispatch
+
+
+def _canonical_weight(call, linear: ExpertLinear, env: dict[Node, Node]) -> Node:
+    """The linear's weights as one ``[E, out, in]`` tensor (views of stacked params; stack of a ModuleList)."""
+    if len(linear.weights) == 1:
+        weight = env[linear.weights[0]]
+    else:
+        weight = call(torch.stack, [env[w] for w in linear.weights])
+    if linear.transposed:
+        weight = call("transpose", weight, 1, 2, method=True)
+    if linear.rows is not None:
+        start, stop = linear.rows
+        weight = call(operator.getitem, weight, (slice(None), slice(start, stop)))
+    return weight
+
+
+def _eliminate_dead_code(graph: Graph) -> None:
+    """Drop unused nodes, in-place ones too when nothing live reads the tensor they mutate."""
+    changed = True
+    while changed:
+        changed = False
+        for node in reversed(list(graph.nodes)):
+            if node.op in ("placeholder", "output") or node.users:
+                continue
+            if is_inplace(node) and node.args and isinstance(node.args[0], Node):
+                base = node.args[0]
+                if any(u is not node and not is_inplace(u) for u in base.users):
+                    continue
+            graph.erase_node(node)
+            changed = True
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def verify(original: GraphModule, canonical: GraphModule, region: MoERegion, cfg: MoECompileConfig) -> str | None:
+    """Run both on random inputs, once with all tokens equal (overflows any capacity)."""
+    for equal_tokens in (False, True):
+        gen = torch.Generator().manual_seed(1234 + equal_tokens)
+        try:
+            args = [_probe(node, region, equal_tokens, gen) for node in region.inputs]
+        except _CannotProbe as e:
+            log.info("moe_compile: %s not verified: %s", region.name, e)
+            return None
+        with torch.no_grad():
+            expected = original(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+            actual = canonical(*args)
+        for e, a in zip(expected, actual):
+            if not isinstance(e, torch.Tensor):
+                continue
+            low = e.dtype in (torch.bfloat16, torch.float16)
+            try:
+                torch.testing.assert_close(
+                    a, e,
+                    rtol=1.6e-2 if low else cfg.verify_rtol,
+                    atol=1e-2 if low else cfg.verify_atol,
+                    equal_nan=True,
+                )
+            except AssertionError as err:
+                what = "all-equal tokens" if equal_tokens else "random tokens"
+                first = str(err).strip().splitlines()[0]
+                return f"outputs differ on {what}: {first}"
+    return None
+
+
+class _CannotProbe(Exception):
+    pass
+
+
+def _hint(size) -> int:
+    if isinstance(size, int):
+        return size
+    hint = getattr(getattr(size, "node", None), "hint", None)
+    if hint is None:
+        raise _CannotProbe("a dynamic size without a hint")
+    return int(hint)
+
+
+def _probe(node: Node, region: MoERegion, equal_tokens: bool, gen: torch.Generator):
+    value = example_value(node)
+    if isinstance(value, torch.SymInt):
+        return _hint(value)
+    if not isinstance(value, torch.Tensor):
+        raise _CannotProbe(f"input {node.name} is not a tensor")
+    shape = [_hint(s) for s in value.shape]
+    if value.is_floating_point():
+        t = torch.randn(shape, generator=gen, dtype=torch.float32)
+        if len(shape) >= 2 and node is not region.hidden:
+            t = t / math.sqrt(shape[-1])
+        if equal_tokens and node is region.hidden:
+            t = t.reshape(-1, shape[-1])[:1].expand(math.prod(shape[:-1]), shape[-1]).reshape(shape).clone()
+        t = t.to(value.dtype)
+    elif value.dtype == torch.bool:
+        t = torch.rand(shape, generator=gen) > 0.5
+    else:
+        raise _CannotProbe(f"input {node.name} is an integer tensor")
+    return t.to(value.device)
+
+
+# --------------------------------------------------------------------------- splice
+
+
+def _splice_point(region: MoERegion) -> Node | None:
+    members = set(region.nodes)
+    graph_nodes = list(region.output.graph.nodes)
+    order = {n: i for i, n in enumerate(graph_nodes)}
+    users = [u for o in region.outputs for u in o.users if u not in members]
+    if not users:
+        return None
+    at = min(users, key=order.__getitem__)
+    if any(order[i] > order[at] for i in region.inputs):
+        return None
+    return at
+
+
+def _splice(gm: GraphModule, region: MoERegion, canonical: GraphModule, at: Node) -> None:
+    graph = gm.graph
+    placeholders = [n for n in canonical.graph.nodes if n.op == "placeholder"]
+    env: dict[Node, Node] = dict(zip(placeholders, region.inputs))
+    with graph.inserting_before(at):
+        for node in canonical.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                new_outputs = [env[a] for a in node.args[0]]
+                continue
+            env[node] = graph.node_copy(node, lambda a: env[a])
+    members = set(region.nodes)
+    for old, new in zip(region.outputs, new_outputs):
+        old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in members)
+    for node in reversed(region.nodes):
+        graph.erase_node(node)

@@ -1,0 +1,115 @@
+"""Small FX helpers shared by the passes: node predicates, module regions, shapes."""
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+
+import torch
+import torch.fx
+from torch.fx import Node
+
+__all__ = [
+    "example_value",
+    "is_call",
+    "is_inplace",
+    "module_region",
+    "region_boundary",
+    "shape_of",
+    "strip",
+]
+
+# bookkeeping nodes Dynamo emits beside data-dependent ops (often without nn_module_stack)
+_SHAPE_BOOKKEEPING = {
+    torch.ops.aten.sym_size.int,
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+    torch._check,
+    torch._check_is_size,
+    operator.ge,
+    operator.le,
+    operator.gt,
+    operator.lt,
+    operator.eq,
+}
+
+# ops that change neither values nor the row order of a tensor (for walking chains)
+_TRANSPARENT_METHODS = {"to", "float", "half", "bfloat16", "contiguous", "unsqueeze", "squeeze", "type_as"}
+
+
+def example_value(node: object):
+    if not isinstance(node, Node):
+        return None
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def shape_of(node: object) -> tuple | None:
+    v = example_value(node)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def is_call(node: object, *targets, method: Iterable[str] = ()) -> bool:
+    """``node`` is a call_function of one of ``targets`` or a call_method named in ``method``."""
+    if not isinstance(node, Node):
+        return False
+    if node.op == "call_function":
+        return node.target in targets
+    if node.op == "call_method":
+        return node.target in tuple(method)
+    return False
+
+
+def is_inplace(node: Node) -> bool:
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.endswith("__")
+    if node.op == "call_function":
+        if getattr(node.target, "__module__", None) == "_operator" and node.target.__name__.startswith("i"):
+            return node.target.__name__ in {"iadd", "isub", "imul", "itruediv", "ifloordiv", "ipow"}
+        schema = getattr(node.target, "_schema", None)
+        return bool(schema is not None and schema.is_mutable)
+    return False
+
+
+def strip(node: object, methods: Iterable[str] = _TRANSPARENT_METHODS) -> object:
+    """Follow casts / (un)squeezes / contiguous back to the node that produced the values."""
+    methods = set(methods)
+    while isinstance(node, Node) and node.op == "call_method" and node.target in methods:
+        node = node.args[0]
+    return node
+
+
+def module_region(graph: torch.fx.Graph, module_key: str) -> list[Node]:
+    """Nodes traced inside the module ``module_key`` (a key of ``nn_module_stack``), in order,
+    plus the shape bookkeeping nodes that only read them."""
+    region: list[Node] = []
+    members: set[Node] = set()
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        inside = module_key in stack
+        if not inside and node.op == "call_function" and node.target in _SHAPE_BOOKKEEPING:
+            inputs = node.all_input_nodes
+            inside = bool(inputs) and all(i in members for i in inputs)
+        if inside:
+            region.append(node)
+            members.add(node)
+    return region
+
+
+def region_boundary(region: list[Node]) -> tuple[list[Node], list[Node]]:
+    """(external inputs, external outputs) of a node set, each in graph order."""
+    members = set(region)
+    inputs: list[Node] = []
+    seen: set[Node] = set()
+    outputs: list[Node] = []
+    for node in region:
+        for i in node.all_input_nodes:
+            if i not in members and i not in seen:
+                seen.add(i)
+                inputs.append(i)
+        if any(u not in members for u in node.users):
+            outputs.append(node)
+    order = {n: k for k, n in enumerate(region[0].graph.nodes)} if region else {}
+    inputs.sort(key=lambda n: order[n])
+    return inputs, outputs

@@ -1,0 +1,1 @@
+"""Cost models, profiler, r solver and simulator (issue: chunked pipelining)."""

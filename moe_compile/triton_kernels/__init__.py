@@ -1,0 +1,1 @@
+"""Triton kernels for encode/decode and quantization, one module per kernel (issue: compression)."""

@@ -1,0 +1,251 @@
+"""``moe::dispatch`` / ``moe::combine`` against GShard's one-hot einsums.
+
+The reference below is written from GShard (fairseq ``top2gating``), not from
+``moe_compile.ops``: one-hot expert masks, a cumulative sum over the k-major
+``[k·T, E]`` mask for slot locations (all first choices in token order, then all
+second choices, ...), the capacity mask ``location < C``, and the two einsums
+
+    buffer     = einsum("tec,tm->ecm", dispatch_mask, x)
+    y          = einsum("tec,ecm->tm", combine_weights, expert_out)
+
+Capacity ``<= 0`` means dropless: ``C`` is the largest expert load.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import moe_compile.ops  # noqa: F401  (registers torch.ops.moe.*)
+from moe_compile.ops import dropped_tokens
+
+
+# --------------------------------------------------------------------------- reference
+
+
+@dataclass(frozen=True)
+class OneHotRouting:
+    """GShard's ``[T, E, C]`` tensors for one routing decision."""
+
+    capacity: int
+    dispatch_mask: torch.Tensor  # [T, E, C], 0/1
+    combine_weights: torch.Tensor  # [T, E, C], gate weight of the kept choices
+    locations: torch.Tensor  # [T, k], -1 where dropped
+    dropped: int
+
+
+def gshard_routing(expert_ids, gate_weights, num_experts, capacity, dtype):
+    num_tokens, top_k = expert_ids.shape
+    masks = F.one_hot(expert_ids, num_experts)  # [T, k, E]
+    # k-major priority: cumsum over (choice, token), then back to [T, k, E]
+    locations = torch.cumsum(masks.transpose(0, 1).reshape(top_k * num_tokens, num_experts), dim=0) - 1
+    locations = locations.reshape(top_k, num_tokens, num_experts).transpose(0, 1)
+    if capacity <= 0:
+        capacity = int(masks.sum(dim=(0, 1)).max()) if num_tokens > 0 else 0
+    kept = masks * torch.lt(locations, capacity)  # [T, k, E]
+    locations_s = torch.sum(locations * kept, dim=-1)  # [T, k]
+    if capacity > 0:
+        locations_sc = F.one_hot(locations_s, capacity).to(dtype)  # [T, k, C]
+    else:
+        locations_sc = torch.zeros(num_tokens, top_k, 0, dtype=dtype)
+    kept_f = kept.to(dtype)
+    dispatch_mask = torch.einsum("tke,tkc->tec", kept_f, locations_sc)
+    combine_weights = torch.einsum("tk,tke,tkc->tec", gate_weights.to(dtype), kept_f, locations_sc)
+    is_kept = kept.sum(dim=-1) > 0
+    return OneHotRouting(
+        capacity=capacity,
+        dispatch_mask=dispatch_mask,
+        combine_weights=combine_weights,
+        locations=torch.where(is_kept, locations_s, torch.full_like(locations_s, -1)),
+        dropped=int((~is_kept).sum()),
+    )
+
+
+def expert_fn(buffer, weight):
+    """A per-expert nonlinear map ``[E, C, M] → [E, C, M]``, nonzero on empty slots."""
+    return torch.tanh(torch.bmm(buffer, weight) + 0.1)
+
+
+def onehot_moe(x, expert_ids, gate_weights, num_experts, capacity, weight):
+    routing = gshard_routing(expert_ids, gate_weights, num_experts, capacity, x.dtype)
+    # combine_weights built from gate_weights keeps the autograd path to them
+    buffer = torch.einsum("tec,tm->ecm", routing.dispatch_mask, x)
+    y = torch.einsum("tec,ecm->tm", routing.combine_weights, expert_fn(buffer, weight))
+    return y, buffer, routing
+
+
+def canonical_moe(x, expert_ids, gate_weights, num_experts, capacity, weight):
+    buffer, locations = torch.ops.moe.dispatch(x, expert_ids, num_experts, capacity)
+    y = torch.ops.moe.combine(expert_fn(buffer, weight), expert_ids, locations, gate_weights)
+    return y, buffer, locations
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def make_routing(num_tokens, num_experts, top_k, skew, generator):
+    """Top-k of random scores (distinct experts per token); ``skew`` favours low expert ids."""
+    scores = torch.randn(num_tokens, num_experts, generator=generator, dtype=torch.float64)
+    scores = scores - skew * torch.arange(num_experts, dtype=torch.float64)
+    gate_logits, expert_ids = torch.topk(scores, top_k, dim=-1)
+    gate_weights = torch.softmax(gate_logits, dim=-1)
+    return expert_ids, gate_weights
+
+
+def check_against_onehot(num_tokens, model_dim, num_experts, top_k, capacity, skew, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    expert_ids, gate_weights = make_routing(num_tokens, num_experts, top_k, skew, gen)
+    gate_weights = gate_weights.to(dtype)
+    x = torch.randn(num_tokens, model_dim, generator=gen, dtype=torch.float64).to(dtype)
+    weight = (torch.randn(num_experts, model_dim, model_dim, generator=gen, dtype=torch.float64)
+              / math.sqrt(model_dim)).to(dtype)
+    grad_y = torch.randn(num_tokens, model_dim, generator=gen, dtype=torch.float64).to(dtype)
+
+    x_ref, w_ref = x.clone().requires_grad_(), gate_weights.clone().requires_grad_()
+    y_ref, buffer_ref, routing = onehot_moe(x_ref, expert_ids, w_ref, num_experts, capacity, weight)
+    x_can, w_can = x.clone().requires_grad_(), gate_weights.clone().requires_grad_()
+    y_can, buffer_can, locations = canonical_moe(x_can, expert_ids, w_can, num_experts, capacity, weight)
+
+    assert buffer_can.shape == (num_experts, routing.capacity, model_dim)
+    assert torch.equal(locations, routing.locations)
+    assert int(dropped_tokens(locations)) == routing.dropped
+    torch.testing.assert_close(buffer_can, buffer_ref.detach())
+    torch.testing.assert_close(y_can, y_ref.detach())
+
+    gx_ref, gw_ref = torch.autograd.grad(y_ref, (x_ref, w_ref), grad_y)
+    gx_can, gw_can = torch.autograd.grad(y_can, (x_can, w_can), grad_y)
+    torch.testing.assert_close(gx_can, gx_ref)
+    torch.testing.assert_close(gw_can, gw_ref)
+    return routing
+
+
+# --------------------------------------------------------------------------- tests
+
+K_E = [(k, e) for k in (1, 2, 4) for e in (1, 3, 8) if k <= e]
+DTYPES = [torch.float64, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("top_k,num_experts", K_E)
+@pytest.mark.parametrize("capacity_factor", [1.25, 0.5, 0.0], ids=["cf1.25", "cf0.5", "dropless"])
+def test_matches_onehot_random_routing(top_k, num_experts, capacity_factor, dtype):
+    num_tokens = 40
+    capacity = math.ceil(top_k * capacity_factor * num_tokens / num_experts)
+    check_against_onehot(num_tokens, 8, num_experts, top_k, capacity, skew=0.0, dtype=dtype, seed=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("top_k,num_experts", K_E)
+@pytest.mark.parametrize("capacity", [3, 0], ids=["C3", "dropless"])
+def test_matches_onehot_all_tokens_to_one_expert(top_k, num_experts, capacity, dtype):
+    """Heavy overflow: choice j of every token goes to expert j (loads T, T, ..., 0)."""
+    num_tokens = 24
+    routing = check_against_onehot(num_tokens, 8, num_experts, top_k, capacity,
+                                   skew=1e6, dtype=dtype, seed=1)
+    if capacity > 0:
+        assert routing.dropped == top_k * (num_tokens - capacity)
+    else:
+        assert routing.capacity == num_tokens and routing.dropped == 0
+
+
+@st.composite
+def moe_problems(draw):
+    num_experts = draw(st.integers(1, 8))
+    top_k = draw(st.integers(1, num_experts))
+    num_tokens = draw(st.integers(0, 64))
+    return dict(
+        num_tokens=num_tokens,
+        model_dim=draw(st.integers(1, 16)),
+        num_experts=num_experts,
+        top_k=top_k,
+        capacity=draw(st.integers(0, num_tokens * top_k // num_experts + 2)),
+        skew=draw(st.sampled_from([0.0, 0.5, 2.0, 1e6])),
+        dtype=draw(st.sampled_from(DTYPES)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@settings(max_examples=50, deadline=None)
+@given(problem=moe_problems())
+def test_matches_onehot_property(problem):
+    check_against_onehot(**problem)
+
+
+@pytest.mark.parametrize("capacity", [3, 0], ids=["C3", "dropless"])
+def test_empty_batch(capacity):
+    """T = 0: an ``[E, C, M]`` zero buffer (C = 0 when dropless), empty output and grads."""
+    routing = check_against_onehot(0, 4, 3, 2, capacity, skew=0.0, dtype=torch.float64, seed=0)
+    assert routing.capacity == capacity and routing.dropped == 0
+
+
+# --------------------------------------------------------------------------- opcheck
+
+
+def _opcheck_inputs(capacity):
+    gen = torch.Generator().manual_seed(2)
+    expert_ids, gate_weights = make_routing(16, 4, 2, 0.5, gen)
+    x = torch.randn(16, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    return x, expert_ids, gate_weights.requires_grad_()
+
+
+@pytest.mark.parametrize("capacity", [5, 0], ids=["fixed", "dropless"])
+def test_opcheck_dispatch(capacity):
+    x, expert_ids, _ = _opcheck_inputs(capacity)
+    torch.library.opcheck(torch.ops.moe.dispatch.default, (x, expert_ids, 4, capacity))
+
+
+@pytest.mark.parametrize("capacity", [5, 0], ids=["fixed", "dropless"])
+def test_opcheck_combine(capacity):
+    x, expert_ids, gate_weights = _opcheck_inputs(capacity)
+    buffer, locations = torch.ops.moe.dispatch(x.detach(), expert_ids, 4, capacity)
+    torch.library.opcheck(torch.ops.moe.combine.default,
+                          (buffer.requires_grad_(), expert_ids, locations, gate_weights))
+
+
+def test_opcheck_backward_ops():
+    x, expert_ids, gate_weights = _opcheck_inputs(5)
+    buffer, locations = torch.ops.moe.dispatch(x.detach(), expert_ids, 4, 5)
+    grad_y = torch.randn_like(x)
+    torch.library.opcheck(torch.ops.moe.dispatch_backward.default, (buffer, expert_ids, locations))
+    torch.library.opcheck(torch.ops.moe.combine_backward.default,
+                          (grad_y.detach(), buffer, expert_ids, locations, gate_weights.detach()))
+
+
+# --------------------------------------------------------------------------- dtypes
+
+
+def test_combine_promotes_bf16_rows_with_fp32_weights():
+    gen = torch.Generator().manual_seed(3)
+    expert_ids, gate_weights = make_routing(32, 4, 2, 0.0, gen)
+    gate_weights = gate_weights.float()
+    x = torch.randn(32, 16, generator=gen)
+    buffer, locations = torch.ops.moe.dispatch(x, expert_ids, 4, 12)
+    expert_out = buffer.bfloat16()
+
+    y = torch.ops.moe.combine(expert_out, expert_ids, locations, gate_weights)
+
+    assert y.dtype == torch.float32
+    kept = locations >= 0
+    rows = expert_out[expert_ids, locations.clamp(min=0)]  # [T, k, M] bf16
+    eager = (rows * torch.where(kept, gate_weights, 0.0).unsqueeze(-1)).sum(dim=1)
+    assert eager.dtype == torch.float32
+    torch.testing.assert_close(y, eager)
+
+
+def test_combine_grads_keep_input_dtypes():
+    gen = torch.Generator().manual_seed(4)
+    expert_ids, gate_weights = make_routing(32, 4, 2, 0.0, gen)
+    x = torch.randn(32, 16, generator=gen)
+    buffer, locations = torch.ops.moe.dispatch(x, expert_ids, 4, 12)
+    expert_out = buffer.bfloat16().requires_grad_()
+    gate_weights = gate_weights.float().requires_grad_()
+
+    torch.ops.moe.combine(expert_out, expert_ids, locations, gate_weights).sum().backward()
+
+    assert expert_out.grad.dtype == torch.bfloat16
+    assert gate_weights.grad.dtype == torch.float32
