@@ -178,7 +178,7 @@ def _match(graph: Graph, topk: Node) -> MoERegion:
             hidden=hidden,
             tokens=tokens,
             expert_ids=ids,
-            gate_weights=_gate_weights(vals, num_tokens * k),
+            gate_weights=_gate_weights(vals, ids, num_tokens * k),
             num_experts=num_experts,
             top_k=k,
             capacity=capacity,
@@ -233,13 +233,19 @@ def _is_parameter(node: Node) -> bool:
     return isinstance(example_value(node), torch.nn.Parameter) or "parameters" in node.name
 
 
-def _gate_weights(vals: Node, numel: int) -> Node:
-    """Follow routing-only math on the top-k values (normalise, cast, flatten) to its last node."""
+def _gate_weights(vals: Node, ids: Node, numel: int) -> Node:
+    """Follow routing-only math on the top-k values (normalise, cast, flatten) to its last node.
+
+    The walk stops before anything that reads the expert ids (a capacity mask that
+    zeroes dropped choices): dropping is the dispatch's job, so the weights stay
+    those of the model before any capacity, and a capacity override can restore them.
+    """
     node = vals
     while True:
         nxt = [
             u for u in node.users
             if _is_elementwise_or_reshape(u) and _numel(u) == numel and u.args and u.args[0] is node
+            and not any(_depends_on(a, {ids}) for a in u.all_input_nodes if a is not node)
         ]
         if len(nxt) != 1:
             return node

@@ -1,0 +1,31 @@
+"""Shared test helpers: compile with the moe backend and compare with eager, forward and backward."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+def compile_and_compare(model, *inputs, options=None, rtol=None, atol=None, dynamic=False):
+    """Run ``model`` eagerly and compiled with backend "moe"; assert outputs and all grads equal.
+
+    Returns the compiled module. Both runs start from the same parameters (a deep copy).
+    """
+    eager = copy.deepcopy(model)
+    inputs_c = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    inputs_e = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    compiled = torch.compile(model, backend="moe", fullgraph=True, options=options, dynamic=dynamic)
+    out_c = compiled(*inputs_c)
+    out_e = eager(*inputs_e)
+    torch.testing.assert_close(out_c, out_e, rtol=rtol, atol=atol)
+    (out_c.float() ** 2).sum().backward()
+    (out_e.float() ** 2).sum().backward()
+    for (name, p_c), (_, p_e) in zip(model.named_parameters(), eager.named_parameters()):
+        if p_e.grad is None:
+            assert p_c.grad is None, name
+            continue
+        torch.testing.assert_close(p_c.grad, p_e.grad, rtol=rtol, atol=atol, msg=lambda m: f"grad of {name}: {m}")
+    for x_c, x_e in zip(inputs_c, inputs_e):
+        if x_e.grad is not None:
+            torch.testing.assert_close(x_c.grad, x_e.grad, rtol=rtol, atol=atol)
+    return compiled

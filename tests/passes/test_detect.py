@@ -1,0 +1,104 @@
+"""Detection records (pattern, E, k, capacity, expert function) and the Hugging Face Mixtral model."""
+import logging
+
+import pytest
+import torch
+
+import moe_compile
+from moe_compile.passes.detect import find_moe_regions
+from tests.helpers import compile_and_compare
+from tests.models.gshard import GShardMoE
+from tests.models.loop import LoopMoE
+from tests.models.sort import SortMoE
+
+
+def _regions(model, x):
+    found = {}
+
+    def capture(gm, example_inputs):
+        found["regions"], found["skips"] = find_moe_regions(gm.graph)
+        return gm.forward
+
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        torch.compile(model, backend=capture, fullgraph=True)(x)
+    return found["regions"], found["skips"]
+
+
+def test_gshard_record():
+    (region,), skips = _regions(GShardMoE(16, 32, 4, top_k=2, capacity_factor=1.5, activation="gelu"), torch.randn(24, 16))
+    assert not skips
+    assert (region.pattern, region.num_experts, region.top_k, region.capacity) == ("gshard", 4, 2, 18)  # ceil(k·f·T/E) = ceil(2·1.5·24/4)
+    assert region.experts.activation == "gelu" and region.experts.w3 is None
+    assert region.experts.w1.transposed and len(region.experts.w1.weights) == 1
+
+
+def test_sort_record():
+    (region,), _ = _regions(SortMoE(16, 24, 8, top_k=2), torch.randn(10, 16))
+    assert (region.pattern, region.num_experts, region.top_k, region.capacity) == ("sort", 8, 2, 0)
+    assert region.experts.activation == "silu" and region.experts.w3 is not None
+    assert not region.experts.w1.transposed
+
+
+def test_loop_record_finds_every_expert_weight():
+    (region,), _ = _regions(LoopMoE(16, 24, 5, top_k=2), torch.randn(10, 16))
+    assert (region.pattern, region.num_experts, region.capacity) == ("loop", 5, 0)
+    assert [len(w.weights) for w in (region.experts.w1, region.experts.w2, region.experts.w3)] == [5, 5, 5]
+    names = [w.name for w in region.experts.w2.weights]
+    assert all(f"experts_modules_{e}_" in n and "w2" in n for e, n in enumerate(names))
+
+
+def test_unsupported_activation_is_skipped_with_reason(caplog):
+    class TanhSort(SortMoE):
+        def forward(self, x):
+            shape = x.shape
+            x = x.reshape(-1, shape[-1])
+            w, sel = torch.topk(torch.softmax(self.router(x), -1), self.top_k, dim=-1)
+            flat = sel.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            rows = x[order // self.top_k]
+            e = flat[order]
+            h = torch.tanh(torch.bmm(self.w1[e], rows.unsqueeze(-1)).squeeze(-1))
+            y = torch.bmm(self.w2[e], h.unsqueeze(-1)).squeeze(-1) * w.reshape(-1)[order].unsqueeze(-1)
+            out = torch.zeros_like(x).index_add(0, order // self.top_k, y)
+            return out.reshape(shape)
+
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    compile_and_compare(TanhSort(16, 24, 4), torch.randn(2, 6, 16))
+    assert moe_compile.counters["regions_rewritten"] == 0
+    assert moe_compile.counters["regions_skipped"] == 1
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("left unchanged" in m and "activation" in m for m in messages), messages
+
+
+def _tiny_mixtral(experts_implementation, num_experts=4, top_k=2):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=num_experts, num_experts_per_tok=top_k, max_position_embeddings=64,
+    )
+    cfg._experts_implementation = experts_implementation
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(cfg)
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits
+
+
+@pytest.mark.parametrize("experts_implementation", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_hf_mixtral(tmp_path, experts_implementation, top_k):
+    """A random-init transformers MixtralForCausalLM: both MoE layers found and rewritten, logits and grads equal."""
+    model = _Logits(_tiny_mixtral(experts_implementation, top_k=top_k))
+    ids = torch.randint(0, 64, (2, 7))
+    compile_and_compare(model, ids, options={"debug_dir": str(tmp_path)})
+    assert moe_compile.counters["regions_found"] == 2
+    assert moe_compile.counters["regions_rewritten"] == 2
+    code = sorted(tmp_path.glob("rank0/graph*/*_canonicalize_after.py"))[-1].read_text()
+    assert code.count("torch.ops.moe.dispatch.default(") == 2
+    assert "torch.ops.transformers.grouped_mm_fallback" not in code and "= torch.sort(" not in code
