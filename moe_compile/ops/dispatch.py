@@ -42,10 +42,14 @@ __all__ = [
 ]
 
 
+#: Smallest buffer capacity when the capacity is data-dependent (``capacity <= 0``).
+MIN_DYNAMIC_CAPACITY = 2
+
+
 def expert_locations(expert_ids: Tensor, num_experts: int, capacity: int) -> tuple[Tensor, int]:
     """Slot of every (token, choice) in its expert's buffer, GShard k-major priority.
 
-    Returns ``(locations [T, k] int64, capacity)``; dropped choices get -1.
+    Returns ``(locations [T, k] int64, buffer capacity)``; dropped choices get -1.
     ``capacity``: > 0 fixed, 0 the largest expert load (nothing dropped), < 0 the
     largest load capped at ``-capacity``.
     Stable sort instead of a ``[T·k, E]`` cumsum: O(T·k log T·k) time, O(T·k) memory.
@@ -57,10 +61,15 @@ def expert_locations(expert_ids: Tensor, num_experts: int, capacity: int) -> tup
     starts = torch.cumsum(counts, 0) - counts
     ranks = torch.empty_like(flat)
     ranks[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
-    if capacity <= 0:
+    if capacity > 0:
+        limit = capacity
+    else:
         max_load = int(counts.max().item()) if flat.numel() > 0 else 0
-        capacity = max_load if capacity == 0 else min(max_load, -capacity)
-    ranks = torch.where(ranks < capacity, ranks, torch.full_like(ranks, -1))
+        limit = max_load if capacity == 0 else min(max_load, -capacity)
+        # A data-dependent capacity is at least MIN_DYNAMIC_CAPACITY rows (zero padding), so
+        # compilers never have to guard on it being 0 or 1 (a broadcast decision).
+        capacity = max(limit, MIN_DYNAMIC_CAPACITY)
+    ranks = torch.where(ranks < limit, ranks, torch.full_like(ranks, -1))
     return ranks.reshape(top_k, num_tokens).t().contiguous(), capacity
 
 
@@ -115,7 +124,7 @@ def dispatch(x: Tensor, expert_ids: Tensor, num_experts: int, capacity: int) -> 
 @dispatch.register_fake
 def _dispatch_fake(x, expert_ids, num_experts, capacity):
     if capacity <= 0:
-        capacity = torch.library.get_ctx().new_dynamic_size()
+        capacity = torch.library.get_ctx().new_dynamic_size(min=MIN_DYNAMIC_CAPACITY)
     buffer = x.new_empty(num_experts, capacity, x.shape[-1])
     return buffer, expert_ids.new_empty(expert_ids.shape, dtype=torch.long)
 
