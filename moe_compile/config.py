@@ -101,9 +101,14 @@ class MoECompileConfig:
         environ = os.environ if environ is None else environ
         cfg = cls()
         for field in dataclasses.fields(cls):
-            raw = environ.get(_ENV_PREFIX + field.name.upper())
+            env = _ENV_PREFIX + field.name.upper()
+            raw = environ.get(env)
             if raw is not None:
                 setattr(cfg, field.name, _parse_env(field.name, raw, getattr(cfg, field.name)))
+                try:
+                    cfg.validate()
+                except ConfigError as e:
+                    raise ConfigError(f"{env}={raw!r}: {e}") from None
         return cfg.validate()
 
     def as_dict(self) -> dict[str, Any]:

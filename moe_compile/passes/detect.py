@@ -127,7 +127,7 @@ def find_moe_regions(graph: Graph) -> tuple[list[MoERegion], list[Skip]]:
 def _module_name(node: Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
-        return f"<no module>:{node.name}"
+        return "<root>"
     path = list(stack.values())[-1][0]
     return _clean_path(path)
 

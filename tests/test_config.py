@@ -1,0 +1,176 @@
+"""moe_compile/config.py: defaults, validation errors that name the key, patch, environment variables."""
+import dataclasses
+
+import pytest
+import torch
+
+from moe_compile.config import INNER_COMPILERS, ConfigError, MoECompileConfig, config
+
+
+def _field_names():
+    return [f.name for f in dataclasses.fields(MoECompileConfig)]
+
+
+def test_defaults_keep_the_models_semantics():
+    cfg = MoECompileConfig()
+    assert cfg.debug_dir is None
+    assert cfg.inner == "auto"
+    assert cfg.rewrite is True
+    assert cfg.capacity_factor is None
+    assert cfg.verify_regions is True
+    assert cfg.verify_rtol == 1e-4 and cfg.verify_atol == 1e-5
+    assert cfg.validate() is cfg
+
+
+def test_from_env_without_variables_is_the_defaults():
+    assert MoECompileConfig.from_env({}) == MoECompileConfig()
+
+
+def test_merged_applies_options_to_a_copy():
+    base = MoECompileConfig()
+    merged = base.merged({"inner": "eager", "capacity_factor": 0})
+    assert (merged.inner, merged.capacity_factor) == ("eager", 0)
+    assert (base.inner, base.capacity_factor) == ("auto", None)
+    assert base.merged(None) == base
+
+
+def test_unknown_key_names_it_and_lists_the_allowed_keys():
+    with pytest.raises(ConfigError) as info:
+        MoECompileConfig().merged({"compresor": 1})
+    message = str(info.value)
+    assert "compresor" in message
+    for name in _field_names():
+        assert name in message
+
+
+def test_unknown_key_close_to_a_field_suggests_it():
+    with pytest.raises(ConfigError, match="did you mean 'capacity_factor'"):
+        MoECompileConfig().merged({"capacity_factr": 1.0})
+
+
+@pytest.mark.parametrize("value", ["x", True, float("nan"), [1.0]])
+def test_bad_capacity_factor_names_the_key(value):
+    with pytest.raises(ConfigError, match="capacity_factor"):
+        MoECompileConfig().merged({"capacity_factor": value})
+
+
+@pytest.mark.parametrize("value", [1.25, 0, -2, None])
+def test_good_capacity_factors(value):
+    assert MoECompileConfig().merged({"capacity_factor": value}).capacity_factor == value
+
+
+def test_bad_inner_names_the_allowed_values():
+    with pytest.raises(ConfigError) as info:
+        MoECompileConfig().merged({"inner": "tvm"})
+    message = str(info.value)
+    assert "inner" in message and "'tvm'" in message
+    for name in INNER_COMPILERS:
+        assert name in message
+
+
+@pytest.mark.parametrize("name", ["rewrite", "verify_regions"])
+@pytest.mark.parametrize("value", [1, 0, "False", None])
+def test_bool_fields_reject_non_bools(name, value):
+    with pytest.raises(ConfigError, match=name):
+        MoECompileConfig().merged({name: value})
+
+
+@pytest.mark.parametrize("name", ["verify_rtol", "verify_atol"])
+@pytest.mark.parametrize("value", [-1e-3, "small", True])
+def test_tolerances_must_be_non_negative_numbers(name, value):
+    with pytest.raises(ConfigError, match=name):
+        MoECompileConfig().merged({name: value})
+
+
+def test_debug_dir_must_be_a_path():
+    with pytest.raises(ConfigError, match="debug_dir"):
+        MoECompileConfig().merged({"debug_dir": 3})
+
+
+def test_patch_changes_and_restores():
+    before = config.as_dict()
+    with config.patch(inner="eager", capacity_factor=2.0) as cfg:
+        assert cfg is config
+        assert (config.inner, config.capacity_factor) == ("eager", 2.0)
+    assert config.as_dict() == before
+
+
+def test_patch_restores_when_the_body_raises():
+    before = config.as_dict()
+    with pytest.raises(RuntimeError, match="body"):
+        with config.patch(verify_regions=not config.verify_regions, debug_dir="/tmp/somewhere"):
+            assert config.debug_dir == "/tmp/somewhere"
+            raise RuntimeError("body")
+    assert config.as_dict() == before
+
+
+def test_patch_with_a_bad_value_raises_and_restores():
+    before = config.as_dict()
+    with pytest.raises(ConfigError, match="inner"):
+        with config.patch(inner="bogus"):
+            pass
+    assert config.as_dict() == before
+
+
+def test_patch_with_an_unknown_key_raises():
+    with pytest.raises(ConfigError, match="compresor"):
+        with config.patch(compresor="int8"):
+            pass
+    assert not hasattr(config, "compresor")
+
+
+def test_from_env_parses_each_type():
+    cfg = MoECompileConfig.from_env({
+        "MOE_COMPILE_DEBUG_DIR": "/tmp/x",
+        "MOE_COMPILE_VERIFY_REGIONS": "0",
+        "MOE_COMPILE_CAPACITY_FACTOR": "1.5",
+    })
+    assert cfg.debug_dir == "/tmp/x"
+    assert cfg.verify_regions is False
+    assert cfg.capacity_factor == 1.5
+    assert cfg.inner == "auto" and cfg.rewrite is True
+
+
+@pytest.mark.parametrize("raw, expected", [("1", True), ("true", True), ("ON", True), ("no", False), ("False", False)])
+def test_from_env_bool_spellings(raw, expected):
+    assert MoECompileConfig.from_env({"MOE_COMPILE_REWRITE": raw}).rewrite is expected
+
+
+def test_from_env_ignores_other_variables():
+    assert MoECompileConfig.from_env({"MOE_COMPILE": "1", "COMPILE_INNER": "eager"}) == MoECompileConfig()
+
+
+@pytest.mark.parametrize("variable, raw", [
+    ("MOE_COMPILE_VERIFY_REGIONS", "maybe"),
+    ("MOE_COMPILE_REWRITE", "2"),
+    ("MOE_COMPILE_CAPACITY_FACTOR", "lots"),
+    ("MOE_COMPILE_VERIFY_ATOL", "loose"),
+])
+def test_unparsable_env_value_names_the_variable(variable, raw):
+    with pytest.raises(ConfigError) as info:
+        MoECompileConfig.from_env({variable: raw})
+    assert variable in str(info.value) and repr(raw) in str(info.value)
+
+
+@pytest.mark.parametrize("variable, raw", [("MOE_COMPILE_INNER", "tvm"), ("MOE_COMPILE_VERIFY_RTOL", "-1")])
+def test_invalid_env_value_names_the_field(variable, raw):
+    field = variable.removeprefix("MOE_COMPILE_").lower()
+    with pytest.raises(ConfigError, match=field):
+        MoECompileConfig.from_env({variable: raw})
+
+
+@pytest.mark.parametrize("variable, raw", [("MOE_COMPILE_INNER", "tvm"), ("MOE_COMPILE_VERIFY_RTOL", "-1")])
+def test_invalid_env_value_names_the_variable(variable, raw):
+    with pytest.raises(ConfigError, match=variable):
+        MoECompileConfig.from_env({variable: raw})
+
+
+# --------------------------------------------------------------------------- through torch.compile
+
+
+@pytest.mark.parametrize("options, key", [({"compresor": 1}, "compresor"), ({"capacity_factor": "x"}, "capacity_factor")])
+def test_torch_compile_options_are_validated(options, key):
+    model = torch.compile(torch.nn.Linear(4, 4), backend="moe", options=options)
+    with pytest.raises(Exception) as info:  # Dynamo wraps backend errors in BackendCompilerFailed
+        model(torch.randn(2, 4))
+    assert key in str(info.value)
