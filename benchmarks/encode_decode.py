@@ -47,6 +47,8 @@ import moe_compile.ops  # noqa: E402,F401  (registers torch.ops.moe.*)
 # Live [T, E, C] tensors of the one-hot path in fwd+bwd: dispatch mask,
 # combine weights and the gradient of the combine weights.
 ONEHOT_TEC_TENSORS = 3
+# (rtol, atol relative to the largest |reference| entry) for check_same
+CHECK_TOLERANCES = {torch.float32: (1.3e-6, 1e-5), torch.bfloat16: (1.6e-2, 1e-2)}
 
 
 @dataclass(frozen=True)
@@ -165,8 +167,12 @@ def check_same(x, expert_ids, gates, config, grad_y):
         y = impl(xi, expert_ids, gi, config.num_experts, config.capacity)
         results.append((y.detach(), *torch.autograd.grad(y, (xi, gi), grad_y)))
         del y
+    # grad of the gate weights is a length-M dot product summed in a different
+    # order by the two sides: compare with an absolute tolerance scaled by its largest entry
+    rtol, atol = CHECK_TOLERANCES[x.dtype]
     for name, ref, got in zip(("y", "grad x", "grad gate_weights"), *results, strict=True):
-        torch.testing.assert_close(got, ref, msg=lambda m, name=name: f"{config}: {name}: {m}")
+        torch.testing.assert_close(got, ref, rtol=rtol, atol=atol * float(ref.abs().max().clamp(min=1)),
+                                   msg=lambda m, name=name: f"{config}: {name}: {m}")
 
 
 def onehot_gib(config: Config, dtype) -> float:
@@ -188,7 +194,7 @@ def bench(config: Config, args, device, dtype) -> Row:
     )
     need = onehot_gib(config, dtype)
     if need > args.max_gib:
-        row.skipped = f"needs {need:.1f} GiB"
+        row.skipped = f"needs {need:.3g} GiB"
         print(f"T={config.num_tokens} E={config.num_experts}: one-hot skipped: {row.skipped} "
               f"(--max-gib {args.max_gib})", flush=True)
         return row

@@ -8,7 +8,10 @@ second choices, ...), the capacity mask ``location < C``, and the two einsums
     buffer     = einsum("tec,tm->ecm", dispatch_mask, x)
     y          = einsum("tec,ecm->tm", combine_weights, expert_out)
 
-Capacity ``<= 0`` means dropless: ``C`` is the largest expert load.
+The integer ``capacity`` follows Tutel's contract: ``> 0`` fixed, ``0`` dropless
+(``C`` is the largest expert load), ``< 0`` the largest load capped at
+``-capacity``. A data-dependent (``<= 0``) buffer has at least
+``MIN_DYNAMIC_CAPACITY`` rows: the rows past ``C`` are zero padding.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from hypothesis import strategies as st
 
 import moe_compile.ops  # noqa: F401  (registers torch.ops.moe.*)
 from moe_compile.ops import dropped_tokens
+from moe_compile.ops.dispatch import MIN_DYNAMIC_CAPACITY
 
 
 # --------------------------------------------------------------------------- reference
@@ -32,7 +36,8 @@ from moe_compile.ops import dropped_tokens
 class OneHotRouting:
     """GShard's ``[T, E, C]`` tensors for one routing decision."""
 
-    capacity: int
+    capacity: int  # C: slots per expert that hold tokens
+    buffer_capacity: int  # rows of the [E, C, M] buffer the op returns (>= C)
     dispatch_mask: torch.Tensor  # [T, E, C], 0/1
     combine_weights: torch.Tensor  # [T, E, C], gate weight of the kept choices
     locations: torch.Tensor  # [T, k], -1 where dropped
@@ -45,8 +50,12 @@ def gshard_routing(expert_ids, gate_weights, num_experts, capacity, dtype):
     # k-major priority: cumsum over (choice, token), then back to [T, k, E]
     locations = torch.cumsum(masks.transpose(0, 1).reshape(top_k * num_tokens, num_experts), dim=0) - 1
     locations = locations.reshape(top_k, num_tokens, num_experts).transpose(0, 1)
-    if capacity <= 0:
-        capacity = int(masks.sum(dim=(0, 1)).max()) if num_tokens > 0 else 0
+    if capacity > 0:
+        buffer_capacity = capacity
+    else:
+        max_load = int(masks.sum(dim=(0, 1)).max()) if num_tokens > 0 else 0
+        capacity = max_load if capacity == 0 else min(max_load, -capacity)
+        buffer_capacity = max(capacity, MIN_DYNAMIC_CAPACITY)
     kept = masks * torch.lt(locations, capacity)  # [T, k, E]
     locations_s = torch.sum(locations * kept, dim=-1)  # [T, k]
     if capacity > 0:
@@ -59,6 +68,7 @@ def gshard_routing(expert_ids, gate_weights, num_experts, capacity, dtype):
     is_kept = kept.sum(dim=-1) > 0
     return OneHotRouting(
         capacity=capacity,
+        buffer_capacity=buffer_capacity,
         dispatch_mask=dispatch_mask,
         combine_weights=combine_weights,
         locations=torch.where(is_kept, locations_s, torch.full_like(locations_s, -1)),
@@ -111,10 +121,11 @@ def check_against_onehot(num_tokens, model_dim, num_experts, top_k, capacity, sk
     x_can, w_can = x.clone().requires_grad_(), gate_weights.clone().requires_grad_()
     y_can, buffer_can, locations = canonical_moe(x_can, expert_ids, w_can, num_experts, capacity, weight)
 
-    assert buffer_can.shape == (num_experts, routing.capacity, model_dim)
+    assert buffer_can.shape == (num_experts, routing.buffer_capacity, model_dim)
     assert torch.equal(locations, routing.locations)
     assert int(dropped_tokens(locations)) == routing.dropped
-    torch.testing.assert_close(buffer_can, buffer_ref.detach())
+    torch.testing.assert_close(buffer_can[:, : routing.capacity], buffer_ref.detach())
+    assert not buffer_can[:, routing.capacity :].any(), "padding rows past C must be zero"
     torch.testing.assert_close(y_can, y_ref.detach())
 
     gx_ref, gw_ref = torch.autograd.grad(y_ref, (x_ref, w_ref), grad_y)
@@ -132,23 +143,26 @@ DTYPES = [torch.float64, torch.float32]
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("top_k,num_experts", K_E)
-@pytest.mark.parametrize("capacity_factor", [1.25, 0.5, 0.0], ids=["cf1.25", "cf0.5", "dropless"])
+@pytest.mark.parametrize("capacity_factor", [1.25, 0.5, 0.0, -0.75],
+                         ids=["cf1.25", "cf0.5", "dropless", "capped0.75"])
 def test_matches_onehot_random_routing(top_k, num_experts, capacity_factor, dtype):
+    """Fixed capacity ``ceil(k·f·T/E)``; ``f = 0`` dropless; ``f < 0`` the load capped at ``ceil(k·|f|·T/E)``."""
     num_tokens = 40
-    capacity = math.ceil(top_k * capacity_factor * num_tokens / num_experts)
+    capacity = int(math.copysign(math.ceil(top_k * abs(capacity_factor) * num_tokens / num_experts),
+                                 capacity_factor))
     check_against_onehot(num_tokens, 8, num_experts, top_k, capacity, skew=0.0, dtype=dtype, seed=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("top_k,num_experts", K_E)
-@pytest.mark.parametrize("capacity", [3, 0], ids=["C3", "dropless"])
+@pytest.mark.parametrize("capacity", [3, 0, -3], ids=["C3", "dropless", "capped3"])
 def test_matches_onehot_all_tokens_to_one_expert(top_k, num_experts, capacity, dtype):
     """Heavy overflow: choice j of every token goes to expert j (loads T, T, ..., 0)."""
     num_tokens = 24
     routing = check_against_onehot(num_tokens, 8, num_experts, top_k, capacity,
                                    skew=1e6, dtype=dtype, seed=1)
-    if capacity > 0:
-        assert routing.dropped == top_k * (num_tokens - capacity)
+    if capacity != 0:
+        assert routing.capacity == 3 and routing.dropped == top_k * (num_tokens - 3)
     else:
         assert routing.capacity == num_tokens and routing.dropped == 0
 
@@ -163,7 +177,8 @@ def moe_problems(draw):
         model_dim=draw(st.integers(1, 16)),
         num_experts=num_experts,
         top_k=top_k,
-        capacity=draw(st.integers(0, num_tokens * top_k // num_experts + 2)),
+        capacity=draw(st.integers(-(num_tokens * top_k // num_experts + 2),
+                                  num_tokens * top_k // num_experts + 2)),
         skew=draw(st.sampled_from([0.0, 0.5, 2.0, 1e6])),
         dtype=draw(st.sampled_from(DTYPES)),
         seed=draw(st.integers(0, 2**31 - 1)),
@@ -176,39 +191,39 @@ def test_matches_onehot_property(problem):
     check_against_onehot(**problem)
 
 
-@pytest.mark.parametrize("capacity", [3, 0], ids=["C3", "dropless"])
+@pytest.mark.parametrize("capacity", [3, 0, -3], ids=["C3", "dropless", "capped3"])
 def test_empty_batch(capacity):
-    """T = 0: an ``[E, C, M]`` zero buffer (C = 0 when dropless), empty output and grads."""
+    """T = 0: a zero buffer (MIN_DYNAMIC_CAPACITY rows when data-dependent), empty output and grads."""
     routing = check_against_onehot(0, 4, 3, 2, capacity, skew=0.0, dtype=torch.float64, seed=0)
-    assert routing.capacity == capacity and routing.dropped == 0
+    assert routing.capacity == max(capacity, 0) and routing.dropped == 0
 
 
 # --------------------------------------------------------------------------- opcheck
 
 
-def _opcheck_inputs(capacity):
+def _opcheck_inputs():
     gen = torch.Generator().manual_seed(2)
     expert_ids, gate_weights = make_routing(16, 4, 2, 0.5, gen)
     x = torch.randn(16, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     return x, expert_ids, gate_weights.requires_grad_()
 
 
-@pytest.mark.parametrize("capacity", [5, 0], ids=["fixed", "dropless"])
+@pytest.mark.parametrize("capacity", [5, 0, -3], ids=["fixed", "dropless", "capped"])
 def test_opcheck_dispatch(capacity):
-    x, expert_ids, _ = _opcheck_inputs(capacity)
+    x, expert_ids, _ = _opcheck_inputs()
     torch.library.opcheck(torch.ops.moe.dispatch.default, (x, expert_ids, 4, capacity))
 
 
-@pytest.mark.parametrize("capacity", [5, 0], ids=["fixed", "dropless"])
+@pytest.mark.parametrize("capacity", [5, 0, -3], ids=["fixed", "dropless", "capped"])
 def test_opcheck_combine(capacity):
-    x, expert_ids, gate_weights = _opcheck_inputs(capacity)
+    x, expert_ids, gate_weights = _opcheck_inputs()
     buffer, locations = torch.ops.moe.dispatch(x.detach(), expert_ids, 4, capacity)
     torch.library.opcheck(torch.ops.moe.combine.default,
                           (buffer.requires_grad_(), expert_ids, locations, gate_weights))
 
 
 def test_opcheck_backward_ops():
-    x, expert_ids, gate_weights = _opcheck_inputs(5)
+    x, expert_ids, gate_weights = _opcheck_inputs()
     buffer, locations = torch.ops.moe.dispatch(x.detach(), expert_ids, 4, 5)
     grad_y = torch.randn_like(x)
     torch.library.opcheck(torch.ops.moe.dispatch_backward.default, (buffer, expert_ids, locations))
