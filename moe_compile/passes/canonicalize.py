@@ -112,10 +112,10 @@ class Canonicalize:
         if at is None:
             return "its inputs are defined after the first use of its output"
         try:
-            original, _ = _extract(gm, region)
             canonical, env = _extract(gm, region)
             dispatch = _build(canonical, region, env)
             if self.cfg.verify_regions:
+                original, _ = _extract(gm, region)
                 mismatch = verify(original, canonical, region, self.cfg)
                 if mismatch is not None:
                     return f"its canonical form does not reproduce it ({mismatch})"

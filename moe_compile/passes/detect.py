@@ -94,7 +94,6 @@ _LINEAR = (torch._C._nn.linear, F.linear)
 _MATMUL = (torch.matmul, operator.matmul)
 _EINSUM = (torch.einsum, torch.functional.einsum)
 _SCORE_OPS = (F.softmax, torch.softmax, torch.sigmoid, F.sigmoid, torch.log_softmax, F.log_softmax)
-_ACTIVATIONS = {F.relu: "relu", torch.relu: "relu", F.silu: "silu", F.gelu: "gelu", torch.sigmoid: None}
 
 
 def find_moe_regions(graph: Graph) -> tuple[list[MoERegion], list[Skip]]:
@@ -161,7 +160,7 @@ def _match(graph: Graph, topk: Node) -> MoERegion:
         output, hidden = _layer_output(inputs, outputs)
         if output is None:
             continue
-        experts, expert_input = _expert_mlp(region, inputs, tokens, num_experts)
+        experts, expert_input = _expert_mlp(region, num_experts)
         in_shape = shape_of(expert_input)
         if in_shape is not None and len(in_shape) == 3 and in_shape[0] == num_experts:
             capacity, pattern = int(in_shape[1]), "gshard"
@@ -284,7 +283,7 @@ class _Linear:
     stacked: bool       # weight is [E, a, b]
 
 
-def _expert_mlp(region: list[Node], inputs: list[Node], tokens: Node, num_experts: int) -> tuple[ExpertMLP, Node]:
+def _expert_mlp(region: list[Node], num_experts: int) -> tuple[ExpertMLP, Node]:
     """Read the expert function: ``down(act(up1(x)) [* up3(x)])`` over expert-indexed weights."""
     linears = []
     for node in region:
@@ -317,13 +316,13 @@ def _expert_mlp(region: list[Node], inputs: list[Node], tokens: Node, num_expert
     w3 = None
     if gated:
         up3, rows3 = _linear_of(strip(h.args[1]), by_node)
-        w3 = _expert_linear(up3, rows3, num_experts, template)
+        w3 = _expert_linear(up3, rows3, num_experts)
     elif len(template) != 2:
         raise _NoMatch("expert MLP has 3 linears but no gating product")
     experts = ExpertMLP(
         activation=activation,
-        w1=_expert_linear(up1, rows1, num_experts, template),
-        w2=_expert_linear(down, None, num_experts, template),
+        w1=_expert_linear(up1, rows1, num_experts),
+        w2=_expert_linear(down, None, num_experts),
         w3=w3,
     )
     return experts, up1.input
@@ -375,7 +374,7 @@ def _linear_of(node: object, by_node: dict[Node, _Linear]) -> tuple[_Linear, tup
     raise _NoMatch("expert activation input is not the output of an expert linear (or a chunk of it)")
 
 
-def _expert_linear(lin: _Linear, rows, num_experts: int, template: list[_Linear]) -> ExpertLinear:
+def _expert_linear(lin: _Linear, rows, num_experts: int) -> ExpertLinear:
     if lin.stacked:
         return ExpertLinear((lin.weight,), lin.transposed, rows)
     return ExpertLinear(_per_expert_weights(lin.weight, num_experts), lin.transposed, rows)
