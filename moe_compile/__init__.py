@@ -8,7 +8,8 @@ package for its configuration and counters.
 from . import ops
 from .config import ConfigError, MoECompileConfig, config
 from .counters import counters
+from .sharding import shard_experts
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "MoECompileConfig", "config", "counters", "ops"]
+__all__ = ["ConfigError", "MoECompileConfig", "config", "counters", "ops", "shard_experts"]

@@ -2,7 +2,8 @@
 
     torch.compile(model, backend="moe", fullgraph=True, options={...})
 
-Pipeline (DESIGN.md): stage-1 passes on the Dynamo graph (detect, canonicalize),
+Pipeline (DESIGN.md): stage-1 passes on the Dynamo graph (detect, canonicalize,
+expert_parallel),
 then AOTAutograd, whose forward and backward graphs each run the stage-2 passes
 and then the inner compiler: ``"eager"`` (the AOTAutograd graphs run as they are,
 the default on CPU) or ``"inductor"`` (the default on CUDA).
@@ -20,7 +21,8 @@ from torch._functorch.aot_autograd import make_boxed_func
 from .config import ConfigError, MoECompileConfig, config
 from .counters import counters
 from .debug import GraphDumper
-from .passes import Canonicalize, Detect, PassManager
+from .collectives import resolve_group
+from .passes import Canonicalize, Detect, ExpertParallel, PassManager
 
 __all__ = ["moe_backend", "stage1_passes", "stage2_passes"]
 
@@ -29,7 +31,7 @@ def stage1_passes(cfg: MoECompileConfig) -> list:
     """Semantic rewrites on the Dynamo graph; every new op is autograd-aware."""
     if not cfg.rewrite:
         return []
-    return [Detect(), Canonicalize(cfg)]
+    return [Detect(), Canonicalize(cfg), ExpertParallel(cfg, resolve_group(cfg.ep_group))]
 
 
 def stage2_passes(cfg: MoECompileConfig) -> list:

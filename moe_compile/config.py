@@ -51,6 +51,13 @@ class MoECompileConfig:
     #: Relative / absolute tolerance of that check for float32 (bf16/fp16 use 1.6e-2 / 1e-2).
     verify_rtol: float = 1e-4
     verify_atol: float = 1e-5
+    #: Expert-parallel group (DESIGN.md "Semantics"): None (no expert parallelism),
+    #: "world" (the default process group), a ``ProcessGroup``, a 1-D ``DeviceMesh``
+    #: or ``(DeviceMesh, dim)``. Expert e lives on group rank ``e // (E / P)``.
+    ep_group: Any = None
+    #: With expert parallelism and a data-dependent capacity (dropless or adaptive), the
+    #: capacity agreed over the group is rounded up to a multiple of this many rows.
+    capacity_bucket: int = 8
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> MoECompileConfig:
@@ -69,6 +76,10 @@ class MoECompileConfig:
                 f"options['capacity_factor']={cf!r}: expected a number (> 0 fixed capacity, "
                 f"0 no drop, < 0 adaptive up to -f) or None to keep the model's capacity"
             )
+        _check_ep_group(self.ep_group)
+        b = self.capacity_bucket
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ConfigError(f"options['capacity_bucket']={b!r}: expected an integer >= 1")
         for name in ("verify_rtol", "verify_atol"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
@@ -112,7 +123,8 @@ class MoECompileConfig:
         return cfg.validate()
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Field values by name (shallow: a process group stays the same object)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 def _field_names() -> list[str]:
@@ -136,6 +148,33 @@ def _check_optional_str(cfg: MoECompileConfig, name: str) -> None:
         raise ConfigError(f"options[{name!r}]={value!r}: expected a path string or None")
 
 
+def _check_ep_group(group: Any) -> None:
+    if group is None or (isinstance(group, str) and group == "world"):
+        return
+    import torch.distributed as dist
+
+    if isinstance(group, dist.ProcessGroup):
+        return
+    if dist.is_available():
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if isinstance(group, DeviceMesh):
+            if group.ndim != 1:
+                raise ConfigError(
+                    f"options['ep_group']: a {group.ndim}-D DeviceMesh; pass (mesh, dim) to name the expert-parallel dimension"
+                )
+            return
+        if (
+            isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh)
+            and isinstance(group[1], (int, str)) and not isinstance(group[1], bool)
+        ):
+            return
+    raise ConfigError(
+        f"options['ep_group']={group!r}: expected None, 'world', a ProcessGroup, a 1-D DeviceMesh "
+        f"or (DeviceMesh, dim)"
+    )
+
+
 def _parse_env(name: str, raw: str, default: Any) -> Any:
     env = _ENV_PREFIX + name.upper()
     if isinstance(default, bool):
@@ -144,6 +183,11 @@ def _parse_env(name: str, raw: str, default: Any) -> Any:
         if raw.lower() in ("0", "false", "no", "off"):
             return False
         raise ConfigError(f"{env}={raw!r}: expected one of 1, 0, true, false")
+    if isinstance(default, int):
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"{env}={raw!r}: expected an integer") from None
     if name == "capacity_factor" or isinstance(default, float):
         if raw == "" and name == "capacity_factor":
             return None

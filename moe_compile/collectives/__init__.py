@@ -1,1 +1,10 @@
-"""Compressors and all-to-all algorithms, as registries (issues: expert parallelism, compression)."""
+"""Collectives of expert parallelism: the EP group and the all-to-all emitted into graphs.
+
+- :mod:`.group`: ``options["ep_group"]`` → :class:`EPGroup` (name, size P, rank).
+- :mod:`.flat`: the flat all-to-all (one ``all_to_all_single``) and the small
+  all-reduce that agrees on a capacity, as functional-collective graph nodes.
+"""
+from .flat import emit_all_reduce_max, emit_all_to_all
+from .group import EPGroup, resolve_group
+
+__all__ = ["EPGroup", "emit_all_reduce_max", "emit_all_to_all", "resolve_group"]

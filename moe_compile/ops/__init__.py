@@ -4,21 +4,25 @@ Importing this package registers:
 
 - ``torch.ops.moe.dispatch``  tokens → ``[E, C, M]`` expert buffer + locations
   (Tutel §4.2 fast encode, O(T·k·M), never a ``[T, E, C]`` one-hot);
+- ``torch.ops.moe.capacity`` the buffer rows a batch needs (agreed over the EP group);
 - ``torch.ops.moe.combine``   ``[E, C, M]`` → weighted tokens (fast decode);
 - ``torch.ops.moe.experts``   batched expert MLP over ``[E, C, M]``.
 """
 from .dispatch import (
+    capacity,
     combine,
     combine_torch,
     dispatch,
     dispatch_torch,
     dropped_tokens,
     expert_locations,
+    needed_capacity,
 )
 from .experts import ACTIVATIONS, experts, experts_torch
 
 __all__ = [
     "ACTIVATIONS",
+    "capacity",
     "combine",
     "combine_torch",
     "dispatch",
@@ -27,4 +31,5 @@ __all__ = [
     "expert_locations",
     "experts",
     "experts_torch",
+    "needed_capacity",
 ]

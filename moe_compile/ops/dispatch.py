@@ -33,12 +33,14 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "capacity",
     "combine",
     "combine_torch",
     "dispatch",
     "dispatch_torch",
     "dropped_tokens",
     "expert_locations",
+    "needed_capacity",
 ]
 
 
@@ -46,12 +48,30 @@ __all__ = [
 MIN_DYNAMIC_CAPACITY = 2
 
 
-def expert_locations(expert_ids: Tensor, num_experts: int, capacity: int) -> tuple[Tensor, int]:
+def _capacity_limit(counts: Tensor, capacity: int) -> int:
+    """The number of slots per expert that the capacity contract keeps (Tutel §4.1)."""
+    if capacity > 0:
+        return capacity
+    max_load = int(counts.max().item()) if counts.numel() > 0 else 0
+    return max_load if capacity == 0 else min(max_load, -capacity)
+
+
+def needed_capacity(expert_ids: Tensor, num_experts: int, capacity: int) -> int:
+    """Buffer rows per expert that this batch needs: ``capacity`` if > 0, else the (capped) largest load."""
+    counts = torch.bincount(expert_ids.reshape(-1).long(), minlength=num_experts)
+    return _capacity_limit(counts, capacity)
+
+
+def expert_locations(
+    expert_ids: Tensor, num_experts: int, capacity: int, rows: int | None = None
+) -> tuple[Tensor, int]:
     """Slot of every (token, choice) in its expert's buffer, GShard k-major priority.
 
     Returns ``(locations [T, k] int64, buffer capacity)``; dropped choices get -1.
     ``capacity``: > 0 fixed, 0 the largest expert load (nothing dropped), < 0 the
-    largest load capped at ``-capacity``.
+    largest load capped at ``-capacity``. ``rows`` (expert parallelism: the capacity
+    agreed over the EP group, >= this batch's need) pads the buffer to that many rows
+    per expert without changing which choices are dropped.
     Stable sort instead of a ``[T·k, E]`` cumsum: O(T·k log T·k) time, O(T·k) memory.
     """
     num_tokens, top_k = expert_ids.shape
@@ -61,11 +81,12 @@ def expert_locations(expert_ids: Tensor, num_experts: int, capacity: int) -> tup
     starts = torch.cumsum(counts, 0) - counts
     ranks = torch.empty_like(flat)
     ranks[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
-    if capacity > 0:
-        limit = capacity
-    else:
-        max_load = int(counts.max().item()) if flat.numel() > 0 else 0
-        limit = max_load if capacity == 0 else min(max_load, -capacity)
+    limit = _capacity_limit(counts, capacity)
+    if rows is not None:
+        if rows < limit:
+            raise ValueError(f"moe.dispatch: rows={rows} is less than the {limit} slots this batch needs")
+        capacity = max(rows, MIN_DYNAMIC_CAPACITY)
+    elif capacity <= 0:
         # A data-dependent capacity is at least MIN_DYNAMIC_CAPACITY rows (zero padding), so
         # compilers never have to guard on it being 0 or 1 (a broadcast decision).
         capacity = max(limit, MIN_DYNAMIC_CAPACITY)
@@ -85,10 +106,10 @@ def _flat_slots(expert_ids: Tensor, locations: Tensor, capacity: int) -> tuple[T
 
 
 def dispatch_torch(
-    x: Tensor, expert_ids: Tensor, num_experts: int, capacity: int
+    x: Tensor, expert_ids: Tensor, num_experts: int, capacity: int, rows: int | None = None
 ) -> tuple[Tensor, Tensor]:
     """Reference fast encode: ``[T, M]`` → ``([E, C, M] buffer, [T, k] locations)``."""
-    locations, capacity = expert_locations(expert_ids, num_experts, capacity)
+    locations, capacity = expert_locations(expert_ids, num_experts, capacity, rows)
     buffer = x.new_zeros(num_experts * capacity, x.shape[-1])
     slots, keep = _flat_slots(expert_ids, locations, capacity)
     token = torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand_as(slots)
@@ -114,16 +135,44 @@ def combine_torch(expert_out: Tensor, expert_ids: Tensor, locations: Tensor, gat
 # --------------------------------------------------------------------------- dispatch
 
 
+@torch.library.custom_op("moe::capacity", mutates_args=())
+def capacity(expert_ids: Tensor, num_experts: int, capacity: int, bucket: int = 1) -> Tensor:
+    """Buffer rows per expert this batch needs, rounded up to a multiple of ``bucket``: a ``[1]`` int64.
+
+    Expert parallelism all-reduces it (max) over the EP group into the ``rows`` of
+    :func:`dispatch`, so that every rank sends equal-sized blocks. Rounding before
+    the max equals rounding after it (``ceil_b`` is monotone), so each rank rounds
+    its own need.
+    """
+    need = needed_capacity(expert_ids, num_experts, capacity)
+    need = -(-need // bucket) * bucket
+    return torch.full((1,), need, dtype=torch.long, device=expert_ids.device)
+
+
+@capacity.register_fake
+def _capacity_fake(expert_ids, num_experts, capacity, bucket=1):
+    return expert_ids.new_empty((1,), dtype=torch.long)
+
+
 @torch.library.custom_op("moe::dispatch", mutates_args=())
-def dispatch(x: Tensor, expert_ids: Tensor, num_experts: int, capacity: int) -> tuple[Tensor, Tensor]:
-    """Fast encode (Tutel K0/K1): see the module docstring."""
-    buffer, locations = dispatch_torch(x, expert_ids.long(), num_experts, capacity)
+def dispatch(
+    x: Tensor, expert_ids: Tensor, num_experts: int, capacity: int, rows: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Fast encode (Tutel K0/K1): see the module docstring.
+
+    ``rows`` (optional ``[1]`` int tensor): pad the buffer to that many rows per
+    expert (expert parallelism's agreed capacity); the buffer then has
+    ``max(rows, MIN_DYNAMIC_CAPACITY)`` rows, a data-dependent size.
+    """
+    buffer, locations = dispatch_torch(
+        x, expert_ids.long(), num_experts, capacity, None if rows is None else int(rows.reshape(-1)[0])
+    )
     return buffer, locations
 
 
 @dispatch.register_fake
-def _dispatch_fake(x, expert_ids, num_experts, capacity):
-    if capacity <= 0:
+def _dispatch_fake(x, expert_ids, num_experts, capacity, rows=None):
+    if capacity <= 0 or rows is not None:
         capacity = torch.library.get_ctx().new_dynamic_size(min=MIN_DYNAMIC_CAPACITY)
     buffer = x.new_empty(num_experts, capacity, x.shape[-1])
     return buffer, expert_ids.new_empty(expert_ids.shape, dtype=torch.long)
@@ -142,14 +191,14 @@ def _dispatch_backward_fake(grad_buffer, expert_ids, locations):
 
 
 def _dispatch_setup_context(ctx, inputs, output):
-    _, expert_ids, _, _ = inputs
+    expert_ids = inputs[1]
     _, locations = output
     ctx.save_for_backward(expert_ids, locations)
 
 
 def _dispatch_autograd(ctx, grad_buffer, _grad_locations):
     expert_ids, locations = ctx.saved_tensors
-    return dispatch_backward(grad_buffer.contiguous(), expert_ids, locations), None, None, None
+    return dispatch_backward(grad_buffer.contiguous(), expert_ids, locations), None, None, None, None
 
 
 dispatch.register_autograd(_dispatch_autograd, setup_context=_dispatch_setup_context)

@@ -95,7 +95,7 @@ class Canonicalize:
             regions, _ = find_moe_regions(gm.graph)
         modified = False
         for region in regions:
-            reason = self._rewrite(gm, region)
+            reason = self.rewrite_region(gm, region)
             if reason is None:
                 counters["regions_rewritten"] += 1
                 modified = True
@@ -106,7 +106,7 @@ class Canonicalize:
         gm.meta["moe_regions"] = []
         return PassResult(gm, modified)
 
-    def _rewrite(self, gm: GraphModule, region: MoERegion) -> str | None:
+    def rewrite_region(self, gm: GraphModule, region: MoERegion) -> str | None:
         """Rewrite one region; the reason it was left alone, or None."""
         at = _splice_point(region)
         if at is None:

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Graph, Node
 
+from ..sharding import expert_shard
 from .graph_utils import example_value, is_call, module_region, region_boundary, shape_of, strip
 
 __all__ = ["ExpertLinear", "ExpertMLP", "MoERegion", "Skip", "find_moe_regions"]
@@ -160,7 +161,7 @@ def _match(graph: Graph, topk: Node) -> MoERegion:
         output, hidden = _layer_output(inputs, outputs)
         if output is None:
             continue
-        experts, expert_input = _expert_mlp(region, num_experts)
+        experts, expert_input = _expert_mlp(region, num_experts, topk)
         in_shape = shape_of(expert_input)
         if in_shape is not None and len(in_shape) == 3 and in_shape[0] == num_experts:
             capacity, pattern = int(in_shape[1]), "gshard"
@@ -229,7 +230,11 @@ def _layer_output(inputs: list[Node], outputs: list[Node]) -> tuple[Node | None,
 
 
 def _is_parameter(node: Node) -> bool:
-    return isinstance(example_value(node), torch.nn.Parameter) or "parameters" in node.name
+    """A model parameter, or the full-shape placeholder of one sharded by ``shard_experts``."""
+    if isinstance(example_value(node), torch.nn.Parameter) or "parameters" in node.name:
+        return True
+    grapharg = node.meta.get("grapharg") if node.op == "placeholder" else None
+    return expert_shard(getattr(grapharg, "example", None)) is not None
 
 
 def _gate_weights(vals: Node, ids: Node, numel: int) -> Node:
@@ -283,10 +288,17 @@ class _Linear:
     stacked: bool       # weight is [E, a, b]
 
 
-def _expert_mlp(region: list[Node], num_experts: int) -> tuple[ExpertMLP, Node]:
-    """Read the expert function: ``down(act(up1(x)) [* up3(x)])`` over expert-indexed weights."""
+def _expert_mlp(region: list[Node], num_experts: int, topk: Node) -> tuple[ExpertMLP, Node]:
+    """Read the expert function: ``down(act(up1(x)) [* up3(x)])`` over expert-indexed weights.
+
+    Only linears downstream of the router's ``topk`` are expert candidates (the
+    router's own linear, or a shared layer before it, never is).
+    """
+    after_router = _descendants(topk)
     linears = []
     for node in region:
+        if node not in after_router:
+            continue
         lin = _as_linear(node, num_experts)
         if lin is not None:
             linears.append(lin)
@@ -326,6 +338,17 @@ def _expert_mlp(region: list[Node], num_experts: int) -> tuple[ExpertMLP, Node]:
         w3=w3,
     )
     return experts, up1.input
+
+
+def _descendants(node: Node) -> set[Node]:
+    seen: set[Node] = set()
+    stack = list(node.users)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.users)
+    return seen
 
 
 def _depends_on(node: Node, targets: set[Node]) -> bool:
@@ -389,9 +412,20 @@ def _expert_zero(linears: list[_Linear]) -> set[Node]:
     return zero
 
 
+def _source_key(name: str) -> str:
+    """A placeholder name without Dynamo's ``_parameters_`` segment and trailing ``_``.
+
+    A parameter ``experts.2.w1.weight`` and the plain-tensor placeholder that
+    ``shard_experts`` leaves in its place get the same key.
+    """
+    return name.replace("_parameters_", "_").rstrip("_")
+
+
 def _per_expert_weights(weight0: Node, num_experts: int) -> tuple[Node, ...]:
-    placeholders = {n.name: n for n in weight0.graph.nodes if n.op in ("placeholder", "get_attr")}
-    name = weight0.name
+    placeholders = {
+        _source_key(n.name): n for n in weight0.graph.nodes if n.op in ("placeholder", "get_attr")
+    }
+    name = _source_key(weight0.name)
     for m in re.finditer(r"_0_", name):
         names = [name[: m.start()] + f"_{e}_" + name[m.end():] for e in range(num_experts)]
         if all(n in placeholders for n in names):
@@ -461,9 +495,4 @@ def _on_weight(node, x, w, transposed, num_experts, bias=None) -> _Linear | None
     stacked = len(shape) == 3 and shape[0] == num_experts
     if not stacked and (len(shape) != 2 or gathered):
         return None
-    if not stacked and shape == (num_experts, shape[1]) and not transposed:
-        # a [E, M] gate weight is the router, not an expert
-        out_features = shape_of(node)
-        if out_features is not None and out_features[-1] == num_experts:
-            return None
     return _Linear(node, x, param, transposed != flips, stacked)

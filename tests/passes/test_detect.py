@@ -47,6 +47,14 @@ def test_loop_record_finds_every_expert_weight():
     assert all(f"experts_modules_{e}_" in n and "w2" in n for e, n in enumerate(names))
 
 
+def test_loop_down_projection_shaped_like_a_router_is_an_expert():
+    """E == model_dim: an expert's down projection [M, H] = [E, H] outputs E features, like a router; it is
+    downstream of the top-k, so it is an expert linear (regression: was taken for the router)."""
+    (region,), skips = _regions(LoopMoE(8, 16, 8, top_k=2), torch.randn(12, 8))
+    assert not skips
+    assert [len(w.weights) for w in (region.experts.w1, region.experts.w2, region.experts.w3)] == [8, 8, 8]
+
+
 def test_unsupported_activation_is_skipped_with_reason(caplog):
     class TanhSort(SortMoE):
         def forward(self, x):

@@ -1,0 +1,284 @@
+"""Expert parallelism: exchange the expert buffer with all-to-all across the EP group.
+
+Each rank of the EP group (size P) runs the model on its own batch; expert e
+lives on rank ``e // El`` with ``El = E / P`` local experts (DESIGN.md
+"Semantics"; Tutel §2.2, ScheMoE §3 tasks A1 / A2). Stage-1 pass, after
+``canonicalize``: every new op is autograd-aware, so AOTAutograd derives the
+backward (the all-to-all's gradient is the inverse all-to-all).
+
+Before (the canonical layer)::
+
+    buf, loc = moe.dispatch(x, ids, E, C)                   # [E, C, M]
+    y = moe.experts(buf, w1, w2, w3, act)                   # all E experts, [E, C, M]
+    out = moe.combine(y, ids, loc, w)
+
+After (rank r)::
+
+    need = moe.capacity(ids, E, C, bucket)                  # rows this batch needs, [1]
+    rows = wait_tensor(all_reduce(need, "max", ep))          # agreed over the group
+    buf, loc = moe.dispatch(x, ids, E, C, rows)             # [E, R, M], R = rows (data-dependent)
+    recv = wait_tensor(all_to_all_single(buf.reshape(-1, M), [El·R]*P, [El·R]*P, ep))    # A1
+    xl = recv.view(P, El, R, M).transpose(0, 1).reshape(El, P·R, M)     # my experts, every rank's rows
+    yl = moe.experts(xl, w1[r·El:(r+1)·El], ..., act)      # local experts only
+    send = yl.view(El, P, R, M).transpose(0, 1).reshape(-1, M)
+    y = wait_tensor(all_to_all_single(send, [El·R]*P, [El·R]*P, ep)).view(E, R, M)       # A2
+    out = moe.combine(y, ids, loc, w)
+
+Contract (Tutel §4.1 capacity factor): which choices are dropped is decided by
+each rank on its own batch, exactly as the single-device model would; only the
+buffer is padded to the group's largest need so that every rank sends equal
+blocks (dropless and adaptive capacities are rounded up to a multiple of
+``config.capacity_bucket``). Batch sizes may differ between ranks; an expert may
+receive no token. Expert weights are either replicated (each rank slices its El
+experts; the others get zero gradient, so a data-parallel all-reduce gives the
+eager gradients) or sharded by :func:`moe_compile.shard_experts` (the graph
+reads the local shard, a parameter lifted into the graph). P = 1 inserts nothing.
+A layer left unrewritten by ``canonicalize`` runs all its experts locally, which
+is still correct (data parallel) and logged; with sharded weights it is an error.
+
+Steps per layer: 1. agree on the capacity; 2. all-to-all the buffer to the
+expert owners and back around ``moe.experts``; 3. give ``moe.experts`` the local
+weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .. import ops  # noqa: F401  (registers torch.ops.moe.*)
+from ..collectives import EPGroup, emit_all_reduce_max, emit_all_to_all
+from ..config import ConfigError, MoECompileConfig
+from ..counters import counters
+from ..debug import log
+from ..sharding import ExpertShard, expert_shard
+from .graph_utils import example_value
+from .manager import PassResult
+
+__all__ = ["ExpertParallel", "ExpertParallelMatch", "match_layers"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallelMatch:
+    """One canonical layer: ``dispatch`` → getitem ``buffer`` → ``experts`` → ``combine``."""
+
+    dispatch: Node
+    buffer: Node
+    experts: Node
+    combine: Node
+
+    @property
+    def num_experts(self) -> int:
+        return self.dispatch.args[2]
+
+    @property
+    def name(self) -> str:
+        return self.dispatch.meta.get("moe_region", self.dispatch.name)
+
+
+def match_layers(gm: GraphModule) -> tuple[list[ExpertParallelMatch], list[tuple[Node, str]]]:
+    """Canonical layers of ``gm`` and, for dispatches that do not form one, the reason."""
+    matches, skips = [], []
+    for dispatch in gm.graph.find_nodes(op="call_function", target=torch.ops.moe.dispatch.default):
+        buffers = [u for u in dispatch.users if u.target is operator.getitem and u.args[1] == 0]
+        if len(buffers) != 1 or len(buffers[0].users) != 1:
+            skips.append((dispatch, "its expert buffer is not read by exactly one moe.experts"))
+            continue
+        (experts,) = buffers[0].users
+        combines = list(experts.users)
+        if experts.target is not torch.ops.moe.experts.default or len(combines) != 1 or (
+            combines[0].target is not torch.ops.moe.combine.default or combines[0].args[0] is not experts
+        ):
+            skips.append((dispatch, "its expert buffer does not flow moe.experts → moe.combine"))
+            continue
+        if len(dispatch.args) > 4:
+            skips.append((dispatch, "it is already expert-parallel"))
+            continue
+        matches.append(ExpertParallelMatch(dispatch, buffers[0], experts, combines[0]))
+    return matches, skips
+
+
+class ExpertParallel:
+    """Stage-1 pass: see the module docstring."""
+
+    name = "expert_parallel"
+
+    def __init__(self, cfg: MoECompileConfig, group: EPGroup | None):
+        self.cfg = cfg
+        self.group = group
+
+    def __call__(self, gm: GraphModule) -> PassResult:
+        shards = _sharded_placeholders(gm)
+        if self.group is None:
+            if shards:
+                raise ConfigError(
+                    "the model's experts are sharded (moe_compile.shard_experts) but options['ep_group'] is not set; "
+                    "pass the same group as options={'ep_group': group}"
+                )
+            return PassResult(gm, False)
+        for placeholder, shard in shards.items():
+            if (shard.world_size, shard.rank) != (self.group.size, self.group.rank):
+                raise ConfigError(
+                    f"{placeholder.name} was sharded for rank {shard.rank} of {shard.world_size} but options['ep_group'] "
+                    f"is rank {self.group.rank} of {self.group.size}; shard and compile with the same group"
+                )
+        if self.group.size == 1:
+            log.info("moe_compile: expert-parallel group of size 1; no collectives inserted")
+            return PassResult(gm, False)
+        matches, skips = match_layers(gm)
+        for dispatch, reason in skips:
+            log.warning("moe_compile: %s not made expert-parallel (%s); its experts run locally", dispatch.name, reason)
+        local_weights = _LocalWeights(gm, self.group, shards)
+        for match in matches:
+            _rewrite(gm, match, self.group, self.cfg, local_weights)
+            counters["regions_expert_parallel"] += 1
+            log.info(
+                "moe_compile: %s is expert-parallel over %d ranks (%d local experts, %s weights)",
+                match.name, self.group.size, match.num_experts // self.group.size,
+                "sharded" if local_weights.used_shards else "replicated",
+            )
+        local_weights.erase_dead()
+        leftover = [p.name for p in shards if p.users]
+        if leftover:
+            raise ConfigError(
+                f"sharded expert weights {leftover} are read outside a layer the moe backend made expert-parallel "
+                f"(users: {[u.name for p in shards for u in p.users]}); such a layer needs all E experts on every "
+                f"rank: do not shard it"
+            )
+        return PassResult(gm, bool(matches))
+
+
+def _rewrite(gm: GraphModule, match: ExpertParallelMatch, group: EPGroup, cfg, local_weights) -> None:
+    graph = gm.graph
+    dispatch, experts = match.dispatch, match.experts
+    num_experts, capacity = dispatch.args[2], dispatch.args[3]
+    if num_experts % group.size:
+        raise ConfigError(
+            f"MoE layer {match.name} has E={num_experts} experts, not divisible by the expert-parallel group "
+            f"size P={group.size} (options['ep_group']); choose a group whose size divides {num_experts}"
+        )
+    num_local = num_experts // group.size
+    model_dim = example_value(dispatch.args[0]).shape[-1]
+    meta = {k: dispatch.meta[k] for k in ("nn_module_stack", "stack_trace", "moe_region") if k in dispatch.meta}
+
+    def call(target, *args, method=False):
+        node = graph.call_method(target, args) if method else graph.call_function(target, args)
+        node.meta.update(meta)
+        return node
+
+    # 1. agree on the capacity: the largest need over the group (bucketed when data-dependent)
+    with graph.inserting_before(dispatch):
+        bucket = cfg.capacity_bucket if capacity <= 0 else 1
+        need = call(torch.ops.moe.capacity.default, dispatch.args[1], num_experts, capacity, bucket)
+        rows = emit_all_reduce_max(graph, need, group)
+    dispatch.args = (*dispatch.args[:4], rows)
+
+    # 2. A1: buffer rows to the owners of their experts; A2: expert outputs back
+    with graph.inserting_before(experts):
+        per_peer = call(operator.mul, call(torch.ops.aten.sym_size.int, match.buffer, 1), num_local)
+        send = call("reshape", match.buffer, (-1, model_dim), method=True)
+        recv = emit_all_to_all(graph, send, per_peer, group)
+        recv = call("view", recv, (group.size, num_local, -1, model_dim), method=True)
+        local_in = call("reshape", call("transpose", recv, 0, 1, method=True), (num_local, -1, model_dim), method=True)
+        weights = [local_weights(w, num_experts) if w is not None else None for w in experts.args[1:4]]
+    experts.args = (local_in, *weights, *experts.args[4:])
+    with graph.inserting_before(experts.next):
+        back = call("view", experts, (num_local, group.size, -1, model_dim), method=True)
+        send_back = call("reshape", call("transpose", back, 0, 1, method=True), (-1, model_dim), method=True)
+        returned = emit_all_to_all(graph, send_back, per_peer, group)
+        full = call("view", returned, (num_experts, -1, model_dim), method=True)
+    match.combine.replace_input_with(experts, full)
+
+
+class _LocalWeights:
+    """``w`` ([E, ...] as canonicalize built it) → this rank's ``[El, ...]`` experts.
+
+    Replicated: ``w[r·El:(r+1)·El]``. Sharded stacked weight: the chain from the
+    placeholder (transpose, row slice of a fused gate/up weight) re-applied to the
+    local shard, a parameter registered on the graph module. Sharded per-expert
+    weights: ``torch.stack`` of the local experts' weights only.
+    """
+
+    def __init__(self, gm: GraphModule, group: EPGroup, shards: dict[Node, ExpertShard]):
+        self.gm, self.group, self.shards = gm, group, shards
+        self.local_attrs: dict[Node, Node] = {}
+        self.replaced: list[Node] = []
+        self.used_shards = False
+
+    def __call__(self, weight: Node, num_experts: int) -> Node:
+        local = self._localize(weight, self.group.local_experts(num_experts))
+        if local is not None:
+            self.used_shards = True
+            return local
+        start, stop = self.group.local_experts(num_experts).start, self.group.local_experts(num_experts).stop
+        node = self.gm.graph.call_function(operator.getitem, (weight, slice(start, stop)))
+        node.meta.update({k: weight.meta[k] for k in ("nn_module_stack",) if k in weight.meta})
+        return node
+
+    def _localize(self, node: Node, local: range) -> Node | None:
+        graph = self.gm.graph
+        if node in self.shards:
+            shard = self.shards[node]
+            if shard.local_name is None:
+                raise ConfigError(f"{node.name} is the weight of a remote expert, read as a stacked weight")
+            return self._local_attr(node, shard)
+        if node.op == "call_function" and node.target is torch.stack:
+            members = node.args[0]
+            if not any(m in self.shards for m in members):
+                return None
+            mine = members[local.start:local.stop]
+            if any(m in self.shards for m in mine):
+                raise ConfigError(f"per-expert weights {[m.name for m in mine]} should be local but are placeholders")
+            stacked = graph.call_function(torch.stack, (list(mine),), dict(node.kwargs))
+            stacked.meta.update(node.meta)
+            self.replaced.append(node)
+            return stacked
+        inputs = [a for a in node.all_input_nodes]
+        if node.op in ("call_function", "call_method") and len(inputs) == 1:
+            base = self._localize(inputs[0], local)
+            if base is None:
+                return None
+            copy = graph.node_copy(node, lambda a: base if a is inputs[0] else a)
+            self.replaced.append(node)
+            return copy
+        return None
+
+    def _local_attr(self, placeholder: Node, shard: ExpertShard) -> Node:
+        if placeholder not in self.local_attrs:
+            param = shard.local
+            if param is None:
+                raise ConfigError(f"the module owning sharded expert weight {placeholder.name} no longer exists")
+            name = f"moe_ep_shard_{len(self.local_attrs)}"
+            self.gm.register_parameter(name, param)
+            source = getattr(placeholder, "_dynamo_source", None)
+            if hasattr(self.gm, "_param_name_to_source") and source is not None:
+                # AOTAutograd lifts graph-module parameters as inputs and asks Dynamo where they come from
+                from torch._dynamo.source import AttrSource
+
+                self.gm._param_name_to_source[name] = AttrSource(source.base, shard.local_name)
+            placeholders = list(self.gm.graph.find_nodes(op="placeholder"))
+            with self.gm.graph.inserting_after(placeholders[-1]):
+                attr = self.gm.graph.get_attr(name)
+            attr.meta.update({k: placeholder.meta[k] for k in ("nn_module_stack",) if k in placeholder.meta})
+            self.local_attrs[placeholder] = attr
+        return self.local_attrs[placeholder]
+
+    def erase_dead(self) -> None:
+        erased = set()
+        for node in reversed(self.replaced):
+            if node not in erased and not node.users:
+                self.gm.graph.erase_node(node)
+                erased.add(node)
+
+
+def _sharded_placeholders(gm: GraphModule) -> dict[Node, ExpertShard]:
+    shards = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        grapharg = node.meta.get("grapharg")
+        example = getattr(grapharg, "example", None) if grapharg is not None else None
+        shard = expert_shard(example)
+        if shard is not None:
+            shards[node] = shard
+    return shards

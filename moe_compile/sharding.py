@@ -1,0 +1,191 @@
+"""Sharded expert weights: each rank stores only its E/P experts (DESIGN.md "Semantics").
+
+    dist.init_process_group("gloo")
+    moe_compile.shard_experts(model, dist.group.WORLD, example_batch)
+    cmodel = torch.compile(model, backend="moe", fullgraph=True, options={"ep_group": "world"})
+
+With replicated expert weights (no call to :func:`shard_experts`), every rank
+holds all E experts and uses its E/P; that is simple but costs E/P-times the
+memory real expert parallelism exists to save. :func:`shard_experts` finds the
+expert weights the backend would rewrite (it traces the model once on the
+example inputs with Dynamo and runs the same detection and canonicalization) and
+replaces them, in place:
+
+Before (rank r of P, ``El = E / P``)::
+
+    moe.w1 : Parameter [E, M, H]            # stacked experts
+    moe.experts[e].w1.weight : Parameter    # per-expert modules, e = 0..E-1
+
+After::
+
+    moe.w1_ep_shard : Parameter [El, M, H]  # rows r·El .. (r+1)·El-1, what the optimizer sees
+    moe.w1 : Tensor [E, M, H]               # a NaN placeholder, stride 0: one element of storage
+    moe.experts[e].w1.weight                # unchanged for local e; a NaN placeholder otherwise
+
+The model's own code still reads ``moe.w1`` with its full shape, so Dynamo traces
+it unchanged; the expert-parallel pass replaces the placeholder by the local
+shard (a parameter of the compiled graph) and raises if a placeholder is used
+anywhere else. Run eagerly, a sharded model computes NaN, never a silently
+wrong number. Parameter memory per rank is (non-expert) + (expert) / P.
+
+Gradients: a local shard's gradient is the sum over the EP group of every rank's
+tokens routed to those experts, which is what a data-parallel all-reduce (sum) of
+replicated expert gradients gives. The shards are added to
+``model._ddp_params_and_buffers_to_ignore`` so DistributedDataParallel does not
+average them across ranks that hold different experts; to match DDP's average,
+divide their gradients by P (or scale the loss).
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from .collectives.group import resolve_group
+from .config import ConfigError, config
+from .debug import log
+
+__all__ = ["ExpertShard", "expert_shard", "shard_experts"]
+
+_SHARD_ATTR = "_moe_expert_shard"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertShard:
+    """What a placeholder stands for: its owning module, and the local shard if this rank has one.
+
+    ``local_name`` names the parameter on ``module`` that holds this rank's
+    experts of a stacked weight; it is None for a per-expert weight of a remote
+    expert (that expert's rank holds the real one).
+    """
+
+    module: Any  # weakref.ref to the nn.Module owning the placeholder
+    name: str
+    local_name: str | None
+    num_experts: int
+    world_size: int
+    rank: int
+
+    @property
+    def local(self) -> nn.Parameter | None:
+        module = self.module()
+        return None if module is None or self.local_name is None else getattr(module, self.local_name)
+
+
+def expert_shard(tensor: Any) -> ExpertShard | None:
+    """The :class:`ExpertShard` record of a placeholder made by :func:`shard_experts`, else None."""
+    return getattr(tensor, _SHARD_ATTR, None) if isinstance(tensor, torch.Tensor) else None
+
+
+def shard_experts(model: nn.Module, group: Any, *example_args: Any, **example_kwargs: Any) -> list[str]:
+    """Keep only this rank's experts (see the module docstring); the names of the expert parameters kept.
+
+    ``group`` takes the forms of ``options["ep_group"]``. ``example_args`` /
+    ``example_kwargs`` are one input of the model, used to trace it (nothing is
+    run). Call this after moving the model to its device and before compiling it.
+    """
+    config.merged({"ep_group": group})  # validates the form
+    ep = resolve_group(group)
+    if ep.size == 1:
+        return []
+    if any(expert_shard(t) is not None for t in _tensor_attributes(model)):
+        raise ValueError("shard_experts: this model's experts are already sharded")
+    found = _trace_expert_weights(model, example_args, example_kwargs)
+    if not found:
+        raise ValueError(
+            "shard_experts: no MoE layer that the moe backend rewrites was found in this model "
+            "(set logging for 'moe_compile' to INFO to see why)"
+        )
+    owners = {id(p): (module, name) for module in model.modules() for name, p in module._parameters.items() if p is not None}
+    names = {id(p): fqn for fqn, p in model.named_parameters(remove_duplicate=False)}
+    prefixes = {id(m): prefix for prefix, m in model.named_modules(remove_duplicate=False)}
+    kept: list[str] = []
+    for weight, num_experts, expert_index in found:
+        if id(weight) not in owners:
+            raise ValueError(
+                f"shard_experts: an expert weight of shape {tuple(weight.shape)} is not a parameter of this model"
+            )
+        if num_experts % ep.size:
+            raise ConfigError(
+                f"shard_experts: a MoE layer has E={num_experts} experts, not divisible by the expert-parallel "
+                f"group size P={ep.size}"
+            )
+        module, name = owners[id(weight)]
+        fqn = names[id(weight)]
+        local = ep.local_experts(num_experts)
+        if expert_index is None:  # stacked [E, ...]: keep rows local.start .. local.stop-1
+            shard = nn.Parameter(weight.detach()[local.start:local.stop].clone(), requires_grad=weight.requires_grad)
+            local_name = f"{name}_ep_shard"
+            del module._parameters[name]
+            module.register_parameter(local_name, shard)
+            prefix = prefixes[id(module)]
+            kept.append(f"{prefix}.{local_name}" if prefix else local_name)
+        elif expert_index in local:  # a per-expert weight of a local expert: unchanged
+            kept.append(fqn)
+            continue
+        else:  # a per-expert weight of a remote expert
+            local_name = None
+            del module._parameters[name]
+        placeholder = torch.full((), float("nan"), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+        setattr(placeholder, _SHARD_ATTR, ExpertShard(weakref.ref(module), name, local_name, num_experts, ep.size, ep.rank))
+        object.__setattr__(module, name, placeholder)
+    ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", [])) + kept
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+    return kept
+
+
+def _tensor_attributes(model: nn.Module):
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor):
+                yield value
+
+
+class _Captured(Exception):
+    def __init__(self, found):
+        super().__init__("moe_compile: expert weights captured")
+        self.found = found
+
+
+def _trace_expert_weights(model, args, kwargs) -> list[tuple[torch.Tensor, int, int | None]]:
+    """Trace ``model`` with Dynamo; (weight, E, expert index or None if stacked) of each rewritable layer."""
+    from .passes.canonicalize import Canonicalize
+    from .passes.detect import find_moe_regions
+
+    def capture(gm, example_inputs):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        real = dict(zip(placeholders, example_inputs))
+        regions, skips = find_moe_regions(gm.graph)
+        for skip in skips:
+            log.info("moe_compile: shard_experts: %s not sharded: %s", skip.name, skip.reason)
+        canonicalize = Canonicalize(config.merged({}))
+        found, seen = [], set()
+        for region in regions:
+            linears = [region.experts.w1, region.experts.w2] + ([region.experts.w3] if region.experts.w3 else [])
+            reason = canonicalize.rewrite_region(gm, region)
+            if reason is not None:  # left unchanged by the backend: its experts stay replicated
+                log.info("moe_compile: shard_experts: %s not sharded: %s", region.name, reason)
+                continue
+            for linear in linears:
+                stacked = len(linear.weights) == 1
+                for index, node in enumerate(linear.weights):
+                    weight = real.get(node)
+                    if weight is None or id(weight) in seen:
+                        continue
+                    seen.add(id(weight))
+                    found.append((weight, region.num_experts, None if stacked else index))
+        raise _Captured(found)
+
+    try:
+        torch.compile(model, backend=capture, fullgraph=True)(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's exception
+        cause = e
+        while cause is not None and not isinstance(cause, _Captured):
+            cause = getattr(cause, "inner_exception", None) or cause.__cause__
+        if cause is None:
+            raise
+        return cause.found
+    raise RuntimeError("shard_experts: tracing the model did not reach the capture backend")

@@ -1,0 +1,103 @@
+"""Run a function on P local gloo ranks: the harness of the distributed tests and benchmarks.
+
+    from moe_compile.testing import spawn
+
+    def check(rank, world_size, k):          # module level, so the children can import it
+        ...
+        return {"max_err": err}
+
+    results = spawn(check, 2, 1)              # [result of rank 0, result of rank 1]
+
+Each rank is a fresh process (``torch.multiprocessing`` "spawn") with
+``torch.set_num_threads(1)`` and a gloo process group over loopback TCP. A rank
+that raises stops the whole run: the other ranks are killed and the error is
+re-raised here with the failing rank's traceback. A run that exceeds ``timeout``
+seconds (a hung collective) is killed and reported the same way, so a test never
+hangs the suite.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue as queue_lib
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["SpawnError", "spawn"]
+
+
+class SpawnError(RuntimeError):
+    """A spawned rank raised, or the run timed out."""
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; their return values, by rank.
+
+    ``fn`` and ``args`` must be picklable (a module-level function); return values too.
+    """
+    if world_size < 1:
+        raise ValueError(f"spawn: world_size={world_size} must be >= 1")
+    ctx = mp.get_context("spawn")
+    results: queue_lib.Queue = ctx.Queue()
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    procs = [
+        ctx.Process(target=_worker, args=(fn, rank, world_size, init_method, timeout, args, results), daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    out: dict[int, Any] = {}
+    try:
+        while len(out) < world_size:
+            remaining = deadline - time.monotonic()
+            try:
+                rank, ok, value = results.get(timeout=max(remaining, 0.1) if remaining > 0 else 0.1)
+            except queue_lib.Empty:
+                if time.monotonic() >= deadline:
+                    missing = sorted(set(range(world_size)) - set(out))
+                    raise SpawnError(f"spawn({fn.__name__}): ranks {missing} did not finish in {timeout:.0f} s") from None
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise SpawnError(f"spawn({fn.__name__}): a rank exited with code {dead[0].exitcode}") from None
+                continue
+            if not ok:
+                raise SpawnError(f"spawn({fn.__name__}): rank {rank} raised:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(out) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [out[r] for r in range(world_size)]
+
+
+def _worker(fn, rank, world_size, init_method, timeout, args, results) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        dist.init_process_group(
+            "gloo", init_method=init_method, rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        value = fn(rank, world_size, *args)
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

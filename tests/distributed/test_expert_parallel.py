@@ -1,0 +1,159 @@
+"""Expert parallelism on 2 and 4 gloo ranks: each rank's step equals the eager model on its own batch.
+
+Every case compiles a fresh copy of a model with ``options={"ep_group": "world"}``
+and runs forward + backward on the rank's local batch; the eager model (all E
+experts on every rank) runs the same batch. Checked per rank: the output and the
+input gradient; the router's gradient; the expert gradients summed over the
+ranks (what a data-parallel all-reduce gives), and that with replicated weights a
+rank's gradient is zero outside its own experts.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe_compile.testing import spawn
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    model: str                      # "gshard" (stacked, fixed capacity), "sort" (stacked, dropless), "loop" (ModuleList)
+    num_experts: int
+    top_k: int
+    sharded: bool = False
+    capacity_factor: float | None = None   # options["capacity_factor"]; None keeps the model's
+    tokens: str = "random"          # "random" or "equal": every token routed alike, one expert gets all
+    unequal_batches: bool = False   # rank r has 6 + 3r tokens
+
+
+def _model(case: Case) -> torch.nn.Module:
+    torch.manual_seed(0)  # the same parameters on every rank
+    if case.model == "gshard":
+        from tests.models.gshard import GShardMoE
+
+        return GShardMoE(8, 16, case.num_experts, top_k=case.top_k, capacity_factor=1.0)
+    if case.model == "sort":
+        from tests.models.sort import SortMoE
+
+        return SortMoE(8, 16, case.num_experts, top_k=case.top_k)
+    from tests.models.loop import LoopMoE
+
+    return LoopMoE(8, 16, case.num_experts, top_k=case.top_k)
+
+
+def _batch(case: Case, rank: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 + rank)
+    tokens = 6 + 3 * rank if case.unequal_batches else 8
+    x = torch.randn(2, tokens, 8, generator=gen)
+    if case.tokens == "equal":
+        x = x[:1, :1].expand_as(x).clone()
+    return x
+
+
+def _is_expert(name: str) -> bool:
+    return name.split(".")[0] in ("w1", "w2", "w3", "w1_ep_shard", "w2_ep_shard", "w3_ep_shard", "experts")
+
+
+def _run_case(rank: int, world_size: int, case: Case) -> None:
+    import moe_compile
+
+    model = _model(case)
+    eager = copy.deepcopy(model)
+    x = _batch(case, rank)
+    if case.sharded:
+        kept = moe_compile.shard_experts(model, "world", x)
+        assert kept, case
+    options = {"ep_group": "world", "inner": "eager", "capacity_factor": case.capacity_factor}
+    compiled = torch.compile(model, backend="moe", fullgraph=True, options=options)
+    moe_compile.counters.clear()
+
+    x_c, x_e = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_c = compiled(x_c)
+    assert moe_compile.counters["regions_expert_parallel"] == 1, (case, dict(moe_compile.counters))
+    out_e = _eager_with_capacity(eager, x_e, case)
+    torch.testing.assert_close(out_c, out_e, **TOL, msg=lambda m: f"{case.name} rank {rank} output: {m}")
+    (out_c ** 2).sum().backward()
+    (out_e ** 2).sum().backward()
+    torch.testing.assert_close(x_c.grad, x_e.grad, **TOL, msg=lambda m: f"{case.name} rank {rank} input grad: {m}")
+
+    eager_grads = dict(eager.named_parameters())
+    summed = {}
+    for name, p in eager_grads.items():
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        summed[name] = g
+    num_local = case.num_experts // world_size
+    local = range(rank * num_local, (rank + 1) * num_local)
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{case.name}: no grad for {name}"
+        if not _is_expert(name):
+            expected = eager_grads[name].grad                         # the router: data parallel
+        elif name.endswith("_ep_shard"):
+            expected = summed[name.removesuffix("_ep_shard")][local.start:local.stop]
+        elif name.startswith("experts."):
+            expert = int(name.split(".")[1])
+            expected = summed[name] if expert in local else torch.zeros_like(summed[name])
+        else:                                                         # replicated stacked [E, ...]
+            expected = torch.zeros_like(summed[name])
+            expected[local.start:local.stop] = summed[name][local.start:local.stop]
+        torch.testing.assert_close(p.grad, expected, **TOL, msg=lambda m: f"{case.name} rank {rank} grad {name}: {m}")
+
+
+def _eager_with_capacity(model, x, case: Case):
+    """The eager reference; a ``capacity_factor`` override is applied by running the GShard model's own formula."""
+    if case.capacity_factor is None:
+        return model(x)
+    # Models whose capacity the override replaces are compared with the compiled model on one rank
+    # (no group): its canonical single-device form is checked against eager by tests/passes.
+    import moe_compile
+
+    single = torch.compile(model, backend="moe", fullgraph=True,
+                           options={"capacity_factor": case.capacity_factor, "inner": "eager"})
+    return single(x)
+
+
+def _run_cases(rank: int, world_size: int, cases: list[Case]) -> int:
+    for case in cases:
+        torch._dynamo.reset()
+        try:
+            _run_case(rank, world_size, case)
+        except Exception as e:
+            raise AssertionError(f"case {case.name!r} on rank {rank} of {world_size}") from e
+    return len(cases)
+
+
+CASES_2 = [
+    Case("gshard k=2 fixed capacity, unequal batches", "gshard", 4, 2, unequal_batches=True),
+    Case("gshard k=2 overflow (all tokens to one expert)", "gshard", 4, 2, tokens="equal"),
+    Case("gshard k=1 sharded, overflow", "gshard", 4, 1, sharded=True, tokens="equal"),
+    Case("sort k=2 dropless, unequal batches", "sort", 4, 2, unequal_batches=True),
+    Case("sort k=1 dropless sharded, zero-token experts", "sort", 4, 1, sharded=True, tokens="equal"),
+    Case("sort k=2 cf=-0.5 adaptive", "sort", 4, 2, capacity_factor=-0.5),
+    Case("sort k=2 cf=0.5 fixed with overflow, sharded", "sort", 4, 2, sharded=True, capacity_factor=0.5),
+    Case("loop k=2 replicated", "loop", 4, 2),
+    Case("loop k=2 sharded, unequal batches", "loop", 4, 2, sharded=True, unequal_batches=True),
+]
+
+CASES_4 = [
+    Case("gshard k=2 replicated, unequal batches", "gshard", 8, 2, unequal_batches=True),
+    Case("sort k=1 sharded, all tokens to one expert", "sort", 8, 1, sharded=True, tokens="equal"),
+    Case("sort k=2 cf=0 sharded", "sort", 8, 2, sharded=True, capacity_factor=0),
+    Case("loop k=2 sharded, cf=-1", "loop", 8, 2, sharded=True, capacity_factor=-1.0),
+]
+
+
+def test_expert_parallel_2_ranks():
+    assert spawn(_run_cases, 2, CASES_2) == [len(CASES_2)] * 2
+
+
+def test_expert_parallel_4_ranks():
+    assert spawn(_run_cases, 4, CASES_4) == [len(CASES_4)] * 4
