@@ -22,7 +22,7 @@ from .config import ConfigError, MoECompileConfig, config
 from .counters import counters
 from .debug import GraphDumper
 from .collectives import resolve_group
-from .passes import Canonicalize, Detect, ExpertParallel, PassManager
+from .passes import Canonicalize, Detect, DropDeadCollectives, ExpertParallel, PassManager
 
 __all__ = ["moe_backend", "stage1_passes", "stage2_passes"]
 
@@ -35,8 +35,8 @@ def stage1_passes(cfg: MoECompileConfig) -> list:
 
 
 def stage2_passes(cfg: MoECompileConfig) -> list:
-    """Order-only passes on the AOTAutograd forward / backward graphs (none yet)."""
-    return []
+    """Passes on the AOTAutograd forward / backward graphs: order only, semantics unchanged."""
+    return [DropDeadCollectives()]
 
 
 def moe_backend(

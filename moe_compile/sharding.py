@@ -25,8 +25,8 @@ After::
 The model's own code still reads ``moe.w1`` with its full shape, so Dynamo traces
 it unchanged; the expert-parallel pass replaces the placeholder by the local
 shard (a parameter of the compiled graph) and raises if a placeholder is used
-anywhere else. Run eagerly, a sharded model computes NaN, never a silently
-wrong number. Parameter memory per rank is (non-expert) + (expert) / P.
+anywhere else. Run eagerly (not compiled), a sharded model gives NaN for every
+token a remote expert contributes to, never a silently wrong number. Parameter memory per rank is (non-expert) + (expert) / P.
 
 Gradients: a local shard's gradient is the sum over the EP group of every rank's
 tokens routed to those experts, which is what a data-parallel all-reduce (sum) of

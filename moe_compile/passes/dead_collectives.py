@@ -1,0 +1,78 @@
+"""Drop functional collectives whose result nobody reads (stage 2, forward and backward graphs).
+
+AOTAutograd's partitioner builds the backward graph by copying every joint-graph
+node whose inputs the backward has (saved activations, tangents), then removes
+dead code, except nodes with side effects. A forward all-to-all whose input
+happens to be saved for the backward is therefore copied into the backward
+graph, unused but kept: it would run a second, useless exchange every step
+(and torch warns about "unwaited collective calls" at exit).
+
+Before (backward graph; the forward's dispatch recomputed only to feed it)::
+
+    rows = wait_tensor(all_reduce(moe.capacity(ids, E, C), "max", ep))
+    buf = moe.dispatch(x, ids, E, C, rows)[0]
+    a2a = _c10d_functional_autograd.all_to_all_single(buf.view(-1, M), splits, splits, ep)   # 0 users
+    ...
+    g = wait_tensor(_c10d_functional.all_to_all_single(grad, splits, splits, ep))     # the real one
+
+After::
+
+    ...
+    g = wait_tensor(_c10d_functional.all_to_all_single(grad, splits, splits, ep))
+
+Contract: only a collective with no user at all (not even a ``wait_tensor``) is
+removed, or a ``wait_tensor`` with no user and then its collective; then dead
+code, which can leave more such collectives, until nothing changes. Every rank
+compiles the same graph, so every rank drops the same collectives and the
+remaining ones still match across ranks.
+"""
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..debug import log
+from .manager import PassResult
+
+__all__ = ["DropDeadCollectives"]
+
+_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
+
+
+def _is_collective(node: Node) -> bool:
+    target = node.target
+    return (
+        node.op == "call_function"
+        and isinstance(target, torch._ops.OpOverload)
+        and target.namespace in _NAMESPACES
+        and target is not torch.ops._c10d_functional.wait_tensor.default
+    )
+
+
+def _is_wait(node: Node) -> bool:
+    return node.op == "call_function" and node.target is torch.ops._c10d_functional.wait_tensor.default
+
+
+class DropDeadCollectives:
+    """Stage-2 pass: see the module docstring."""
+
+    name = "drop_dead_collectives"
+
+    def __call__(self, gm: GraphModule) -> PassResult:
+        dropped: list[str] = []
+        while True:  # dropping a collective can make the wait or collective feeding its input dead
+            before = len(dropped)
+            for node in reversed(list(gm.graph.nodes)):
+                if node.users:
+                    continue
+                if (_is_wait(node) and isinstance(node.args[0], Node) and _is_collective(node.args[0])) or (
+                    _is_collective(node)
+                ):
+                    dropped.append(node.name)
+                    gm.graph.erase_node(node)
+            if len(dropped) == before:
+                break
+            gm.graph.eliminate_dead_code()
+        if dropped:
+            log.info("moe_compile: dropped %d unused collectives: %s", len(dropped), ", ".join(dropped))
+        return PassResult(gm, bool(dropped))

@@ -1,0 +1,214 @@
+"""The expert-parallel rewrite on the fake process group: graph shape, errors, sharded parameter memory.
+
+No process is spawned: torch's fake process group accepts every collective
+without communicating, which is enough to trace and count (numerics across real
+ranks are in tests/distributed/test_expert_parallel.py).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import moe_compile
+import moe_compile.backend
+from moe_compile import ConfigError
+from moe_compile.passes import PassResult
+from tests.models.gshard import GShardMoE
+from tests.models.loop import LoopMoE
+from tests.models.sort import SortMoE
+
+A2A = {
+    torch.ops._c10d_functional.all_to_all_single.default,
+    torch.ops._c10d_functional_autograd.all_to_all_single.default,
+}
+
+
+@pytest.fixture
+def fake_group():
+    def init(world_size, rank=0):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def aot_graphs(monkeypatch):
+    """The AOTAutograd forward / backward graphs, recorded by a stage-2 pass."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    class Record:
+        name = "record"
+
+        def __call__(self, gm):
+            graphs.append(gm)
+            return PassResult(gm, False)
+
+    stage2 = moe_compile.backend.stage2_passes
+    monkeypatch.setattr(moe_compile.backend, "stage2_passes", lambda cfg: [*stage2(cfg), Record()])
+    return graphs
+
+
+def _count(gm, targets) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in targets)
+
+
+def _train_step(model, x, options):
+    compiled = torch.compile(model, backend="moe", fullgraph=True, options={"inner": "eager", **options})
+    out = compiled(x)
+    out.float().pow(2).sum().backward()
+    return out
+
+
+@pytest.mark.parametrize("model", [
+    GShardMoE(8, 16, 4, top_k=2), SortMoE(8, 16, 4, top_k=1), LoopMoE(8, 16, 4, top_k=2),
+], ids=["gshard", "sort", "loop"])
+def test_forward_and_backward_each_hold_two_all_to_alls(fake_group, aot_graphs, model):
+    fake_group(2)
+    # x requires grad as in any layer but the first; else the backward needs no all-to-all to reach it
+    _train_step(model, torch.randn(2, 6, 8, requires_grad=True), {"ep_group": "world"})
+    forward, backward = aot_graphs
+    assert _count(forward, A2A) == 2
+    assert _count(backward, A2A) == 2
+    assert _count(forward, {torch.ops._c10d_functional.all_reduce.default}) == 1  # the capacity agreement
+    waits = {torch.ops._c10d_functional.wait_tensor.default}
+    assert _count(forward, waits) == 3 and _count(backward, waits) == 2
+    # the partitioner copies forward collectives into the backward unused; drop_dead_collectives removes them
+    collectives = A2A | waits | {torch.ops._c10d_functional.all_reduce.default}
+    assert all(n.users for g in aot_graphs for n in g.graph.nodes if n.target in collectives)
+    assert moe_compile.counters["regions_expert_parallel"] == 1
+
+
+def test_dynamo_graph_order(fake_group, tmp_path):
+    """dispatch → all_to_all → local experts → all_to_all → combine, the experts on [El, P·R, M]."""
+    fake_group(4, rank=1)
+    _train_step(GShardMoE(8, 16, 8, top_k=2), torch.randn(12, 8), {"ep_group": "world", "debug_dir": str(tmp_path)})
+    code = next(tmp_path.glob("rank*/graph*/*_expert_parallel_after.py")).read_text()
+    order = ["moe.capacity.default", "_c10d_functional.all_reduce.default", "moe.dispatch.default",
+             "all_to_all_single.default", "moe.experts.default", "all_to_all_single.default", "moe.combine.default"]
+    at = 0
+    for op in order:
+        at = code.index(op, at)
+    # rank 1 of 4 with E = 8 slices experts 2..3 of the replicated weights
+    assert "slice(2, 4, None)" in code
+
+
+def test_single_rank_inserts_no_collective(fake_group, aot_graphs):
+    fake_group(1)
+    _train_step(GShardMoE(8, 16, 4), torch.randn(6, 8), {"ep_group": "world"})
+    assert all(_count(g, A2A) == 0 for g in aot_graphs)
+    assert moe_compile.counters["regions_expert_parallel"] == 0
+
+
+def test_experts_not_divisible_by_group_is_a_compile_error(fake_group):
+    fake_group(4)
+    with pytest.raises(Exception, match=r"E=6 experts, not divisible by the expert-parallel group size P=4"):
+        _train_step(GShardMoE(8, 16, 6), torch.randn(6, 8), {"ep_group": "world"})
+
+
+def test_ep_group_needs_an_initialized_process_group():
+    with pytest.raises(Exception, match=r"options\['ep_group'\].*not initialized"):
+        _train_step(GShardMoE(8, 16, 4), torch.randn(6, 8), {"ep_group": "world"})
+
+
+@pytest.mark.parametrize("bad", ["everyone", 2, [0, 1]])
+def test_bad_ep_group_names_the_option(bad):
+    with pytest.raises(ConfigError, match=r"options\['ep_group'\].*ProcessGroup"):
+        moe_compile.config.merged({"ep_group": bad})
+
+
+def test_device_mesh_dimension(fake_group, aot_graphs):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fake_group(4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    _train_step(GShardMoE(8, 16, 4), torch.randn(6, 8), {"ep_group": (mesh, "ep")})
+    forward, _ = aot_graphs
+    groups = {n.args[3] for n in forward.graph.nodes if n.target in A2A}
+    assert groups == {mesh.get_group("ep").group_name}
+
+
+def _parameter_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _placeholder_bytes(model) -> int:
+    return sum(t.untyped_storage().nbytes() for m in model.modules() for t in vars(m).values()
+               if isinstance(t, torch.Tensor) and moe_compile.sharding.expert_shard(t) is not None)
+
+
+@pytest.mark.parametrize("make", [lambda: GShardMoE(16, 64, 8), lambda: LoopMoE(16, 64, 8)], ids=["stacked", "modulelist"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_shard_experts_keeps_E_over_P_experts(fake_group, make, world_size):
+    fake_group(world_size, rank=world_size - 1)
+    model = make()
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "w" in n and "wg" not in n
+                       and "gate" not in n)
+    dense_bytes = _parameter_bytes(model)
+    x = torch.randn(2, 6, 16)
+    kept = moe_compile.shard_experts(model, "world", x)
+    assert _parameter_bytes(model) == dense_bytes - expert_bytes + expert_bytes // world_size
+    assert _placeholder_bytes(model) <= 4 * 8 * 3  # one element per placeholder
+    assert sorted(kept) == sorted(model._ddp_params_and_buffers_to_ignore)
+    assert all(n in dict(model.named_parameters()) for n in kept)
+    with torch.no_grad():
+        assert torch.isnan(model(x)).any()  # run eagerly: NaN wherever a remote expert contributes
+
+
+def test_sharded_local_rows(fake_group):
+    fake_group(4, rank=2)
+    model = GShardMoE(8, 16, 8)
+    w1 = model.w1.detach().clone()
+    assert moe_compile.shard_experts(model, "world", torch.randn(6, 8)) == ["w1_ep_shard", "w2_ep_shard"]
+    torch.testing.assert_close(model.w1_ep_shard, w1[4:6])
+    assert model.w1.shape == w1.shape and model.w1.stride()[0] == 0
+
+
+def test_sharded_graph_reads_the_local_shard(fake_group, aot_graphs):
+    fake_group(2)
+    model = GShardMoE(8, 16, 4)
+    x = torch.randn(6, 8)
+    moe_compile.shard_experts(model, "world", x)
+    _train_step(model, x.requires_grad_(), {"ep_group": "world"})
+    assert model.w1_ep_shard.grad is not None and model.w1_ep_shard.grad.shape == (2, 8, 16)
+    forward, backward = aot_graphs
+    assert _count(forward, A2A) == 2 and _count(backward, A2A) == 2
+
+
+def test_sharded_model_needs_ep_group(fake_group):
+    fake_group(2)
+    model = GShardMoE(8, 16, 4)
+    moe_compile.shard_experts(model, "world", torch.randn(6, 8))
+    with pytest.raises(Exception, match=r"sharded.*options\['ep_group'\] is not set"):
+        _train_step(model, torch.randn(6, 8), {})
+
+
+def test_shard_experts_twice_is_an_error(fake_group):
+    fake_group(2)
+    model = GShardMoE(8, 16, 4)
+    moe_compile.shard_experts(model, "world", torch.randn(6, 8))
+    with pytest.raises(ValueError, match="already sharded"):
+        moe_compile.shard_experts(model, "world", torch.randn(6, 8))
+
+
+def test_capacity_bucket(fake_group, tmp_path):
+    """Dropless: the agreed capacity is a multiple of capacity_bucket; a fixed capacity is never rounded."""
+    fake_group(2)
+    options = {"ep_group": "world", "capacity_bucket": 16, "debug_dir": str(tmp_path)}
+    _train_step(SortMoE(8, 16, 4, top_k=2), torch.randn(10, 8), options)
+    _train_step(GShardMoE(8, 16, 4, top_k=2, capacity_factor=1.0), torch.randn(10, 8), options)
+    dropless, fixed = (p.read_text() for p in sorted(tmp_path.glob("rank0/graph*/*_expert_parallel_after.py")))
+    assert "torch.ops.moe.capacity.default(reshape, 4, 0, 16)" in dropless.replace("reshape_1", "reshape") or \
+        ", 4, 0, 16)" in dropless
+    assert ", 4, 5, 1)" in fixed  # C = ceil(2·1.0·10/4) = 5
+
+    ids = torch.tensor([[0, 1]] * 5 + [[2, 3]] * 2)
+    assert torch.ops.moe.capacity(ids, 4, 0, 16).item() == 16  # need 5 → 16
+    assert torch.ops.moe.capacity(ids, 4, 0, 1).item() == 5
+    assert torch.ops.moe.capacity(ids, 4, -3, 1).item() == 3    # adaptive, capped at 3
+    assert torch.ops.moe.capacity(ids, 4, 4, 1).item() == 4     # fixed
