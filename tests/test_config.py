@@ -124,7 +124,10 @@ def test_from_env_parses_each_type():
         "MOE_COMPILE_DEBUG_DIR": "/tmp/x",
         "MOE_COMPILE_VERIFY_REGIONS": "0",
         "MOE_COMPILE_CAPACITY_FACTOR": "1.5",
+        "MOE_COMPILE_EP_GROUP": "world",
+        "MOE_COMPILE_CAPACITY_BUCKET": "16",
     })
+    assert cfg.ep_group == "world" and cfg.capacity_bucket == 16
     assert cfg.debug_dir == "/tmp/x"
     assert cfg.verify_regions is False
     assert cfg.capacity_factor == 1.5
@@ -145,6 +148,7 @@ def test_from_env_ignores_other_variables():
     ("MOE_COMPILE_REWRITE", "2"),
     ("MOE_COMPILE_CAPACITY_FACTOR", "lots"),
     ("MOE_COMPILE_VERIFY_ATOL", "loose"),
+    ("MOE_COMPILE_CAPACITY_BUCKET", "eight"),
 ])
 def test_unparsable_env_value_names_the_variable(variable, raw):
     with pytest.raises(ConfigError) as info:
@@ -152,7 +156,10 @@ def test_unparsable_env_value_names_the_variable(variable, raw):
     assert variable in str(info.value) and repr(raw) in str(info.value)
 
 
-@pytest.mark.parametrize("variable, raw", [("MOE_COMPILE_INNER", "tvm"), ("MOE_COMPILE_VERIFY_RTOL", "-1")])
+@pytest.mark.parametrize("variable, raw", [
+    ("MOE_COMPILE_INNER", "tvm"), ("MOE_COMPILE_VERIFY_RTOL", "-1"),
+    ("MOE_COMPILE_EP_GROUP", "everyone"), ("MOE_COMPILE_CAPACITY_BUCKET", "0"),
+])
 def test_invalid_env_value_names_the_field(variable, raw):
     field = variable.removeprefix("MOE_COMPILE_").lower()
     with pytest.raises(ConfigError, match=field):
@@ -163,6 +170,12 @@ def test_invalid_env_value_names_the_field(variable, raw):
 def test_invalid_env_value_names_the_variable(variable, raw):
     with pytest.raises(ConfigError, match=variable):
         MoECompileConfig.from_env({variable: raw})
+
+
+@pytest.mark.parametrize("value", [0, -8, 2.5, True, "8"])
+def test_capacity_bucket_must_be_a_positive_int(value):
+    with pytest.raises(ConfigError, match=r"options\['capacity_bucket'\].*integer >= 1"):
+        MoECompileConfig().merged({"capacity_bucket": value})
 
 
 # --------------------------------------------------------------------------- through torch.compile

@@ -34,6 +34,7 @@ class Case:
     capacity_factor: float | None = None   # options["capacity_factor"]; None keeps the model's
     tokens: str = "random"          # "random" or "equal": every token routed alike, one expert gets all
     unequal_batches: bool = False   # rank r has 6 + 3r tokens
+    inner: str = "eager"            # options["inner"]
 
 
 def _model(case: Case) -> torch.nn.Module:
@@ -80,7 +81,7 @@ def _run_case(rank: int, world_size: int, case: Case) -> None:
     if case.sharded:
         kept = moe_compile.shard_experts(model, "world", x)
         assert kept, case
-    options = {"ep_group": "world", "inner": "eager", "capacity_factor": case.capacity_factor}
+    options = {"ep_group": "world", "inner": case.inner, "capacity_factor": case.capacity_factor}
     compiled = torch.compile(model, backend="moe", fullgraph=True, options=options)
     moe_compile.counters.clear()
 
@@ -178,3 +179,9 @@ def test_hf_mixtral_2_ranks():
     """The foundation's Hugging Face Mixtral test (grouped_mm experts, both MoE layers) with P = 2."""
     pytest.importorskip("transformers")
     assert spawn(_run_cases, 2, CASES_MIXTRAL) == [len(CASES_MIXTRAL)] * 2
+
+
+def test_inductor_inner_2_ranks():
+    """Inductor as the inner compiler lowers the functional collectives and the data-dependent capacity."""
+    cases = [Case("gshard k=2 inductor, unequal batches", "gshard", 4, 2, unequal_batches=True, inner="inductor")]
+    assert spawn(_run_cases, 2, cases) == [1, 1]
