@@ -212,3 +212,20 @@ def test_capacity_bucket(fake_group, tmp_path):
     assert torch.ops.moe.capacity(ids, 4, 0, 1).item() == 5
     assert torch.ops.moe.capacity(ids, 4, -3, 1).item() == 3    # adaptive, capped at 3
     assert torch.ops.moe.capacity(ids, 4, 4, 1).item() == 4     # fixed
+
+
+def test_process_group_object(fake_group, aot_graphs):
+    fake_group(2)
+    _train_step(GShardMoE(8, 16, 4), torch.randn(6, 8, requires_grad=True), {"ep_group": dist.group.WORLD})
+    assert _count(aot_graphs[0], A2A) == 2
+
+
+def test_sharded_with_another_group_is_an_error(fake_group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fake_group(4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    model = GShardMoE(8, 16, 4)
+    moe_compile.shard_experts(model, (mesh, "ep"), torch.randn(6, 8))
+    with pytest.raises(Exception, match=r"sharded for rank 0 of 2 but options\['ep_group'\] is rank 0 of 4"):
+        _train_step(model, torch.randn(6, 8), {"ep_group": "world"})
