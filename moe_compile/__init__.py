@@ -6,10 +6,20 @@ No import is needed for that line (the backend is an entry point); import the
 package for its configuration and counters.
 """
 from . import ops
-from .config import ConfigError, MoECompileConfig, config
+from .config import ConfigError, MoECompileConfig, config  # noqa: I001  (first: collectives import it)
+from .collectives import Compressor, register_compressor
 from .counters import counters
 from .sharding import shard_experts
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "MoECompileConfig", "config", "counters", "ops", "shard_experts"]
+__all__ = [
+    "Compressor",
+    "ConfigError",
+    "MoECompileConfig",
+    "config",
+    "counters",
+    "ops",
+    "register_compressor",
+    "shard_experts",
+]

@@ -58,6 +58,12 @@ class MoECompileConfig:
     #: With expert parallelism and a data-dependent capacity (dropless or adaptive), the
     #: capacity agreed over the group is rounded up to a multiple of this many rows.
     capacity_bucket: int = 8
+    #: Compressor of the expert-parallel all-to-all (ScheMoE §5), forward and backward:
+    #: "none", "fp16", "bf16", "int8", "fp8", "zfp", or a name given to register_compressor.
+    compressor: str = "none"
+    #: Raise (FloatingPointError) when a tensor about to be compressed holds NaN or Inf,
+    #: instead of letting the compressor propagate them as NaN. Costs a host sync per exchange.
+    nan_check: bool = False
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> MoECompileConfig:
@@ -67,7 +73,13 @@ class MoECompileConfig:
                 f"options['inner']={self.inner!r}: not an inner compiler; choose one of "
                 f"{', '.join(INNER_COMPILERS)}"
             )
-        for name in ("rewrite", "verify_regions"):
+        if not isinstance(self.compressor, str):
+            raise ConfigError(f"options['compressor']={self.compressor!r}: expected a compressor name (a string)")
+        if self.compressor != "none":
+            from .collectives.compressors import get_compressor
+
+            get_compressor(self.compressor)
+        for name in ("rewrite", "verify_regions", "nan_check"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"options[{name!r}]={getattr(self, name)!r}: expected True or False")
         cf = self.capacity_factor

@@ -12,7 +12,8 @@ Before (the canonical layer)::
     y = moe.experts(buf, w1, w2, w3, act)                   # all E experts, [E, C, M]
     out = moe.combine(y, ids, loc, w)
 
-After (rank r)::
+After (rank r; with ``config.compressor`` each ``all_to_all_single(t)`` is
+``moe.decompress(all_to_all_single(moe.compress(t)))``, ScheMoE's C → A → D)::
 
     need = moe.capacity(ids, E, C, bucket)                  # rows this batch needs, [1]
     rows = wait_tensor(all_reduce(need, "max", ep))          # agreed over the group
@@ -49,6 +50,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .. import ops  # noqa: F401  (registers torch.ops.moe.*)
+from ..collectives import compressors  # noqa: F401  (registers torch.ops.moe.compress / decompress)
 from ..collectives import EPGroup, emit_all_reduce_max, emit_all_to_all
 from ..config import ConfigError, MoECompileConfig
 from ..counters import counters
@@ -175,11 +177,21 @@ def _rewrite(gm: GraphModule, match: ExpertParallelMatch, group: EPGroup, cfg, l
         rows = emit_all_reduce_max(graph, need, group)
     dispatch.args = (*dispatch.args[:4], rows)
 
-    # 2. A1: buffer rows to the owners of their experts; A2: expert outputs back
+    # 2. A1: buffer rows to the owners of their experts; A2: expert outputs back (compressed: C, A, D)
+    token_dtype = _dtype(dispatch.args[0])
+    expert_dtype = _dtype(experts.args[1])  # moe.experts computes in its weights' dtype
+
+    def exchange(rows: Node, per_peer: Node, dtype: torch.dtype) -> Node:
+        if cfg.compressor == "none":
+            return emit_all_to_all(graph, rows, per_peer, group)
+        payload = call(torch.ops.moe.compress.default, rows, cfg.compressor, "torch", cfg.nan_check)
+        received = emit_all_to_all(graph, payload, per_peer, group)
+        return call(torch.ops.moe.decompress.default, received, cfg.compressor, model_dim, dtype, "torch")
+
     with graph.inserting_before(experts):
         per_peer = call(operator.mul, call(torch.ops.aten.sym_size.int, match.buffer, 1), num_local)
         send = call("reshape", match.buffer, (-1, model_dim), method=True)
-        recv = emit_all_to_all(graph, send, per_peer, group)
+        recv = exchange(send, per_peer, token_dtype)
         recv = call("view", recv, (group.size, num_local, -1, model_dim), method=True)
         local_in = call("reshape", call("transpose", recv, 0, 1, method=True), (num_local, -1, model_dim), method=True)
         weights = [local_weights(w, num_experts) if w is not None else None for w in experts.args[1:4]]
@@ -187,7 +199,7 @@ def _rewrite(gm: GraphModule, match: ExpertParallelMatch, group: EPGroup, cfg, l
     with graph.inserting_before(experts.next):
         back = call("view", experts, (num_local, group.size, -1, model_dim), method=True)
         send_back = call("reshape", call("transpose", back, 0, 1, method=True), (-1, model_dim), method=True)
-        returned = emit_all_to_all(graph, send_back, per_peer, group)
+        returned = exchange(send_back, per_peer, expert_dtype)
         full = call("view", returned, (num_experts, -1, model_dim), method=True)
     match.combine.replace_input_with(experts, full)
 
@@ -271,6 +283,16 @@ class _LocalWeights:
             if node not in erased and not node.users:
                 self.gm.graph.erase_node(node)
                 erased.add(node)
+
+
+def _dtype(node: Node) -> torch.dtype:
+    """dtype of a node; canonical weight views (transpose, slice, stack) carry no meta, their source does."""
+    while example_value(node) is None and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    value = example_value(node)
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"no dtype known for {node.name}")
+    return value.dtype
 
 
 def _sharded_placeholders(gm: GraphModule) -> dict[Node, ExpertShard]:
