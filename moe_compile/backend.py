@@ -22,7 +22,7 @@ from .config import ConfigError, MoECompileConfig, config
 from .counters import counters
 from .debug import GraphDumper
 from .collectives import resolve_group
-from .passes import Canonicalize, Detect, DropDeadCollectives, ExpertParallel, PassManager
+from .passes import Canonicalize, Detect, DropDeadCollectives, ExpertParallel, Lower, PassManager
 
 __all__ = ["moe_backend", "stage1_passes", "stage2_passes"]
 
@@ -36,7 +36,7 @@ def stage1_passes(cfg: MoECompileConfig) -> list:
 
 def stage2_passes(cfg: MoECompileConfig) -> list:
     """Passes on the AOTAutograd forward / backward graphs: order only, semantics unchanged."""
-    return [DropDeadCollectives()]
+    return [DropDeadCollectives(), Lower(cfg)]
 
 
 def moe_backend(

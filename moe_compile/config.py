@@ -21,6 +21,7 @@ from typing import Any
 __all__ = ["ConfigError", "MoECompileConfig", "config", "INNER_COMPILERS"]
 
 INNER_COMPILERS = ("auto", "eager", "inductor")
+KERNELS = ("auto", "triton", "torch")
 _ENV_PREFIX = "MOE_COMPILE_"
 
 
@@ -64,6 +65,10 @@ class MoECompileConfig:
     #: Raise (FloatingPointError) when a tensor about to be compressed holds NaN or Inf,
     #: instead of letting the compressor propagate them as NaN. Costs a host sync per exchange.
     nan_check: bool = False
+    #: Which implementation the ``lower`` pass gives encode/decode and (de)quantization:
+    #: "auto" = the Triton kernels for graphs on CUDA, else the torch references;
+    #: "triton" = always the kernels (on CPU they need TRITON_INTERPRET=1); "torch" = never.
+    kernels: str = "auto"
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> MoECompileConfig:
@@ -73,6 +78,8 @@ class MoECompileConfig:
                 f"options['inner']={self.inner!r}: not an inner compiler; choose one of "
                 f"{', '.join(INNER_COMPILERS)}"
             )
+        if self.kernels not in KERNELS:
+            raise ConfigError(f"options['kernels']={self.kernels!r}: choose one of {', '.join(KERNELS)}")
         if not isinstance(self.compressor, str):
             raise ConfigError(f"options['compressor']={self.compressor!r}: expected a compressor name (a string)")
         if self.compressor != "none":

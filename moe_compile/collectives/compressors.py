@@ -196,7 +196,14 @@ def compress(x: Tensor, compressor: str, impl: str = "torch", nan_check: bool = 
         raise FloatingPointError(
             f"moe.compress({compressor!r}): {bad} non-finite values in the all-to-all input (nan_check=True)"
         )
-    return get_compressor(compressor).compress(x, impl)
+    return _fresh(get_compressor(compressor).compress(x, impl), x)
+
+
+def _fresh(out: Tensor, source: Tensor) -> Tensor:
+    """A custom op may not return (a view of) its input: a no-op cast or view is cloned."""
+    if out.numel() and out.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+        return out.clone()
+    return out
 
 
 @compress.register_fake
@@ -211,7 +218,7 @@ def _compress_fake(x, compressor, impl="torch", nan_check=False):
 @torch.library.custom_op("moe::decompress", mutates_args=())
 def decompress(payload: Tensor, compressor: str, model_dim: int, dtype: torch.dtype, impl: str = "torch") -> Tensor:
     """D: payload ``[R, W]`` → rows ``[R, model_dim]`` of ``dtype``."""
-    return get_compressor(compressor).decompress(payload, model_dim, dtype, impl)
+    return _fresh(get_compressor(compressor).decompress(payload, model_dim, dtype, impl), payload)
 
 
 @decompress.register_fake

@@ -1,1 +1,58 @@
-"""Triton kernels for encode/decode and quantization, one module per kernel (issue: compression)."""
+"""Triton kernels of the canonical ops, one module per kernel, each beside its torch reference.
+
+- :mod:`.encode`: Tutel fast encode, tokens → ``[E, C, M]`` buffer by locations (``moe.encode_triton``).
+- :mod:`.decode`: fast decode, the gate-weighted combine and its backward (``moe.decode_triton``,
+  ``moe.decode_backward_triton``).
+- :mod:`.int8`: per-row absmax int8 quantization into a byte payload (compressor ``int8``).
+- :mod:`.fp8`: per-row scaled fp8 e4m3 bytes, bit arithmetic (compressor ``fp8``).
+- :mod:`.zfp`: fixed-rate block floating point, 16 values share an exponent (compressor ``zfp``).
+
+Importing ``moe_compile`` does not import Triton: the ``lower`` pass calls
+:func:`load` when it swaps the torch references for these kernels (on CUDA, or
+everywhere with ``kernels="triton"``, where CPU tensors need the interpreter,
+``TRITON_INTERPRET=1``).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+
+__all__ = ["available", "load"]
+
+KERNEL_MODULES = ("encode", "decode", "int8", "fp8", "zfp")
+
+
+def available(device: str = "cuda") -> bool:
+    """Whether the kernels can run on ``device`` here (Triton importable; CPU needs the interpreter)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    if device == "cpu":
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    return torch.cuda.is_available()
+
+
+@functools.cache
+def load() -> None:
+    """Import every kernel module (registers ``torch.ops.moe.*_triton``) and the CUDA ``moe::dispatch``."""
+    for name in KERNEL_MODULES:
+        importlib.import_module(f"{__name__}.{name}")
+    _register_cuda_dispatch()
+
+
+def _register_cuda_dispatch() -> None:
+    """``moe::dispatch`` on CUDA fills its buffer with the Triton encode kernel (locations stay torch)."""
+    from ..ops.dispatch import expert_locations
+    from .encode import encode_triton
+
+    @torch.library.register_kernel("moe::dispatch", "cuda")
+    def _dispatch_cuda(x, expert_ids, num_experts, capacity, rows=None):
+        ids = expert_ids.long()
+        locations, buffer_capacity = expert_locations(
+            ids, num_experts, capacity, None if rows is None else int(rows.reshape(-1)[0])
+        )
+        return encode_triton(x, ids, locations, num_experts, buffer_capacity), locations

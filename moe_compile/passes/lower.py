@@ -1,0 +1,104 @@
+"""Lower: swap the canonical ops' torch references for the Triton kernels (stage 2).
+
+Runs on the AOTAutograd forward and backward graphs, after autograd is settled,
+so a swap only has to compute the same values (DESIGN.md "Triton kernels").
+``config.kernels``: ``"auto"`` lowers graphs whose tensors are on CUDA,
+``"triton"`` lowers every graph (on CPU the kernels then run in Triton's
+interpreter, which is how the tests check the lowered graphs), ``"torch"``
+never lowers.
+
+Before::
+
+    y      = moe.combine(expert_out, ids, loc, w)
+    g_x    = moe.dispatch_backward(g_buf, ids, loc)
+    g_o, g_w = moe.combine_backward(g_y, expert_out, ids, loc, w)
+    p      = moe.compress(rows, "int8", "torch")
+    rows   = moe.decompress(p, "int8", M, float32, "torch")
+
+After::
+
+    y      = moe.decode_triton(expert_out, ids, loc, w)          # Tutel fast decode
+    g_x    = moe.decode_triton(g_buf, ids, loc, None)            # weight-1 decode
+    g_o, g_w = moe.decode_backward_triton(g_y, expert_out, ids, loc, w)
+    p      = moe.compress(rows, "int8", "triton")
+    rows   = moe.decompress(p, "int8", M, float32, "triton")
+
+``moe.dispatch`` is not swapped here: its capacity is computed inside the op (a
+data-dependent size), so its CUDA kernel registration fills the buffer with the
+Triton encode kernel instead. A compressor without kernels (fp16, bf16, user
+compressors) keeps ``impl="torch"``.
+"""
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..config import MoECompileConfig
+from ..debug import log
+from .graph_utils import example_value
+from .manager import PassResult
+
+__all__ = ["Lower"]
+
+#: compressors whose codec module has ``<name>_compress_triton`` / ``<name>_decompress_triton``
+TRITON_CODECS = ("int8", "fp8", "zfp")
+
+
+class Lower:
+    """Stage-2 pass: see the module docstring."""
+
+    name = "lower"
+
+    def __init__(self, cfg: MoECompileConfig):
+        self.cfg = cfg
+
+    def __call__(self, gm: GraphModule) -> PassResult:
+        on_cuda = _on_cuda(gm)
+        if self.cfg.kernels == "torch" or (self.cfg.kernels == "auto" and not on_cuda):
+            return PassResult(gm, False)
+        from .. import triton_kernels
+
+        if not triton_kernels.available("cuda" if on_cuda else "cpu"):
+            log.warning("moe_compile: kernels=%r but Triton cannot run here (on CPU it needs TRITON_INTERPRET=1); "
+                        "the torch references stay", self.cfg.kernels)
+            return PassResult(gm, False)
+        triton_kernels.load()  # registers torch.ops.moe.*_triton
+        moe = torch.ops.moe
+        swaps = 0
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function":
+                continue
+            if node.target is moe.combine.default:
+                node.target = moe.decode_triton.default
+            elif node.target is moe.dispatch_backward.default:
+                node.target = moe.decode_triton.default
+                node.args = (*node.args, None)
+            elif node.target is moe.combine_backward.default:
+                node.target = moe.decode_backward_triton.default
+            elif node.target in (moe.compress.default, moe.decompress.default) and node.args[1] in TRITON_CODECS:
+                node.args, node.kwargs = _with_impl(node), {}
+            else:
+                continue
+            swaps += 1
+        if swaps:
+            log.info("moe_compile: lowered %d ops to Triton kernels", swaps)
+        return PassResult(gm, bool(swaps))
+
+
+def _with_impl(node: Node) -> tuple:
+    """``impl="triton"`` as a positional argument (compress: arg 2, decompress: arg 4)."""
+    position = 2 if node.target is torch.ops.moe.compress.default else 4
+    names = ("x", "compressor", "impl", "nan_check") if position == 2 else (
+        "payload", "compressor", "model_dim", "dtype", "impl")
+    defaults = {"impl": "torch", "nan_check": False}
+    args = list(node.args) + [node.kwargs.get(n, defaults.get(n)) for n in names[len(node.args):]]
+    args[position] = "triton"
+    return tuple(args)
+
+
+def _on_cuda(gm: GraphModule) -> bool:
+    for node in gm.graph.nodes:
+        value = example_value(node)
+        if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+            return True
+    return False
