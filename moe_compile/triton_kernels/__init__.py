@@ -20,7 +20,7 @@ import os
 
 import torch
 
-__all__ = ["available", "load"]
+__all__ = ["available", "dispatch_triton", "load"]
 
 KERNEL_MODULES = ("encode", "decode", "int8", "fp8", "zfp")
 
@@ -44,15 +44,18 @@ def load() -> None:
     _register_cuda_dispatch()
 
 
-def _register_cuda_dispatch() -> None:
-    """``moe::dispatch`` on CUDA fills its buffer with the Triton encode kernel (locations stay torch)."""
+def dispatch_triton(x, expert_ids, num_experts: int, capacity: int, rows=None):
+    """``moe::dispatch`` with the buffer filled by the Triton encode kernel (locations computed by torch)."""
     from ..ops.dispatch import expert_locations
     from .encode import encode_triton
 
-    @torch.library.register_kernel("moe::dispatch", "cuda")
-    def _dispatch_cuda(x, expert_ids, num_experts, capacity, rows=None):
-        ids = expert_ids.long()
-        locations, buffer_capacity = expert_locations(
-            ids, num_experts, capacity, None if rows is None else int(rows.reshape(-1)[0])
-        )
-        return encode_triton(x, ids, locations, num_experts, buffer_capacity), locations
+    ids = expert_ids.long()
+    locations, buffer_capacity = expert_locations(
+        ids, num_experts, capacity, None if rows is None else int(rows.reshape(-1)[0])
+    )
+    return encode_triton(x, ids, locations, num_experts, buffer_capacity), locations
+
+
+def _register_cuda_dispatch() -> None:
+    """``moe::dispatch`` on CUDA runs :func:`dispatch_triton`."""
+    torch.library.register_kernel("moe::dispatch", "cuda")(dispatch_triton)
