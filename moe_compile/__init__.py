@@ -9,6 +9,8 @@ from . import ops
 from .config import ConfigError, MoECompileConfig, config  # noqa: I001  (first: collectives import it)
 from .collectives import Compressor, register_compressor
 from .counters import counters
+from .passes import PassResult
+from .passes.registry import register_pass, unregister_pass
 from .sharding import shard_experts
 
 __version__ = "0.1.0"
@@ -20,6 +22,9 @@ __all__ = [
     "config",
     "counters",
     "ops",
+    "PassResult",
     "register_compressor",
+    "register_pass",
     "shard_experts",
+    "unregister_pass",
 ]

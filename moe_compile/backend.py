@@ -23,6 +23,7 @@ from .counters import counters
 from .debug import GraphDumper
 from .collectives import resolve_group
 from .passes import Canonicalize, Detect, DropDeadCollectives, ExpertParallel, Lower, PassManager
+from .passes.registry import with_user_passes
 
 __all__ = ["moe_backend", "stage1_passes", "stage2_passes"]
 
@@ -31,12 +32,12 @@ def stage1_passes(cfg: MoECompileConfig) -> list:
     """Semantic rewrites on the Dynamo graph; every new op is autograd-aware."""
     if not cfg.rewrite:
         return []
-    return [Detect(), Canonicalize(cfg), ExpertParallel(cfg, resolve_group(cfg.ep_group))]
+    return with_user_passes([Detect(), Canonicalize(cfg), ExpertParallel(cfg, resolve_group(cfg.ep_group))])
 
 
 def stage2_passes(cfg: MoECompileConfig) -> list:
     """Passes on the AOTAutograd forward / backward graphs: order only, semantics unchanged."""
-    return [DropDeadCollectives(), Lower(cfg)]
+    return with_user_passes([DropDeadCollectives(), Lower(cfg)])
 
 
 def moe_backend(

@@ -159,12 +159,27 @@ class ZfpCompressor(ByteCompressor):
 _REGISTRY: dict[str, Compressor] = {}
 
 
-def register_compressor(name: str, cls: type[Compressor]) -> None:
-    """Make ``options={"compressor": name}`` use ``cls`` (a :class:`Compressor` subclass)."""
+_REQUIRED = ("payload_shape", "compress", "decompress", "error_bound")
+
+
+def register_compressor(name: str, cls: type[Compressor], *, replace: bool = False) -> None:
+    """Make ``options={"compressor": name}`` use ``cls`` (a :class:`Compressor` subclass).
+
+    ``cls`` must define ``payload_shape``, ``compress``, ``decompress`` and
+    ``error_bound``; a name already registered needs ``replace=True``.
+    """
     if not (isinstance(cls, type) and issubclass(cls, Compressor)):
-        raise TypeError(f"register_compressor({name!r}, {cls!r}): expected a subclass of moe_compile Compressor")
+        raise TypeError(f"register_compressor({name!r}, {cls!r}): expected a subclass of moe_compile.Compressor")
     if not isinstance(name, str) or not name or name == "none":
         raise ValueError(f"register_compressor: {name!r} is not a usable compressor name")
+    missing = [m for m in _REQUIRED if getattr(cls, m) is getattr(Compressor, m)]
+    if missing:
+        raise TypeError(f"register_compressor({name!r}, {cls.__name__}): does not define {', '.join(missing)}")
+    if name in _REGISTRY and not replace:
+        raise ValueError(
+            f"register_compressor: {name!r} is already registered ({type(_REGISTRY[name]).__name__}); "
+            f"pass replace=True to override it"
+        )
     _REGISTRY[name] = cls()
 
 

@@ -117,6 +117,21 @@ def test_register_compressor_rejects_non_compressors():
         register_compressor("none", Int16)
 
 
+def test_register_compressor_needs_every_method():
+    class Half(Compressor):
+        def compress(self, x, impl="torch"):
+            return x.half()
+
+    with pytest.raises(TypeError, match=r"Half\): does not define payload_shape, decompress, error_bound"):
+        register_compressor("half", Half)
+
+
+def test_register_compressor_twice_needs_replace(registered_int16):
+    with pytest.raises(ValueError, match=r"'int16' is already registered \(Int16\); pass replace=True"):
+        register_compressor("int16", Int16)
+    register_compressor("int16", Int16, replace=True)
+
+
 def test_registered_compressor_runs_in_the_compiled_graph(registered_int16, tmp_path):
     from tests.models.gshard import GShardMoE
 
