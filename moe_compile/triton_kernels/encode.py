@@ -20,11 +20,14 @@ grid axis; odd ``M`` and a slot count that is not a multiple of the tile are mas
 With ``gate_weights`` the same kernel is the weighted encode of the decode's
 backward, ``grad_expert_out[e, loc] = w[t, j] · grad_y[t]`` (``decode_backward``),
 rounded as the torch reference rounds it: the weight is cast to ``x``'s dtype,
-the product is rounded to ``x``'s dtype, then cast to ``out_dtype``.
+the product is rounded to ``x``'s dtype, then cast to ``out_dtype``. Rounding to
+bfloat16 goes through :func:`cast_rne` (round to nearest even by bit arithmetic),
+so the results are bit-exact on a GPU and in Triton's interpreter alike.
 
 ``encode_triton`` is the launcher, ``encode_torch`` the plain-torch reference the
 tests compare with, ``torch.ops.moe.encode_triton`` the custom op (with a fake, so
-it traces) that the lowering puts in place of ``moe::dispatch``'s data movement.
+it traces). ``moe::dispatch``'s CUDA kernel (registered by
+``moe_compile.triton_kernels.load``) fills its buffer with ``encode_triton``.
 """
 from __future__ import annotations
 
