@@ -189,18 +189,20 @@ def _rewrite(gm: GraphModule, match: ExpertParallelMatch, group: EPGroup, cfg, l
         return call(torch.ops.moe.decompress.default, received, cfg.compressor, model_dim, dtype, "torch")
 
     with graph.inserting_before(experts):
-        per_peer = call(operator.mul, call(torch.ops.aten.sym_size.int, match.buffer, 1), num_local)
+        rows_per_expert = call(torch.ops.aten.sym_size.int, match.buffer, 1)  # R
+        per_peer = call(operator.mul, rows_per_expert, num_local)
         send = call("reshape", match.buffer, (-1, model_dim), method=True)
         recv = exchange(send, per_peer, token_dtype)
-        recv = call("view", recv, (group.size, num_local, -1, model_dim), method=True)
-        local_in = call("reshape", call("transpose", recv, 0, 1, method=True), (num_local, -1, model_dim), method=True)
+        recv = call("view", recv, (group.size, num_local, rows_per_expert, model_dim), method=True)
+        local_in = call("reshape", call("transpose", recv, 0, 1, method=True), (num_local, -1, model_dim),
+                        method=True)
         weights = [local_weights(w, num_experts) if w is not None else None for w in experts.args[1:4]]
     experts.args = (local_in, *weights, *experts.args[4:])
     with graph.inserting_before(experts.next):
-        back = call("view", experts, (num_local, group.size, -1, model_dim), method=True)
+        back = call("view", experts, (num_local, group.size, rows_per_expert, model_dim), method=True)
         send_back = call("reshape", call("transpose", back, 0, 1, method=True), (-1, model_dim), method=True)
         returned = exchange(send_back, per_peer, expert_dtype)
-        full = call("view", returned, (num_experts, -1, model_dim), method=True)
+        full = call("view", returned, (num_experts, rows_per_expert, model_dim), method=True)
     match.combine.replace_input_with(experts, full)
 
 

@@ -23,6 +23,13 @@ After::
     p      = moe.compress(rows, "int8", "triton")
     rows   = moe.decompress(p, "int8", M, float32, "triton")
 
+Fused (inference, or wherever nothing else reads the decompressed rows): the
+return exchange's ``decompress(p, "int8") → view(E, R, M) → combine`` becomes one
+``moe.decode_int8_triton(p, ids, loc, w, R, M, dtype)`` that reads the int8
+bytes and scales directly, never writing the ``[E, R, M]`` rows (about
+``2·E·R·M·itemsize`` bytes less traffic). In training the forward keeps the
+rows for ``combine_backward``, so there it is not fused.
+
 ``moe.dispatch`` is not swapped here: its capacity is computed inside the op (a
 data-dependent size), so its CUDA kernel registration fills the buffer with the
 Triton encode kernel instead. A compressor without kernels (fp16, bf16, user
@@ -64,7 +71,7 @@ class Lower:
             return PassResult(gm, False)
         triton_kernels.load()  # registers torch.ops.moe.*_triton
         moe = torch.ops.moe
-        swaps = 0
+        swaps = _fuse_int8_decode(gm)
         for node in list(gm.graph.nodes):
             if node.op != "call_function":
                 continue
@@ -83,6 +90,36 @@ class Lower:
         if swaps:
             log.info("moe_compile: lowered %d ops to Triton kernels", swaps)
         return PassResult(gm, bool(swaps))
+
+
+def _fuse_int8_decode(gm: GraphModule) -> int:
+    """``combine(view(decompress(p, "int8", M, dtype), [E, R, M]), ids, loc, w)`` → ``decode_int8_triton``."""
+    moe, fused = torch.ops.moe, 0
+    for combine in list(gm.graph.find_nodes(op="call_function", target=moe.combine.default)):
+        view = combine.args[0]
+        if not (isinstance(view, Node) and view.target is torch.ops.aten.view.default and len(view.users) == 1):
+            continue
+        decompress = view.args[0]
+        if not (
+            isinstance(decompress, Node) and decompress.target is moe.decompress.default
+            and decompress.args[1] == "int8" and len(decompress.users) == 1
+        ):
+            continue
+        payload, _, model_dim, dtype = decompress.args[:4]
+        _, ids, locations, weights = combine.args
+        capacity = view.args[1][1]
+        if isinstance(capacity, int) and capacity < 0:
+            continue  # an inferred (-1) size: the rows per expert are not named in the graph
+        with gm.graph.inserting_before(combine):
+            decode = gm.graph.call_function(
+                moe.decode_int8_triton.default, (payload, ids, locations, weights, capacity, model_dim, dtype)
+            )
+        decode.meta.update(combine.meta)
+        combine.replace_all_uses_with(decode)
+        for dead in (combine, view, decompress):
+            gm.graph.erase_node(dead)
+        fused += 1
+    return fused
 
 
 def _with_impl(node: Node) -> tuple:

@@ -6,6 +6,8 @@
 - :mod:`.int8`: per-row absmax int8 quantization into a byte payload (compressor ``int8``).
 - :mod:`.fp8`: per-row scaled fp8 e4m3 bytes, bit arithmetic (compressor ``fp8``).
 - :mod:`.zfp`: fixed-rate block floating point, 16 values share an exponent (compressor ``zfp``).
+- :mod:`.decode_int8`: decode straight from an int8 payload, dequantizing on the fly (fused
+  ``decompress`` + ``combine``, ``moe.decode_int8_triton``).
 
 Importing ``moe_compile`` does not import Triton: the ``lower`` pass calls
 :func:`load` when it swaps the torch references for these kernels (on CUDA, or
@@ -22,7 +24,7 @@ import torch
 
 __all__ = ["available", "dispatch_triton", "load"]
 
-KERNEL_MODULES = ("encode", "decode", "int8", "fp8", "zfp")
+KERNEL_MODULES = ("encode", "decode", "int8", "fp8", "zfp", "decode_int8")
 
 
 def available(device: str = "cuda") -> bool:

@@ -145,6 +145,14 @@ def _run(rank: int, world_size: int, names: list[str]) -> dict:
         out, x_grad, _, _ = _step(copy.deepcopy(base), x, {"compressor": name, "kernels": "triton"})
         torch.testing.assert_close(out, outputs[name][0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(x_grad, outputs[name][1], rtol=1e-5, atol=1e-6)
+
+    # inference: the return exchange's decompress + combine fuse into moe.decode_int8_triton
+    torch._dynamo.reset()
+    compiled = torch.compile(copy.deepcopy(base), backend="moe", fullgraph=True, options={
+        "ep_group": "world", "inner": "eager", "compressor": "int8", "kernels": "triton"})
+    with torch.no_grad():
+        fused = compiled(x)
+    torch.testing.assert_close(fused, outputs["int8"][0].detach(), rtol=1e-5, atol=1e-6)
     return ratios
 
 

@@ -34,3 +34,22 @@ def test_bad_kernels_option():
 
     with pytest.raises(moe_compile.ConfigError, match=r"options\['kernels'\]='cuda': choose one of auto, triton, torch"):
         moe_compile.config.merged({"kernels": "cuda"})
+
+
+def test_int8_return_exchange_fuses_decompress_and_combine_in_inference(tmp_path):
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        compiled = torch.compile(GShardMoE(16, 32, 4), backend="moe", fullgraph=True, options={
+            "ep_group": "world", "compressor": "int8", "kernels": "triton", "inner": "eager",
+            "debug_dir": str(tmp_path)})
+        with torch.no_grad():
+            compiled(torch.randn(8, 16))
+    finally:
+        dist.destroy_process_group()
+    code = next(tmp_path.glob("rank0/graph*/*_fw_lower_after.py")).read_text()
+    assert code.count("torch.ops.moe.decode_int8_triton.default(") == 1
+    assert code.count("torch.ops.moe.decompress.default(") == 1  # the dispatch exchange's, now impl='triton'
+    assert "'triton')" in code and "moe.combine.default(" not in code
