@@ -80,27 +80,18 @@ def test_payload_ratios():
     assert payload_ratio("zfp", 64) == pytest.approx((64 + 4) / 256)  # 64 mantissas + 4 block exponents
 
 
-class Int16(Compressor):
-    """A user compressor: per-row absmax scaled int16 carried in float32 words (2 values per word)."""
+def _readme_int16():
+    """The 16-bit user compressor of the README's "Extending" section (one copy, tested here too)."""
+    from tests.test_readme import _section_code
 
-    bits_per_value = 16.0
+    code = _section_code("Extending")
+    code = code[code.index("class Int16"):code.index('moe_compile.register_compressor("int16"')]
+    namespace = {"torch": torch, "moe_compile": moe_compile}
+    exec(code, namespace)
+    return namespace["Int16"]
 
-    def payload_shape(self, model_dim, dtype):
-        return (model_dim + 1) // 2 + 1, torch.float32
 
-    def compress(self, x, impl="torch"):
-        scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-30) / 32767
-        q = torch.round(x.float() / scale).to(torch.int16)
-        if q.shape[-1] % 2:
-            q = torch.nn.functional.pad(q, (0, 1))
-        return torch.cat([q.view(torch.float32), scale], dim=-1)
-
-    def decompress(self, payload, model_dim, dtype, impl="torch"):
-        q = payload[:, :-1].contiguous().view(torch.int16)[:, :model_dim]
-        return (q.float() * payload[:, -1:]).to(dtype)
-
-    def error_bound(self, x):
-        return x.abs().amax(-1, keepdim=True) / 32767
+Int16 = _readme_int16()
 
 
 @pytest.fixture
