@@ -8,6 +8,8 @@ package for its configuration and counters.
 from . import ops
 from .config import ConfigError, MoECompileConfig, config  # noqa: I001  (first: collectives import it)
 from .collectives import Compressor, register_compressor
+from .collectives.algorithms import AllToAll
+from .collectives.registry import register_all_to_all
 from .counters import counters
 from .passes import PassResult
 from .passes.registry import register_pass, unregister_pass
@@ -16,6 +18,7 @@ from .sharding import shard_experts
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllToAll",
     "Compressor",
     "ConfigError",
     "MoECompileConfig",
@@ -23,6 +26,7 @@ __all__ = [
     "counters",
     "ops",
     "PassResult",
+    "register_all_to_all",
     "register_compressor",
     "register_pass",
     "shard_experts",

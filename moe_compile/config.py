@@ -69,6 +69,14 @@ class MoECompileConfig:
     #: "auto" = the Triton kernels for graphs on CUDA, else the torch references;
     #: "triton" = always the kernels (on CPU they need TRITON_INTERPRET=1); "torch" = never.
     kernels: str = "auto"
+    #: Algorithm of the expert-parallel all-to-all: "flat" (one all_to_all_single), "1dh",
+    #: "2dh", "pipe" (hierarchical over nodes of ``ranks_per_node`` ranks), or a name given to
+    #: register_all_to_all.
+    all_to_all: str = "flat"
+    #: Ranks per node for the hierarchical all-to-alls (consecutive EP ranks form a node).
+    ranks_per_node: int | None = None
+    #: Before using a non-flat all-to-all, compare it once with flat on random bytes (compile time).
+    verify_collectives: bool = True
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> MoECompileConfig:
@@ -86,7 +94,20 @@ class MoECompileConfig:
             from .collectives.compressors import get_compressor
 
             get_compressor(self.compressor)
-        for name in ("rewrite", "verify_regions", "nan_check"):
+        if not isinstance(self.all_to_all, str):
+            raise ConfigError(f"options['all_to_all']={self.all_to_all!r}: expected an algorithm name (a string)")
+        if self.all_to_all != "flat":
+            from .collectives.registry import get_all_to_all
+
+            get_all_to_all(self.all_to_all)
+            if self.ranks_per_node is None:
+                raise ConfigError(
+                    f"options['all_to_all']={self.all_to_all!r} needs options['ranks_per_node'] (ranks per node)"
+                )
+        rpn = self.ranks_per_node
+        if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1):
+            raise ConfigError(f"options['ranks_per_node']={rpn!r}: expected an integer >= 1 or None")
+        for name in ("rewrite", "verify_regions", "nan_check", "verify_collectives"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"options[{name!r}]={getattr(self, name)!r}: expected True or False")
         cf = self.capacity_factor

@@ -9,7 +9,7 @@ gradient (ScheMoE §3: A1's gradient is A2's and vice versa).
 
 Emitted for an equal-split all-to-all of ``x: [P·s, M]`` (``s`` rows per peer)::
 
-    a2a  = _c10d_functional_autograd.all_to_all_single(x, [s]*P, [s]*P, group)
+    a2a  = _c10d_functional.all_to_all_single(x, [s]*P, [s]*P, group)
     recv = _c10d_functional.wait_tensor(a2a)
 """
 from __future__ import annotations
@@ -17,20 +17,16 @@ from __future__ import annotations
 import torch
 from torch.fx import Graph, Node
 
+from .algorithms.base import differentiable_all_to_all_op
 from .group import EPGroup
 
 __all__ = ["emit_all_reduce_max", "emit_all_to_all"]
 
 
-def _all_to_all_op():
-    # the autograd-aware functional op; torch >= 2.11 has both namespaces
-    return torch.ops._c10d_functional_autograd.all_to_all_single.default
-
-
 def emit_all_to_all(graph: Graph, x: Node, rows_per_peer: Node | int, group: EPGroup) -> Node:
     """Insert (at the graph's insertion point) an equal-split all-to-all of ``x``; the waited result."""
     splits = [rows_per_peer] * group.size
-    a2a = graph.call_function(_all_to_all_op(), (x, splits, list(splits), group.name))
+    a2a = graph.call_function(differentiable_all_to_all_op(), (x, splits, list(splits), group.name))
     return graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (a2a,))
 
 

@@ -20,11 +20,17 @@ After::
     ...
     g = wait_tensor(_c10d_functional.all_to_all_single(grad, splits, splits, ep))
 
-Contract: only a collective with no user at all (not even a ``wait_tensor``) is
-removed, or a ``wait_tensor`` with no user and then its collective; then dead
-code, which can leave more such collectives, until nothing changes. Every rank
-compiles the same graph, so every rank drops the same collectives and the
-remaining ones still match across ranks.
+Contract: only a copy of a forward collective is removed: in a backward graph
+(it has ``tangents_*`` inputs), a collective with no user at all (not even a
+``wait_tensor``, or a ``wait_tensor`` with no user) whose inputs do not depend
+on any tangent; then dead code, which can leave more such copies, until nothing
+changes. A collective that depends on a gradient is never removed, even if
+this rank does not read its result: other ranks may be waiting for this rank's
+part (a hierarchical all-to-all's non-leader ranks send but receive nothing).
+The forward graph is left alone. Ranks may compile different graphs (a leader
+and a non-leader of ``1dh``): keeping a copy on one rank and not on another
+would desynchronize their collectives, which is why the copies must go on every
+rank.
 """
 from __future__ import annotations
 
@@ -59,11 +65,17 @@ class DropDeadCollectives:
     name = "drop_dead_collectives"
 
     def __call__(self, gm: GraphModule) -> PassResult:
+        tangents = [n for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")]
+        if not tangents:
+            return PassResult(gm, False)  # a forward (or inference) graph: every collective is real
+        from_gradients = _reachable(tangents)
+        nodes_before = len(gm.graph.nodes)
         dropped: list[str] = []
         while True:  # dropping a collective can make the wait or collective feeding its input dead
             before = len(dropped)
+            gm.graph.eliminate_dead_code()  # pure ops first: a dead view / permute chain hides its wait
             for node in reversed(list(gm.graph.nodes)):
-                if node.users:
+                if node.users or node in from_gradients:
                     continue
                 if (_is_wait(node) and isinstance(node.args[0], Node) and _is_collective(node.args[0])) or (
                     _is_collective(node)
@@ -72,7 +84,17 @@ class DropDeadCollectives:
                     gm.graph.erase_node(node)
             if len(dropped) == before:
                 break
-            gm.graph.eliminate_dead_code()
         if dropped:
-            log.info("moe_compile: dropped %d unused collectives: %s", len(dropped), ", ".join(dropped))
-        return PassResult(gm, bool(dropped))
+            log.info("moe_compile: dropped %d unused copies of forward collectives: %s", len(dropped), ", ".join(dropped))
+        return PassResult(gm, len(gm.graph.nodes) != nodes_before)
+
+
+def _reachable(sources: list[Node]) -> set[Node]:
+    seen: set[Node] = set()
+    stack = list(sources)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.users)
+    return seen

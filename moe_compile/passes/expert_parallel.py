@@ -13,7 +13,9 @@ Before (the canonical layer)::
     out = moe.combine(y, ids, loc, w)
 
 After (rank r; with ``config.compressor`` each ``all_to_all_single(t)`` is
-``moe.decompress(all_to_all_single(moe.compress(t)))``, ScheMoE's C → A → D)::
+``moe.decompress(all_to_all_single(moe.compress(t)))``, ScheMoE's C → A → D; with
+``config.all_to_all`` other than "flat" it is one call of the chosen algorithm,
+:mod:`moe_compile.collectives.registry`)::
 
     need = moe.capacity(ids, E, C, bucket)                  # rows this batch needs, [1]
     rows = wait_tensor(all_reduce(need, "max", ep))          # agreed over the group
@@ -51,6 +53,7 @@ from torch.fx import GraphModule, Node
 
 from .. import ops  # noqa: F401  (registers torch.ops.moe.*)
 from ..collectives import compressors  # noqa: F401  (registers torch.ops.moe.compress / decompress)
+from ..collectives import registry
 from ..collectives import EPGroup, emit_all_reduce_max, emit_all_to_all
 from ..config import ConfigError, MoECompileConfig
 from ..counters import counters
@@ -130,6 +133,10 @@ class ExpertParallel:
             log.info("moe_compile: expert-parallel group of size 1; no collectives inserted")
             return PassResult(gm, False)
         matches, skips = match_layers(gm)
+        if matches and self.cfg.all_to_all != "flat":
+            registry.make_topology(self.group.name, self.cfg.ranks_per_node)  # sub-groups, on every rank
+            if self.cfg.verify_collectives:
+                registry.verify_all_to_all(self.cfg.all_to_all, self.group.name, self.cfg.ranks_per_node)
         for dispatch, reason in skips:
             log.warning("moe_compile: %s not made expert-parallel (%s); its experts run locally", dispatch.name, reason)
         local_weights = _LocalWeights(gm, self.group, shards)
@@ -181,11 +188,16 @@ def _rewrite(gm: GraphModule, match: ExpertParallelMatch, group: EPGroup, cfg, l
     token_dtype = _dtype(dispatch.args[0])
     expert_dtype = _dtype(experts.args[1])  # moe.experts computes in its weights' dtype
 
+    def all_to_all(rows: Node, per_peer: Node) -> Node:
+        if cfg.all_to_all == "flat":
+            return emit_all_to_all(graph, rows, per_peer, group)
+        return call(registry.all_to_all, rows, per_peer, group.name, cfg.all_to_all, cfg.ranks_per_node)
+
     def exchange(rows: Node, per_peer: Node, dtype: torch.dtype) -> Node:
         if cfg.compressor == "none":
-            return emit_all_to_all(graph, rows, per_peer, group)
+            return all_to_all(rows, per_peer)
         payload = call(torch.ops.moe.compress.default, rows, cfg.compressor, "torch", cfg.nan_check)
-        received = emit_all_to_all(graph, payload, per_peer, group)
+        received = all_to_all(payload, per_peer)
         return call(torch.ops.moe.decompress.default, received, cfg.compressor, model_dim, dtype, "torch")
 
     with graph.inserting_before(experts):

@@ -10,8 +10,8 @@ contract: return exactly what ::
 returns on the whole EP group (blocks along dim 0; both split lists ``None``
 means equal splits), and be built only from torch functional collectives plus
 tensor ops, so it traces under torch.compile / AOTAutograd and is differentiable
-(the autograd-aware ``_c10d_functional_autograd.all_to_all_single``: the gradient
-of an all-to-all is the all-to-all of the gradient with the splits swapped).
+(a differentiable functional all-to-all, :func:`differentiable_all_to_all_op`: the
+gradient of an all-to-all is the all-to-all of the gradient with the splits swapped).
 
 Split sizes are python ints or SymInts. The hierarchical algorithms need every
 rank's splits, not only this rank's; :func:`resolve_splits` gives them:
@@ -24,16 +24,28 @@ rank's splits, not only this rank's; :func:`resolve_splits` gives them:
 - traced and unequal: unknown (``None``): exchanging them would make every
   intermediate shape data-dependent, so the caller falls back to the flat
   all-to-all and logs one line.
+
+While tracing, the choice is made from this rank's splits alone, so every rank
+must see equal splits or none must (true when all ranks trace one program, as
+expert parallelism does with ``[s]*P``). Eager, the choice is made from the
+exchanged matrix and is the same on every rank.
+
+The autograd of the functional ops is registered in Python by
+``torch.distributed._functional_collectives``, imported here: without that
+import, eager backward through them gives no gradient at all.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import math
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
+import torch.distributed._functional_collectives  # noqa: F401  registers the functional ops' autograd
 from torch import Tensor
+from torch._dynamo.comptime import comptime
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...debug import log
@@ -42,18 +54,24 @@ from .topology import Topology
 __all__ = [
     "AllToAll",
     "HierarchicalAllToAll",
-    "flat_all_to_all",
     "SplitPlan",
+    "SplitSizes",
     "all_to_all",
+    "differentiable_all_to_all_op",
+    "exchange_split_matrix",
+    "flat_all_to_all",
     "grid_order",
+    "is_tracing",
     "issue_all_to_all",
+    "local_splits",
+    "log_fallback",
     "permute_blocks",
     "reorder_blocks",
     "resolve_splits",
     "wait",
 ]
 
-SplitSizes = list  # list[int | torch.SymInt]
+SplitSizes = Sequence[int | torch.SymInt]
 
 
 class AllToAll:
@@ -87,7 +105,8 @@ class HierarchicalAllToAll(AllToAll):
 
     def __call__(self, x, output_split_sizes, input_split_sizes, topology):
         if topology.num_nodes == 1 or topology.ranks_per_node == 1:
-            log_fallback(self.name, f"{topology.num_nodes} node(s) of {topology.ranks_per_node} rank(s): no hierarchy")
+            shape = f"{topology.num_nodes} node(s) of {topology.ranks_per_node} rank(s)"
+            log_fallback(self.name, f"{shape}: no hierarchy, the flat all-to-all plus copies")
             return flat_all_to_all(x, output_split_sizes, input_split_sizes, topology)
         plan = resolve_splits(x, output_split_sizes, input_split_sizes, topology)
         if plan.rows_per_peer is not None:
@@ -115,11 +134,30 @@ def flat_all_to_all(
 # --------------------------------------------------------------------------- collectives
 
 
-def issue_all_to_all(x: Tensor, output_split_sizes: SplitSizes, input_split_sizes: SplitSizes, group_name: str) -> Tensor:
-    """Issue the autograd-aware functional all-to-all on ``group_name``; its result must go through :func:`wait`."""
-    return torch.ops._c10d_functional_autograd.all_to_all_single(
-        x.contiguous(), list(output_split_sizes), list(input_split_sizes), group_name
-    )
+def differentiable_all_to_all_op() -> torch._ops.OpOverload:
+    """The functional all-to-all op to emit: ``_c10d_functional`` where it is differentiable, else ``..._autograd``.
+
+    Torch 2.13 registers the autograd of ``_c10d_functional::all_to_all_single``
+    itself, and Inductor lowers that op as a collective, keeping its input buffer
+    alive until the wait. ``_c10d_functional_autograd::all_to_all_single`` is an
+    opaque extern kernel to Inductor, which may reuse its input buffer for the next
+    kernel while the transfer is still reading it: with a wait placed late (Pipe-A2A,
+    or any issue-early schedule) the received bytes are then wrong (seen on CPU/gloo
+    with torch 2.13). Older torch has only the ``_autograd`` op differentiable.
+    """
+    if torch._C._dispatch_has_kernel_for_dispatch_key("_c10d_functional::all_to_all_single", "Autograd"):
+        return torch.ops._c10d_functional.all_to_all_single.default
+    return torch.ops._c10d_functional_autograd.all_to_all_single.default
+
+
+_ALL_TO_ALL = differentiable_all_to_all_op()
+
+
+def issue_all_to_all(
+    x: Tensor, output_split_sizes: SplitSizes, input_split_sizes: SplitSizes, group_name: str
+) -> Tensor:
+    """Issue the differentiable functional all-to-all on ``group_name``; pass its result to :func:`wait`."""
+    return _ALL_TO_ALL(x.contiguous(), list(output_split_sizes), list(input_split_sizes), group_name)
 
 
 def wait(t: Tensor) -> Tensor:
@@ -221,7 +259,19 @@ _LOGGED: set[tuple[str, str]] = set()
 
 
 def log_fallback(algorithm: str, reason: str) -> None:
-    """One line per (algorithm, reason) and process: the flat all-to-all runs instead."""
+    """One line per (algorithm, reason) and process: the flat all-to-all runs instead.
+
+    Under Dynamo the line is written at trace time (``comptime``): a logging call
+    in traced code would break the graph.
+    """
+    comptime(_log_while_tracing, lambda: _log_once(algorithm, reason))
+
+
+def _log_while_tracing(ctx) -> None:  # a comptime function reads its caller's locals through ctx
+    _log_once(ctx.get_local("algorithm").as_python_constant(), ctx.get_local("reason").as_python_constant())
+
+
+def _log_once(algorithm: str, reason: str) -> None:
     if (algorithm, reason) not in _LOGGED:
         _LOGGED.add((algorithm, reason))
         log.info("all_to_all %r: flat all-to-all instead: %s", algorithm, reason)
@@ -234,7 +284,10 @@ def grid_order(shape: tuple[int, ...], perm: tuple[int, ...]) -> list[int]:
     """Row-major indices of a grid of ``shape``, listed in the order of the grid permuted by ``perm``."""
     strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
     permuted = [shape[d] for d in perm]
-    return [sum(idx[k] * strides[perm[k]] for k in range(len(perm))) for idx in itertools.product(*map(range, permuted))]
+    return [
+        sum(idx[k] * strides[perm[k]] for k in range(len(perm)))
+        for idx in itertools.product(*map(range, permuted))
+    ]
 
 
 def permute_blocks(t: Tensor, shape: tuple[int, ...], perm: tuple[int, ...], rows: int | torch.SymInt) -> Tensor:

@@ -11,9 +11,16 @@ the leader, the leaders exchange among themselves, the leaders scatter. With
     scatter: all-to-all on intra, from l=0           rank (n,l') holds [n_s][l_s] = flat's output
 
 Every byte goes through one leader per node, which makes 1DH the slowest of the
-four for all but small messages (ScheMoE Fig. 9). Non-leaders skip the middle
-step, so the traced graph of a leader and of a non-leader differ (each rank
-compiles its own; both are SPMD-consistent).
+four for all but small messages (ScheMoE Fig. 9).
+
+Every rank runs the same ops: a non-leader holds zero rows between the gather
+and the scatter and joins a zero-byte exchange on its own ``inter`` group (one
+latency α, concurrent with the leaders'). Only split sizes differ between a
+leader's graph and a non-leader's, so passes that reason about the collectives
+of a graph (AOTAutograd's partitioner, which copies forward collectives into the
+backward; ``drop_dead_collectives``) decide the same on every rank. With the
+middle step on leaders only, they did not, and the ranks' collectives stopped
+matching in a compiled training step.
 """
 from __future__ import annotations
 
@@ -32,14 +39,13 @@ class OneDHierarchical(HierarchicalAllToAll):
 
     def equal_splits(self, x, rows, topology) -> Tensor:
         n_nodes, m, p = topology.num_nodes, topology.ranks_per_node, topology.size
-        leader = topology.local_rank == 0
+        held = rows if topology.local_rank == 0 else 0  # rows per block a rank holds between gather and scatter
         nothing = [0] * (m - 1)
-        gathered = all_to_all(x, [p * rows] * m if leader else [0] * m, [p * rows] + nothing, topology.intra.name)
-        if leader:
-            buf = permute_blocks(gathered, (m, n_nodes, m), (1, 0, 2), rows)
-            recv = all_to_all(buf, [m * m * rows] * n_nodes, [m * m * rows] * n_nodes, topology.inter.name)
-            gathered = permute_blocks(recv, (n_nodes, m, m), (2, 0, 1), rows)
-        return all_to_all(gathered, [p * rows] + nothing, [p * rows] * m if leader else [0] * m, topology.intra.name)
+        gathered = all_to_all(x, [p * held] * m, [p * rows] + nothing, topology.intra.name)     # [l_s][n'][l']
+        buf = permute_blocks(gathered, (m, n_nodes, m), (1, 0, 2), held)                        # [n'][l_s][l']
+        recv = all_to_all(buf, [m * m * held] * n_nodes, [m * m * held] * n_nodes, topology.inter.name)
+        buf = permute_blocks(recv, (n_nodes, m, m), (2, 0, 1), held)                            # [l'][n_s][l_s]
+        return all_to_all(buf, [p * rows] + nothing, [p * held] * m, topology.intra.name)
 
     def split_matrix(self, x, matrix, topology) -> Tensor:
         n_nodes, m, r = topology.num_nodes, topology.ranks_per_node, topology.rank
@@ -48,19 +54,17 @@ class OneDHierarchical(HierarchicalAllToAll):
         nothing = [0] * (m - 1)
         grid = itertools.product
 
-        def rows(src_node, src_local, dst_node, dst_local):
-            return matrix[src_node * m + src_local][dst_node * m + dst_local]
+        def held(src_node, src_local, dst_node, dst_local):  # rows of a block this rank holds mid-way
+            return matrix[src_node * m + src_local][dst_node * m + dst_local] if leader else 0
 
-        receive = [sum(matrix[node * m + ls]) for ls in range(m)] if leader else [0] * m
+        sent = [held(node, ls, n2, l2) for ls, n2, l2 in grid(range(m), range(n_nodes), range(m))]    # [l_s][n'][l']
+        receive = [sum(sent[ls * n_nodes * m:(ls + 1) * n_nodes * m]) for ls in range(m)]
         gathered = all_to_all(x, receive, [sum(matrix[r])] + nothing, topology.intra.name)
-        send_back = [0] * m
-        if leader:
-            held = [rows(node, ls, n2, l2) for ls, n2, l2 in grid(range(m), range(n_nodes), range(m))]
-            buf = reorder_blocks(gathered, held, grid_order((m, n_nodes, m), (1, 0, 2)))
-            send = [sum(rows(node, ls, n2, l2) for ls, l2 in grid(range(m), range(m))) for n2 in range(n_nodes)]
-            got = [rows(ns, ls, node, l2) for ns, ls, l2 in grid(range(n_nodes), range(m), range(m))]
-            receive = [sum(got[ns * m * m:(ns + 1) * m * m]) for ns in range(n_nodes)]
-            recv = all_to_all(buf, receive, send, topology.inter.name)
-            gathered = reorder_blocks(recv, got, grid_order((n_nodes, m, m), (2, 0, 1)))
-            send_back = [sum(rows(ns, ls, node, l2) for ns, ls in grid(range(n_nodes), range(m))) for l2 in range(m)]
-        return all_to_all(gathered, [sum(row[r] for row in matrix)] + nothing, send_back, topology.intra.name)
+        buf = reorder_blocks(gathered, sent, grid_order((m, n_nodes, m), (1, 0, 2)))                # [n'][l_s][l']
+        send = [sum(held(node, ls, n2, l2) for ls, l2 in grid(range(m), range(m))) for n2 in range(n_nodes)]
+        got = [held(ns, ls, node, l2) for ns, ls, l2 in grid(range(n_nodes), range(m), range(m))]    # [n_s][l_s][l']
+        receive = [sum(got[ns * m * m:(ns + 1) * m * m]) for ns in range(n_nodes)]
+        recv = all_to_all(buf, receive, send, topology.inter.name)
+        buf = reorder_blocks(recv, got, grid_order((n_nodes, m, m), (2, 0, 1)))                     # [l'][n_s][l_s]
+        send = [sum(held(ns, ls, node, l2) for ns, ls in grid(range(n_nodes), range(m))) for l2 in range(m)]
+        return all_to_all(buf, [sum(row[r] for row in matrix)] + nothing, send, topology.intra.name)

@@ -4,9 +4,11 @@ The flat all-to-all's Send/Recv pairs ``SR(i, j)`` split by whether ``j`` is on
 this rank's node. Both halves are issued before either is waited on, on two
 different process groups, so they run concurrently::
 
-    inter = all_to_all(x without this node's blocks, this node's splits set to 0, EP group)   # issued
-    intra = all_to_all(this node's blocks of x, intra group)                                 # issued
-    y     = cat(wait(inter)[:before], wait(intra), wait(inter)[before:])                     # flat's order
+    head, local, tail = x.split(rows for the nodes before / this node / the nodes after)
+    inter = all_to_all(cat(head, tail), this node's splits set to 0, EP group)   # issued
+    intra = all_to_all(local, intra group)                                      # issued
+    before, after = wait(inter).split(rows from the nodes before / after)
+    y = cat(before, wait(intra), after)                                         # flat's order
 
 Why the inter half runs on the EP group, not on the ``inter`` sub-group: it
 talks straight to every rank on another node (ScheMoE's reference code issues
@@ -40,22 +42,23 @@ class PipeAllToAll(AllToAll):
 
     def __call__(self, x, output_split_sizes, input_split_sizes, topology) -> Tensor:
         if topology.num_nodes == 1 or topology.ranks_per_node == 1:
-            log_fallback(self.name, f"{topology.num_nodes} node(s) of {topology.ranks_per_node} rank(s): nothing to pipeline")
+            shape = f"{topology.num_nodes} node(s) of {topology.ranks_per_node} rank(s)"
+            log_fallback(self.name, f"{shape}: one of the two halves is empty")
             return flat_all_to_all(x, output_split_sizes, input_split_sizes, topology)
         plan = local_splits(x, output_split_sizes, input_split_sizes, topology.size)
         send, receive = plan.input, plan.output
         lo = topology.node_rank * topology.ranks_per_node
         hi = lo + topology.ranks_per_node
         zeros = [0] * topology.ranks_per_node
-        start = sum(send[:lo])
-        stop = start + sum(send[lo:hi])
-        before = sum(receive[:lo])
+        # split, not slices: each piece has one user, so the backward is a cat, never a sum
+        # of zero-filled slice gradients (x + 0.0 turns -0.0 into +0.0 and can change the
+        # bits of a compressed payload that travels as float words)
+        head, local, tail = x.split([sum(send[:lo]), sum(send[lo:hi]), sum(send[hi:])])
         inter = issue_all_to_all(
-            torch.cat([x[:start], x[stop:]]),
-            receive[:lo] + zeros + receive[hi:],
-            send[:lo] + zeros + send[hi:],
+            torch.cat([head, tail]), receive[:lo] + zeros + receive[hi:], send[:lo] + zeros + send[hi:],
             topology.group.name,
         )
-        intra = issue_all_to_all(x[start:stop], receive[lo:hi], send[lo:hi], topology.intra.name)
+        intra = issue_all_to_all(local, receive[lo:hi], send[lo:hi], topology.intra.name)
         inter, intra = wait(inter), wait(intra)
-        return torch.cat([inter[:before], intra, inter[before:]])
+        before, after = inter.split([sum(receive[:lo]), sum(receive[hi:])])
+        return torch.cat([before, intra, after])

@@ -31,10 +31,10 @@ class TwoDHierarchical(HierarchicalAllToAll):
 
     def equal_splits(self, x, rows, topology) -> Tensor:
         n_nodes, m = topology.num_nodes, topology.ranks_per_node
-        buf = permute_blocks(x, (n_nodes, m), (1, 0), rows)
-        recv = all_to_all(buf, [n_nodes * rows] * m, [n_nodes * rows] * m, topology.intra.name)
-        buf = permute_blocks(recv, (m, n_nodes), (1, 0), rows)
-        return all_to_all(buf, [m * rows] * n_nodes, [m * rows] * n_nodes, topology.inter.name)
+        buf = permute_blocks(x, (n_nodes, m), (1, 0), rows)                                      # [l'][n']
+        recv = all_to_all(buf, [n_nodes * rows] * m, [n_nodes * rows] * m, topology.intra.name)  # [l_s][n']
+        buf = permute_blocks(recv, (m, n_nodes), (1, 0), rows)                                   # [n'][l_s]
+        return all_to_all(buf, [m * rows] * n_nodes, [m * rows] * n_nodes, topology.inter.name)  # [n_s][l_s]
 
     def split_matrix(self, x, matrix, topology) -> Tensor:
         n_nodes, m, r = topology.num_nodes, topology.ranks_per_node, topology.rank
@@ -46,7 +46,8 @@ class TwoDHierarchical(HierarchicalAllToAll):
         buf = reorder_blocks(x, list(matrix[r]), grid_order((n_nodes, m), (1, 0)))
         send = [sum(rows(node, local, n2, l2) for n2 in range(n_nodes)) for l2 in range(m)]
         got = [rows(node, ls, n2, local) for ls, n2 in itertools.product(range(m), range(n_nodes))]   # [l_s][n']
-        recv = all_to_all(buf, [sum(got[ls * n_nodes:(ls + 1) * n_nodes]) for ls in range(m)], send, topology.intra.name)
+        receive = [sum(got[ls * n_nodes:(ls + 1) * n_nodes]) for ls in range(m)]
+        recv = all_to_all(buf, receive, send, topology.intra.name)
         buf = reorder_blocks(recv, got, grid_order((m, n_nodes), (1, 0)))                            # [n'][l_s]
         send = [sum(got[ls * n_nodes + n2] for ls in range(m)) for n2 in range(n_nodes)]
         receive = [sum(rows(ns, ls, node, local) for ls in range(m)) for ns in range(n_nodes)]
