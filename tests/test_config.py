@@ -178,6 +178,18 @@ def test_capacity_bucket_must_be_a_positive_int(value):
         MoECompileConfig().merged({"capacity_bucket": value})
 
 
+@pytest.mark.parametrize("options, match", [
+    ({"all_to_all": "3dh"}, r"options\['all_to_all'\]='3dh': not a registered all-to-all; choose one of flat, 1dh, 2dh, pipe"),
+    ({"all_to_all": "2dh"}, r"options\['all_to_all'\]='2dh' needs options\['ranks_per_node'\]"),
+    ({"ranks_per_node": 0}, r"options\['ranks_per_node'\]=0: expected an integer >= 1 or None"),
+    ({"verify_collectives": "yes"}, r"options\['verify_collectives'\]='yes': expected True or False"),
+])
+def test_all_to_all_options(options, match):
+    with pytest.raises(ConfigError, match=match):
+        MoECompileConfig().merged(options)
+    assert MoECompileConfig().merged({"all_to_all": "pipe", "ranks_per_node": 2}).all_to_all == "pipe"
+
+
 # --------------------------------------------------------------------------- through torch.compile
 
 

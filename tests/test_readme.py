@@ -30,6 +30,9 @@ def extending():
     yield namespace
     moe_compile.unregister_pass("count_expert_ops")
     compressors._REGISTRY.pop("int16", None)
+    from moe_compile.collectives.algorithms import ALL_TO_ALLS
+
+    ALL_TO_ALLS.pop("halves", None)
 
 
 def test_extending_pass_example(extending):
@@ -51,3 +54,20 @@ def test_extending_compressor_example(extending, tmp_path):
     x = torch.randn(16, 33) * 100
     y = codec.decompress(codec.compress(x), 33, torch.float32)
     assert ((y - x).abs() <= codec.error_bound(x) + 1e-6).all()
+
+
+def test_extending_all_to_all_example(extending, tmp_path):
+    """Registered, and used as one graph node by the expert-parallel pass (numerics: tests/distributed)."""
+    from moe_compile.collectives.registry import get_all_to_all
+
+    assert type(get_all_to_all("halves")).__name__ == "Halves"
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        compiled = torch.compile(GShardMoE(16, 32, 4), backend="moe", fullgraph=True, options={
+            "ep_group": "world", "all_to_all": "halves", "ranks_per_node": 1, "inner": "eager",
+            "debug_dir": str(tmp_path)})
+        compiled(torch.randn(8, 16, requires_grad=True)).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    code = next(tmp_path.glob("rank0/graph*/*_expert_parallel_after.py")).read_text()
+    assert code.count("moe_compile_collectives_registry_all_to_all(") == 2 and "'halves'" in code

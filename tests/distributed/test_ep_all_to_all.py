@@ -35,6 +35,17 @@ class HalvesAllToAll:
         return torch.cat(parts, dim=1)
 
 
+class SwappedAllToAll(HalvesAllToAll):
+    """A wrong all-to-all (halves swapped) that the compile-time self-check must reject."""
+
+    name = "swapped"
+
+    def __call__(self, x, output_split_sizes, input_split_sizes, topology):
+        y = super().__call__(x, output_split_sizes, input_split_sizes, topology)
+        half = x.shape[1] // 2
+        return torch.cat([y[:, half:], y[:, :half]], dim=1)
+
+
 def _step(model, x, options):
     compiled = torch.compile(model, backend="moe", fullgraph=True,
                              options={"ep_group": "world", "inner": "eager", **options})
@@ -68,8 +79,16 @@ def _run(rank: int, world_size: int) -> int:
             for name, grad in grads.items():
                 assert torch.equal(grad, flat[2][name]), f"{what}: grad {name}"
             checks += 1
+
+    moe_compile.register_all_to_all("swapped", SwappedAllToAll)
+    torch._dynamo.reset()
+    try:
+        _step(copy.deepcopy(base), x, {"all_to_all": "swapped", "ranks_per_node": 2})
+    except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's error
+        assert "options['all_to_all']='swapped': its output differs from the flat all-to-all" in str(e), str(e)
+        checks += 1
     return checks
 
 
 def test_every_algorithm_equals_flat_in_a_training_step():
-    assert spawn(_run, 4) == [8] * 4
+    assert spawn(_run, 4) == [9] * 4
