@@ -151,16 +151,19 @@ class MoECompileConfig:
         """Defaults overridden by ``MOE_COMPILE_<FIELD>`` variables (the only env reads)."""
         environ = os.environ if environ is None else environ
         cfg = cls()
+        given = {}
         for field in dataclasses.fields(cls):
             env = _ENV_PREFIX + field.name.upper()
             raw = environ.get(env)
             if raw is not None:
                 setattr(cfg, field.name, _parse_env(field.name, raw, getattr(cfg, field.name)))
-                try:
-                    cfg.validate()
-                except ConfigError as e:
-                    raise ConfigError(f"{env}={raw!r}: {e}") from None
-        return cfg.validate()
+                given[field.name] = (env, raw)
+        try:
+            return cfg.validate()  # once all are read: some fields depend on others (all_to_all, ranks_per_node)
+        except ConfigError as e:
+            named = [name for name in given if f"options[{name!r}]" in str(e)] or list(given)
+            env, raw = given[named[0]] if named else ("", "")
+            raise ConfigError(f"{env}={raw!r}: {e}" if env else str(e)) from None
 
     def as_dict(self) -> dict[str, Any]:
         """Field values by name (shallow: a process group stays the same object)."""
@@ -223,7 +226,9 @@ def _parse_env(name: str, raw: str, default: Any) -> Any:
         if raw.lower() in ("0", "false", "no", "off"):
             return False
         raise ConfigError(f"{env}={raw!r}: expected one of 1, 0, true, false")
-    if isinstance(default, int):
+    if isinstance(default, int) or name == "ranks_per_node":
+        if raw == "" and default is None:
+            return None
         try:
             return int(raw)
         except ValueError:

@@ -126,7 +126,10 @@ def test_from_env_parses_each_type():
         "MOE_COMPILE_CAPACITY_FACTOR": "1.5",
         "MOE_COMPILE_EP_GROUP": "world",
         "MOE_COMPILE_CAPACITY_BUCKET": "16",
+        "MOE_COMPILE_ALL_TO_ALL": "2dh",
+        "MOE_COMPILE_RANKS_PER_NODE": "8",
     })
+    assert cfg.all_to_all == "2dh" and cfg.ranks_per_node == 8
     assert cfg.ep_group == "world" and cfg.capacity_bucket == 16
     assert cfg.debug_dir == "/tmp/x"
     assert cfg.verify_regions is False
