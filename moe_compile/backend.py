@@ -3,7 +3,7 @@
     torch.compile(model, backend="moe", fullgraph=True, options={...})
 
 Pipeline (DESIGN.md): stage-1 passes on the Dynamo graph (detect, canonicalize,
-expert_parallel),
+expert_parallel, chunk),
 then AOTAutograd, whose forward and backward graphs each run the stage-2 passes
 and then the inner compiler: ``"eager"`` (the AOTAutograd graphs run as they are,
 the default on CPU) or ``"inductor"`` (the default on CUDA).
@@ -22,7 +22,7 @@ from .config import ConfigError, MoECompileConfig, config
 from .counters import counters
 from .debug import GraphDumper
 from .collectives import resolve_group
-from .passes import Canonicalize, Detect, DropDeadCollectives, ExpertParallel, Lower, PassManager
+from .passes import Canonicalize, Chunk, Detect, DropDeadCollectives, ExpertParallel, Lower, PassManager, Schedule
 from .passes.registry import with_user_passes
 
 __all__ = ["moe_backend", "stage1_passes", "stage2_passes"]
@@ -32,12 +32,14 @@ def stage1_passes(cfg: MoECompileConfig) -> list:
     """Semantic rewrites on the Dynamo graph; every new op is autograd-aware."""
     if not cfg.rewrite:
         return []
-    return with_user_passes([Detect(), Canonicalize(cfg), ExpertParallel(cfg, resolve_group(cfg.ep_group))])
+    return with_user_passes(
+        [Detect(), Canonicalize(cfg), ExpertParallel(cfg, resolve_group(cfg.ep_group)), Chunk(cfg)]
+    )
 
 
 def stage2_passes(cfg: MoECompileConfig) -> list:
     """Passes on the AOTAutograd forward / backward graphs: order only, semantics unchanged."""
-    return with_user_passes([DropDeadCollectives(), Lower(cfg)])
+    return with_user_passes([DropDeadCollectives(), Schedule(cfg.schedule), Lower(cfg)])
 
 
 def moe_backend(

@@ -6,7 +6,9 @@ Importing this package registers:
   (Tutel §4.2 fast encode, O(T·k·M), never a ``[T, E, C]`` one-hot);
 - ``torch.ops.moe.capacity`` the buffer rows a batch needs (agreed over the EP group);
 - ``torch.ops.moe.combine``   ``[E, C, M]`` → weighted tokens (fast decode);
-- ``torch.ops.moe.experts``   batched expert MLP over ``[E, C, M]``.
+- ``torch.ops.moe.experts``   batched expert MLP over ``[E, C, M]``;
+- ``torch.ops.moe.chunk_rows`` / ``cat_rows`` / ``split_rows``: the buffer split along
+  capacity into r chunks and joined back (ScheMoE §4 partitioning).
 """
 from .dispatch import (
     capacity,
@@ -18,11 +20,15 @@ from .dispatch import (
     expert_locations,
     needed_capacity,
 )
+from .chunk import cat_rows, chunk_bounds, chunk_rows, split_rows
 from .experts import ACTIVATIONS, experts, experts_torch
 
 __all__ = [
     "ACTIVATIONS",
     "capacity",
+    "cat_rows",
+    "chunk_bounds",
+    "chunk_rows",
     "combine",
     "combine_torch",
     "dispatch",
@@ -32,4 +38,5 @@ __all__ = [
     "experts",
     "experts_torch",
     "needed_capacity",
+    "split_rows",
 ]

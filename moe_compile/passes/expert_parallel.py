@@ -62,7 +62,7 @@ from ..sharding import ExpertShard, expert_shard
 from .graph_utils import example_value
 from .manager import PassResult
 
-__all__ = ["ExpertParallel", "ExpertParallelMatch", "match_layers"]
+__all__ = ["ExchangeSegment", "ExpertParallel", "ExpertParallelMatch", "emit_exchange", "match_layers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +168,6 @@ def _rewrite(gm: GraphModule, match: ExpertParallelMatch, group: EPGroup, cfg, l
             f"MoE layer {match.name} has E={num_experts} experts, not divisible by the expert-parallel group "
             f"size P={group.size} (options['ep_group']); choose a group whose size divides {num_experts}"
         )
-    num_local = num_experts // group.size
     model_dim = example_value(dispatch.args[0]).shape[-1]
     meta = {k: dispatch.meta[k] for k in ("nn_module_stack", "stack_trace", "moe_region") if k in dispatch.meta}
 
@@ -185,37 +184,103 @@ def _rewrite(gm: GraphModule, match: ExpertParallelMatch, group: EPGroup, cfg, l
     dispatch.args = (*dispatch.args[:4], rows)
 
     # 2. A1: buffer rows to the owners of their experts; A2: expert outputs back (compressed: C, A, D)
-    token_dtype = _dtype(dispatch.args[0])
-    expert_dtype = _dtype(experts.args[1])  # moe.experts computes in its weights' dtype
-
-    def all_to_all(rows: Node, per_peer: Node) -> Node:
-        if cfg.all_to_all == "flat":
-            return emit_all_to_all(graph, rows, per_peer, group)
-        return call(registry.all_to_all, rows, per_peer, group.name, cfg.all_to_all, cfg.ranks_per_node)
-
-    def exchange(rows: Node, per_peer: Node, dtype: torch.dtype) -> Node:
-        if cfg.compressor == "none":
-            return all_to_all(rows, per_peer)
-        payload = call(torch.ops.moe.compress.default, rows, cfg.compressor, "torch", cfg.nan_check)
-        received = all_to_all(payload, per_peer)
-        return call(torch.ops.moe.decompress.default, received, cfg.compressor, model_dim, dtype, "torch")
-
     with graph.inserting_before(experts):
-        rows_per_expert = call(torch.ops.aten.sym_size.int, match.buffer, 1)  # R
-        per_peer = call(operator.mul, rows_per_expert, num_local)
-        send = call("reshape", match.buffer, (-1, model_dim), method=True)
-        recv = exchange(send, per_peer, token_dtype)
-        recv = call("view", recv, (group.size, num_local, rows_per_expert, model_dim), method=True)
-        local_in = call("reshape", call("transpose", recv, 0, 1, method=True), (num_local, -1, model_dim),
-                        method=True)
-        weights = [local_weights(w, num_experts) if w is not None else None for w in experts.args[1:4]]
-    experts.args = (local_in, *weights, *experts.args[4:])
-    with graph.inserting_before(experts.next):
-        back = call("view", experts, (num_local, group.size, rows_per_expert, model_dim), method=True)
-        send_back = call("reshape", call("transpose", back, 0, 1, method=True), (-1, model_dim), method=True)
-        returned = exchange(send_back, per_peer, expert_dtype)
-        full = call("view", returned, (num_experts, rows_per_expert, model_dim), method=True)
+        weights = tuple(local_weights(w, num_experts) if w is not None else None for w in experts.args[1:4])
+    segment = ExchangeSegment(
+        name=match.name, group=group, num_experts=num_experts, model_dim=model_dim,
+        token_dtype=_dtype(dispatch.args[0]), expert_dtype=_dtype(experts.args[1]),  # experts compute in w's dtype
+        experts_args=(*weights, *experts.args[4:]), experts_kwargs=dict(experts.kwargs),
+        experts_meta=dict(experts.meta), meta=meta,
+        rows_hint=_rows_hint(capacity, example_value(dispatch.args[1]), num_experts),
+        hidden_dim=_hidden_dim(experts.args[1], model_dim),
+        num_matrices=sum(w is not None for w in experts.args[1:4]),
+    )
+    with graph.inserting_before(experts):
+        full = emit_exchange(graph, match.buffer, segment, cfg)
     match.combine.replace_input_with(experts, full)
+    graph.erase_node(experts)
+    segment.buffer, segment.output = match.buffer, full
+    gm.meta.setdefault("moe_exchange_segments", []).append(segment)
+
+
+@dataclasses.dataclass
+class ExchangeSegment:
+    """What :func:`emit_exchange` needs to re-emit a layer's exchange (the chunk pass does, per chunk).
+
+    ``buffer`` / ``output``: the ``[E, R, M]`` nodes the segment starts from and ends in
+    (``output`` is what ``moe.combine`` reads), set once emitted.
+    """
+
+    name: str
+    group: EPGroup
+    num_experts: int
+    model_dim: int
+    token_dtype: torch.dtype
+    expert_dtype: torch.dtype
+    experts_args: tuple       # (w1, w2, w3, activation, ...) with this rank's local weights
+    experts_kwargs: dict
+    experts_meta: dict
+    meta: dict                # nn_module_stack / stack_trace / moe_region of the layer
+    rows_hint: int = 1        # rows per expert to plan for: the fixed capacity, or ceil(k·T/E) when dropless
+    hidden_dim: int = 0       # expert hidden size H (for the cost models)
+    num_matrices: int = 2     # 2 (w1, w2) or 3 (gated: w1, w2, w3)
+    buffer: Node | None = None
+    output: Node | None = None
+    chunks: int = 1           # set by the chunk pass
+
+    @property
+    def num_local(self) -> int:
+        return self.num_experts // self.group.size
+
+
+def emit_exchange(graph, buffer: Node, segment: ExchangeSegment, cfg, chunk: int = 1) -> Node:
+    """Insert A1 → local experts → A2 for the ``[E, R, M]`` node ``buffer``; the ``[E, R, M]`` result.
+
+    Each node is tagged ``meta["moe_task"]`` with its ScheMoE §4.1 task (C1 A1 D1 E C2 A2 D2;
+    the views belong to the task they feed) and ``meta["moe_chunk"] = chunk``.
+    """
+    group, num_local, model_dim = segment.group, segment.num_local, segment.model_dim
+
+    def call(target, *args, task, method=False, kwargs=None):
+        node = (graph.call_method if method else graph.call_function)(target, args, kwargs or {})
+        node.meta.update(segment.meta)
+        node.meta.update(moe_task=task, moe_chunk=chunk)
+        return node
+
+    def all_to_all(rows: Node, per_peer: Node, task: str) -> Node:
+        if cfg.all_to_all == "flat":
+            recv = emit_all_to_all(graph, rows, per_peer, group)
+            for node in (recv.args[0], recv):
+                node.meta.update(segment.meta)
+                node.meta.update(moe_task=task, moe_chunk=chunk)
+            return recv
+        return call(registry.all_to_all, rows, per_peer, group.name, cfg.all_to_all, cfg.ranks_per_node, task=task)
+
+    def exchange(rows: Node, per_peer: Node, dtype: torch.dtype, first: bool) -> Node:
+        compress, comm, decompress = ("C1", "A1", "D1") if first else ("C2", "A2", "D2")
+        if cfg.compressor == "none":
+            return all_to_all(rows, per_peer, comm)
+        payload = call(torch.ops.moe.compress.default, rows, cfg.compressor, "torch", cfg.nan_check, task=compress)
+        received = all_to_all(payload, per_peer, comm)
+        return call(torch.ops.moe.decompress.default, received, cfg.compressor, model_dim, dtype, "torch",
+                    task=decompress)
+
+    rows_per_expert = call(torch.ops.aten.sym_size.int, buffer, 1, task="C1")  # R
+    per_peer = call(operator.mul, rows_per_expert, num_local, task="C1")
+    send = call("reshape", buffer, (-1, model_dim), method=True, task="C1")
+    recv = exchange(send, per_peer, segment.token_dtype, first=True)
+    recv = call("view", recv, (group.size, num_local, rows_per_expert, model_dim), method=True, task="D1")
+    local_in = call("reshape", call("transpose", recv, 0, 1, method=True, task="D1"), (num_local, -1, model_dim),
+                    method=True, task="D1")
+    experts = call(torch.ops.moe.experts.default, local_in, *segment.experts_args, task="E",
+                   kwargs=segment.experts_kwargs)
+    for key, value in segment.experts_meta.items():
+        experts.meta.setdefault(key, value)
+    back = call("view", experts, (num_local, group.size, rows_per_expert, model_dim), method=True, task="C2")
+    send_back = call("reshape", call("transpose", back, 0, 1, method=True, task="C2"), (-1, model_dim),
+                     method=True, task="C2")
+    returned = exchange(send_back, per_peer, segment.expert_dtype, first=False)
+    return call("view", returned, (segment.num_experts, rows_per_expert, model_dim), method=True, task="D2")
 
 
 class _LocalWeights:
@@ -297,6 +362,28 @@ class _LocalWeights:
             if node not in erased and not node.users:
                 self.gm.graph.erase_node(node)
                 erased.add(node)
+
+
+def _rows_hint(capacity: int, expert_ids, num_experts: int) -> int:
+    """Rows per expert to plan chunking for: the fixed capacity, or a balanced dropless ``ceil(k·T/E)``."""
+    if capacity > 0:
+        return capacity
+    if not isinstance(expert_ids, torch.Tensor) or expert_ids.dim() != 2:
+        return 1
+    tokens, top_k = expert_ids.shape
+    return max(1, -(-int(tokens) * int(top_k) // num_experts))
+
+
+def _hidden_dim(w1: Node, model_dim: int) -> int:
+    """H of ``w1: [E, M, H]`` (or ``[E, H, M]``): its dimension that is not M."""
+    value = example_value(w1)
+    while value is None and w1.all_input_nodes:
+        w1 = w1.all_input_nodes[0]
+        value = example_value(w1)
+    if not isinstance(value, torch.Tensor) or value.dim() != 3:
+        return model_dim
+    dims = [int(d) for d in value.shape[1:]]
+    return dims[1] if dims[0] == model_dim else dims[0]
 
 
 def _dtype(node: Node) -> torch.dtype:

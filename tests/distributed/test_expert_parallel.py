@@ -35,6 +35,7 @@ class Case:
     tokens: str = "random"          # "random" or "equal": every token routed alike, one expert gets all
     unequal_batches: bool = False   # rank r has 6 + 3r tokens
     inner: str = "eager"            # options["inner"]
+    options: tuple = ()             # more options, as (key, value) pairs
 
 
 def _model(case: Case) -> torch.nn.Module:
@@ -81,7 +82,7 @@ def _run_case(rank: int, world_size: int, case: Case) -> None:
     if case.sharded:
         kept = moe_compile.shard_experts(model, "world", x)
         assert kept, case
-    options = {"ep_group": "world", "inner": case.inner, "capacity_factor": case.capacity_factor}
+    options = {"ep_group": "world", "inner": case.inner, "capacity_factor": case.capacity_factor, **dict(case.options)}
     compiled = torch.compile(model, backend="moe", fullgraph=True, options=options)
     moe_compile.counters.clear()
 

@@ -1,0 +1,334 @@
+"""Schedule: order the chunked tasks of each expert-parallel layer (ScheMoE §4, Theorem 1).
+
+Stage-2 pass on the AOTAutograd forward and backward graphs; it only reorders
+nodes (a topological order of the same graph), so semantics are unchanged.
+
+ScheMoE §4.1 splits a layer into tasks C1 A1 D1 E C2 A2 D2 per chunk (eq 3) with
+the chain dependencies of eqs (4)-(9); Theorem 1 (eq 12) gives the optimal order
+of the computing tasks
+
+    (C1^1 .. C1^r) (D1^1 E^1 C2^1) .. (D1^r E^r C2^r) (D2^1 .. D2^r)
+
+with every all-to-all started as soon as its producer is done (eqs 13-14). In
+graph terms (DESIGN.md "The schedule"): compute nodes follow eq (12), every
+all-to-all issue (``all_to_all_single``) is placed right after its producer, and
+its ``wait_tensor`` right before its first consumer, so that the exchange of one
+chunk runs (on gloo's threads, or the NCCL stream) while the next chunk computes.
+
+Before (forward, r = 2, the order ``chunk`` emitted)::
+
+    c1 = compress(b1); a1 = all_to_all(c1); w1 = wait(a1); d1 = decompress(w1); e1 = experts(d1) ...
+    c2 = compress(b2); a2 = all_to_all(c2); w2 = wait(a2); d2 = decompress(w2); e2 = experts(d2) ...
+
+After (optimal)::
+
+    c1 = compress(b1); a1 = all_to_all(c1)          # C1^1, A1^1 issued
+    c2 = compress(b2); a2 = all_to_all(c2)          # C1^2 overlaps A1^1; A1^2 issued
+    w1 = wait(a1); d1 = ...; e1 = experts(d1); ...  # D1^1 E^1 C2^1 overlap A1^2, A2^1 issued
+    w2 = wait(a2); d2 = ...; e2 = experts(d2); ...  # D1^2 E^2 C2^2 overlap A2^1
+    ...                                             # D2^1 D2^2
+
+How the tasks are found, without relying on node names (the backward graph is
+written by AOTAutograd): each chunk is a *chain* of two exchanges — an
+all-to-all whose waited result reaches exactly one other all-to-all without
+crossing another wait (forward: A1 → A2; backward: the gradient of A2 → the
+gradient of A1). A chain belongs to the layer whose ``moe.chunk_rows`` (forward)
+or ``moe.split_rows`` (backward, the adjoint of ``moe.cat_rows``) output it
+starts from, and that output's index is its chunk. Its tasks: the nodes between
+that output and the first issue (C1), between the first wait and the second
+issue (D1 E C2), and after the second wait up to the layer's join (D2). Nodes
+that belong to no chain (the dispatch, the weight-gradient sums over chunks, the
+rest of the model) keep their relative order. In the backward graph the chunks
+run in reverse order (r .. 1), mirroring the forward.
+
+Baselines (``config.schedule``), as the simulator models them
+(:mod:`moe_compile.schedule.simulator`):
+
+- ``sequential``: every wait right after its issue (no overlap), chunk after chunk.
+- ``tutel``: eq (12) order, but compression is not chunked (Tutel §3.3 partitions
+  only the all-to-alls and experts): no A1 is issued before the last C1, and all
+  A2 are waited before the first D2.
+- ``fastermoe``: the per-chunk loop (C1^i D1^i E^i C2^i)_i then (D2^i)_i: a chunk's
+  dispatch exchange is waited on before the next chunk is compressed.
+
+A graph without chains is left unchanged. A graph whose chains cannot be
+attributed to a layer is left unchanged and the reason logged.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections.abc import Iterable
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..config import SCHEDULES, ConfigError
+from ..counters import counters
+from ..debug import log
+from .manager import PassResult
+
+__all__ = ["Chain", "Schedule", "find_chains", "is_all_to_all", "is_wait"]
+
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+def _all_to_all_targets() -> set:
+    targets = {torch.ops._c10d_functional.all_to_all_single.default}
+    autograd_ns = getattr(torch.ops, "_c10d_functional_autograd", None)
+    if autograd_ns is not None and hasattr(autograd_ns, "all_to_all_single"):
+        targets.add(autograd_ns.all_to_all_single.default)
+    moe = torch.ops.moe
+    if hasattr(moe, "emulated_all_to_all"):
+        targets.add(moe.emulated_all_to_all.default)
+    return targets
+
+
+def is_wait(node: Node) -> bool:
+    return node.op == "call_function" and node.target is _WAIT
+
+
+def is_all_to_all(node: Node) -> bool:
+    return node.op == "call_function" and node.target in _all_to_all_targets()
+
+
+def _wait_of(issue: Node) -> Node | None:
+    waits = [u for u in issue.users if is_wait(u)]
+    others = [u for u in issue.users if not is_wait(u) and u.target is not torch.ops.aten.sym_size.int]
+    return waits[0] if len(waits) == 1 and not others else None
+
+
+@dataclasses.dataclass
+class Chain:
+    """One chunk of one layer in one graph: two exchanges and the compute tasks around them."""
+
+    first: Node                 # issue of the first all-to-all (forward A1; backward grad of A2)
+    second: Node                # issue of the second
+    source: Node | None = None  # the chunk_rows / split_rows output it starts from
+    layer: Node | None = None   # the chunk_rows / split_rows node
+    chunk: int = 1              # 1-based index of ``source`` among the layer's outputs
+    pre: list[Node] = dataclasses.field(default_factory=list)    # C1
+    mid: list[Node] = dataclasses.field(default_factory=list)    # D1 E C2
+    post: list[Node] = dataclasses.field(default_factory=list)   # D2
+
+    @property
+    def waits(self) -> tuple[Node, Node]:
+        return _wait_of(self.first), _wait_of(self.second)
+
+
+def _reach(starts: Iterable[Node], forward: bool, stop) -> set[Node]:
+    """Nodes reachable from ``starts`` (users if ``forward`` else inputs), not expanding past ``stop(n)``."""
+    seen, stack = set(), list(starts)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if stop(node):
+            continue
+        stack.extend(node.users if forward else node.all_input_nodes)
+    return seen
+
+
+def find_chains(gm: GraphModule) -> list[Chain]:
+    """The chains of ``gm`` (see the module docstring), in graph order of their first exchange."""
+    issues = [n for n in gm.graph.nodes if is_all_to_all(n) and _wait_of(n) is not None]
+    issue_set = set(issues)
+
+    def successors(issue: Node) -> set[Node]:
+        reached = _reach(_wait_of(issue).users, True, lambda n: is_wait(n) or n in issue_set)
+        return {n for n in reached if n in issue_set}
+
+    def predecessors(issue: Node) -> set[Node]:
+        reached = _reach(issue.all_input_nodes, False, lambda n: is_wait(n))
+        return {_wait_of_inverse(n) for n in reached if is_wait(n) and _wait_of_inverse(n) in issue_set}
+
+    chains, paired = [], set()
+    for issue in issues:
+        if issue in paired:
+            continue
+        succ = successors(issue)
+        if len(succ) != 1:
+            continue
+        (second,) = succ
+        if second in paired or predecessors(second) != {issue}:
+            continue
+        paired.update((issue, second))
+        chains.append(Chain(issue, second))
+    for chain in chains:
+        _attribute(chain)
+    return chains
+
+
+def _wait_of_inverse(wait: Node) -> Node | None:
+    return wait.args[0] if isinstance(wait.args[0], Node) else None
+
+
+def _chunk_source(node: Node) -> tuple[Node, Node, int] | None:
+    """``(getitem, chunk op, index)`` if ``node`` is output ``index`` of moe.chunk_rows / moe.split_rows."""
+    if node.op != "call_function" or node.target.__name__ != "getitem":
+        return None
+    parent = node.args[0]
+    if isinstance(parent, Node) and parent.op == "call_function" and parent.target in (
+        torch.ops.moe.chunk_rows.default, torch.ops.moe.split_rows.default
+    ):
+        return node, parent, node.args[1]
+    return None
+
+
+def _attribute(chain: Chain) -> None:
+    """Fill ``chain``'s layer, chunk index and task node lists."""
+    w1, w2 = chain.waits
+    upstream = _reach(chain.first.all_input_nodes, False, lambda n: is_wait(n) or _chunk_source(n) is not None)
+    sources = [s for s in map(_chunk_source, upstream) if s is not None]
+    if len(sources) == 1:
+        chain.source, chain.layer, index = sources[0]
+        chain.chunk = index + 1
+        down = _reach([chain.source], True, lambda n: n is chain.first or is_wait(n))
+        chain.pre = [n for n in down if n in upstream and n is not chain.first]
+    mid_down = _reach(w1.users, True, lambda n: n is chain.second or is_wait(n) or is_all_to_all(n))
+    mid_up = _reach(chain.second.all_input_nodes, False, lambda n: n is w1 or is_wait(n))
+    chain.mid = [n for n in mid_down & mid_up if n not in (chain.second, w1)]
+    # D2: after the second wait, up to (not including) the join that reads every chunk
+    chain.post = [n for n in _reach(w2.users, True, _is_join_or_barrier) if not _is_join_or_barrier(n)]
+
+
+def _is_join_or_barrier(node: Node) -> bool:
+    return is_wait(node) or is_all_to_all(node) or node.op == "output" or (
+        node.op == "call_function" and node.target in (torch.ops.moe.cat_rows.default,)
+    ) or len(node.users) == 0
+
+
+class Schedule:
+    """Stage-2 pass: see the module docstring."""
+
+    name = "schedule"
+
+    def __init__(self, schedule: str = "optimal", backward: bool | None = None):
+        if schedule not in SCHEDULES:
+            raise ConfigError(f"options['schedule']={schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        self.schedule = schedule
+        self.backward = backward
+        self.last_order: list[tuple[str, int, int]] = []   # (task, layer index, chunk) of the placed compute
+
+    def __call__(self, gm: GraphModule) -> PassResult:
+        chains = find_chains(gm)
+        if not chains:
+            return PassResult(gm, False)
+        layers: dict[Node | None, list[Chain]] = {}
+        for chain in chains:
+            layers.setdefault(chain.layer, []).append(chain)
+        if None in layers and self.schedule != "sequential":
+            # un-chunked layers (r = 1): nothing to reorder except the waits, which stay late
+            layers.pop(None)
+        backward = self.backward if self.backward is not None else _looks_backward(gm)
+        order = _order(gm, layers, self.schedule, backward)
+        if order == list(gm.graph.nodes):
+            return PassResult(gm, False)
+        _apply(gm, order)
+        counters["graphs_scheduled"] += 1
+        log.info("moe_compile: schedule %s: %d layers, %d chunks reordered (%s graph)", self.schedule,
+                 len(layers), sum(len(c) for c in layers.values()), "backward" if backward else "forward")
+        return PassResult(gm, True)
+
+
+def _looks_backward(gm: GraphModule) -> bool:
+    return any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
+
+
+def _order(gm: GraphModule, layers: dict, schedule: str, backward: bool) -> list[Node]:
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    key: dict[Node, tuple] = {n: (position[n], 0, 0, position[n]) for n in nodes}
+    extra_deps: dict[Node, set[Node]] = {}
+    for chains in layers.values():
+        count = len(chains)
+        members = [n for c in chains for n in (*c.pre, *c.mid, *c.post, c.first, c.second)]
+        start = min(position[n] for n in members)
+        for c in chains:
+            rank = count - c.chunk if backward else c.chunk - 1     # backward: chunks r .. 1
+            for phase, group in ((0, c.pre), (1, c.mid), (2, c.post)):
+                for n in group:
+                    if schedule in ("optimal", "tutel"):
+                        k = (phase, rank)
+                    elif schedule == "fastermoe":
+                        k = (0 if phase < 2 else 1, rank, phase)
+                    else:  # sequential: chunk after chunk
+                        k = (rank, phase)
+                    key[n] = (start, *k, position[n])
+        if schedule == "tutel" and all(c.source is not None for c in chains):
+            last_pre = [n for c in chains for n in c.pre]
+            all_w2 = [c.waits[1] for c in chains]
+            for c in chains:
+                extra_deps.setdefault(c.first, set()).update(last_pre)
+                for n in c.post:
+                    extra_deps.setdefault(n, set()).update(all_w2)
+    # a node outside every chain runs no later than the chain tasks that need it (e.g. the
+    # transposed saved weight an expert-backward matmul reads)
+    in_chain = {n for chains in layers.values() for c in chains for n in (*c.pre, *c.mid, *c.post)}
+    for n in reversed(nodes):
+        if n not in in_chain and n.users:
+            key[n] = min([key[n], *(key[u] for u in n.users)])
+    return _list_schedule(nodes, key, extra_deps, lazy_waits=schedule != "sequential")
+
+
+def _list_schedule(nodes: list[Node], key: dict, extra_deps: dict, lazy_waits: bool) -> list[Node]:
+    """A topological order: issues as soon as ready, waits right before their first consumer
+    (``lazy_waits``) or right after their issue, everything else by smallest ``key``."""
+    output = next(n for n in nodes if n.op == "output")
+    deps = {n: set(n.all_input_nodes) | extra_deps.get(n, set()) for n in nodes}
+    users: dict[Node, set[Node]] = {n: set() for n in nodes}
+    for n, ds in deps.items():
+        for d in ds:
+            users[d].add(n)
+    index = {n: i for i, n in enumerate(nodes)}
+    placed: set[Node] = set()
+    order: list[Node] = []
+    heap: list = []
+
+    def satisfied(d: Node) -> bool:
+        return d in placed or (lazy_waits and is_wait(d) and all(x in placed for x in deps[d]))
+
+    def consider(n: Node) -> None:
+        if n in placed or n is output or (lazy_waits and is_wait(n)):
+            return
+        if all(satisfied(d) for d in deps[n]):
+            heapq.heappush(heap, (key[n], index[n], n))
+
+    def place(n: Node) -> None:
+        for d in sorted((d for d in deps[n] if d not in placed), key=lambda d: index[d]):
+            place(d)  # a wait pulled in right before its consumer
+        if n in placed:
+            return
+        placed.add(n)
+        order.append(n)
+        for u in sorted(users[n], key=lambda u: index[u]):
+            if u in placed:
+                continue
+            if (is_all_to_all(u) or (not lazy_waits and is_wait(u))) and all(d in placed for d in deps[u]):
+                place(u)  # issue as soon as the producer is done (eqs 13-14)
+            elif lazy_waits and is_wait(u):
+                for v in users[u]:
+                    consider(v)  # the wait's consumers may now be ready
+            else:
+                consider(u)
+
+    for n in nodes:
+        if not deps[n]:
+            consider(n)
+    while heap:
+        _, _, n = heapq.heappop(heap)
+        if n not in placed:
+            place(n)
+    for n in nodes:  # waits nobody consumes
+        if n not in placed and n is not output:
+            place(n)
+    order.append(output)
+    return order
+
+
+def _apply(gm: GraphModule, order: list[Node]) -> None:
+    output = order[-1]
+    for node in order[:-1]:
+        output.prepend(node)
+    gm.graph.lint()
