@@ -18,10 +18,11 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["ConfigError", "MoECompileConfig", "config", "INNER_COMPILERS"]
+__all__ = ["ConfigError", "MoECompileConfig", "config", "INNER_COMPILERS", "SCHEDULES"]
 
 INNER_COMPILERS = ("auto", "eager", "inductor")
 KERNELS = ("auto", "triton", "torch")
+SCHEDULES = ("optimal", "sequential", "tutel", "fastermoe")
 _ENV_PREFIX = "MOE_COMPILE_"
 
 
@@ -77,6 +78,20 @@ class MoECompileConfig:
     ranks_per_node: int | None = None
     #: Before using a non-flat all-to-all, compare it once with flat on random bytes (compile time).
     verify_collectives: bool = True
+    #: Order of the chunked exchange and expert tasks (ScheMoE §4): "optimal" (Theorem 1,
+    #: eq 12, comm issued as soon as ready, eqs 13-14), "sequential" (no overlap), "tutel"
+    #: (compression not chunked, Tutel §3.3), "fastermoe" (per-chunk loop, pipeline degree 2).
+    schedule: str = "optimal"
+    #: Chunks r of each expert-parallel layer's capacity dimension: an integer >= 1, or
+    #: "auto" = the r solver (FSMoE Algorithm 1) on the fitted cost models (``cost_models``).
+    num_chunks: Any = 1
+    #: Fitted cost models (JSON written by ``python -m moe_compile.profile``); None = that
+    #: command's default file for this machine, if it exists.
+    cost_models: str | None = None
+    #: Emulate a slower network: ``{"alpha_us": 10, "gbps": 25}`` makes every expert-parallel
+    #: all-to-all last at least alpha + bytes / bandwidth (the link sleeps, not the compute;
+    #: DESIGN.md "Measuring schedules on small machines"). None = the real network only.
+    emulate_link: Any = None
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> MoECompileConfig:
@@ -103,6 +118,21 @@ class MoECompileConfig:
             if self.ranks_per_node is None:
                 raise ConfigError(
                     f"options['all_to_all']={self.all_to_all!r} needs options['ranks_per_node'] (ranks per node)"
+                )
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"options['schedule']={self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        r = self.num_chunks
+        if not (r == "auto" or (isinstance(r, int) and not isinstance(r, bool) and r >= 1)):
+            raise ConfigError(f"options['num_chunks']={r!r}: expected an integer >= 1 or 'auto'")
+        _check_optional_str(self, "cost_models")
+        if self.emulate_link is not None:
+            from .collectives.emulated import Link
+
+            Link.from_option(self.emulate_link)
+            if self.all_to_all != "flat":
+                raise ConfigError(
+                    f"options['emulate_link'] emulates the flat all-to-all; options['all_to_all']="
+                    f"{self.all_to_all!r} cannot be emulated: use 'flat' with emulate_link"
                 )
         rpn = self.ranks_per_node
         if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1):
@@ -226,6 +256,20 @@ def _parse_env(name: str, raw: str, default: Any) -> Any:
         if raw.lower() in ("0", "false", "no", "off"):
             return False
         raise ConfigError(f"{env}={raw!r}: expected one of 1, 0, true, false")
+    if name == "emulate_link":
+        import json
+
+        try:
+            return json.loads(raw) if raw else None
+        except ValueError:
+            raise ConfigError(f'{env}={raw!r}: expected JSON such as {{"alpha_us": 10, "gbps": 25}}') from None
+    if name == "num_chunks":
+        if raw == "auto":
+            return raw
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"{env}={raw!r}: expected an integer >= 1 or auto") from None
     if isinstance(default, int) or name == "ranks_per_node":
         if raw == "" and default is None:
             return None
