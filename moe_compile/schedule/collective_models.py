@@ -444,13 +444,13 @@ def choose_all_to_all(
 
     Eligible: ``flat`` always; ``1dh``, ``2dh``, ``pipe`` only when ``ranks_per_node``
     is given, divides ``world`` and leaves more than one node of more than one rank
-    (otherwise they run the flat all-to-all anyway). ``ranks_per_node=None`` with a
-    network model prices flat as if every peer were on another node. Ties go to the
-    earlier candidate.
+    (otherwise they run the flat all-to-all anyway). With a network model and
+    ``ranks_per_node`` None or not dividing ``world``, flat is priced as if every peer
+    were on another node. Ties go to the earlier candidate.
     """
-    eligible = eligible_algorithms(world, ranks_per_node, candidates)
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"choose_all_to_all: world={world!r}: expected an integer >= 1")
+    eligible = eligible_algorithms(world, ranks_per_node, candidates)
     if isinstance(models_or_network, str):
         models_or_network = get_network(models_or_network)
     if isinstance(models_or_network, NetworkModel):
