@@ -1,0 +1,309 @@
+"""``python -m moe_compile.profile``: measure this machine and fit the α-β cost models (ScheMoE §3.2 Profiler).
+
+ScheMoE's profiler times every task of an MoE layer at a few sizes and fits
+``t(n) = α + β·n`` to each (§3.2, §4.1; Parm §IV and FSMoE §4 do the same); the
+r solver and the simulator (:mod:`moe_compile.schedule`) price schedules with
+those models. This script measures, on ``--world`` spawned ranks
+(:func:`moe_compile.testing.spawn`, gloo; ``--backend nccl`` puts the
+collectives on one GPU per rank):
+
+| key (:func:`~moe_compile.schedule.cost_model.task_key`) | what runs | size ``n`` |
+|---|---|---|
+| ``all_to_all:<algorithm>:<P>`` | ``ALL_TO_ALLS[algorithm]`` on the whole group, equal splits | bytes of one rank's send buffer |
+| ``all_gather:<P>`` / ``all_reduce:<P>`` | the functional collective | bytes of one rank's input |
+| ``compress:<c>`` / ``decompress:<c>`` | ``torch.ops.moe.compress`` / ``decompress`` on ``[rows, 1024]`` float32 | raw bytes in / out |
+| ``experts`` | ``torch.ops.moe.experts`` on ``[E_local, rows, M]`` (ReLU MLP, 2 matrices) | MACs ``E_local·rows·M·H·2`` |
+
+``flat`` is always measured; the hierarchical algorithms need ``--world >= 4``
+and a ``--ranks-per-node`` that makes at least 2 nodes of at least 2 ranks.
+
+Each point is the median of ``repeats`` runs after ``warmup`` runs. A
+collective's run time is the slowest rank's (every rank starts after a
+barrier), a local task's is pooled over the ranks (they compute at the same
+time, as in expert parallelism, so they share the cores as they would). Each
+rank runs with one thread (the spawn harness), like the distributed benchmarks.
+The result, a :class:`~moe_compile.schedule.cost_model.CostModels` with the raw
+samples and the machine, goes to ``--out`` or
+:meth:`CostModels.default_path`; a table of α, throughput ``1/β`` and R² per
+key is printed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .schedule.cost_model import AlphaBeta, CostModels, machine_info, task_key
+
+__all__ = ["ProfilePlan", "fit_models", "main", "make_plan", "r_squared"]
+
+MODEL_DIM = 1024                 # columns of the compressed rows
+EXPERT_SHAPE = (2, 128, 256)     # E_local, M, H of the profiled experts
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfilePlan:
+    """What every rank measures (picklable: it travels to the spawned ranks)."""
+
+    world: int
+    backend: str                         # "gloo" or "nccl"
+    ranks_per_node: int | None
+    algorithms: tuple[str, ...]          # all-to-all algorithms to time
+    collective_bytes: tuple[int, ...]    # one rank's send buffer / input, bytes
+    compressors: tuple[str, ...]
+    compress_rows: tuple[int, ...]       # rows of [rows, MODEL_DIM] float32
+    expert_rows: tuple[int, ...]         # rows per local expert
+    warmup: int
+    repeats: int
+    progress: bool = True
+
+    @property
+    def steps(self) -> int:
+        collectives = (len(self.algorithms) + 2) * len(self.collective_bytes)
+        return collectives + 2 * len(self.compressors) * len(self.compress_rows) + len(self.expert_rows)
+
+
+def make_plan(
+    *, world: int, quick: bool, ranks_per_node: int | None = None, compressors: Sequence[str] | None = None,
+    backend: str = "gloo", progress: bool = True,
+) -> ProfilePlan:
+    """The sizes to measure: ``quick`` (a handful, for tests) or the full sweep."""
+    from .collectives.algorithms import ALL_TO_ALLS
+    from .collectives.compressors import compressor_names
+
+    if isinstance(world, bool) or not isinstance(world, int) or world < 2:
+        raise ValueError(f"--world {world!r}: the collectives need at least 2 ranks")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"--backend {backend!r}: choose gloo or nccl")
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        raise ValueError(
+            f"--backend nccl --world {world}: needs one GPU per rank, this machine has {torch.cuda.device_count()}"
+        )
+    if ranks_per_node is not None and (ranks_per_node < 1 or world % ranks_per_node):
+        raise ValueError(f"--ranks-per-node {ranks_per_node}: must be >= 1 and divide --world {world}")
+    known = [c for c in compressor_names() if c != "none"]
+    chosen = tuple(known if compressors is None else compressors)
+    unknown = [c for c in chosen if c not in known]
+    if unknown:
+        raise ValueError(f"--compressors: {', '.join(unknown)} not registered; choose from {', '.join(known)}")
+    hierarchical = ranks_per_node is not None and world >= 4 and 2 <= ranks_per_node <= world // 2
+    algorithms = tuple(name for name in ALL_TO_ALLS if name == "flat" or hierarchical)
+    if quick:
+        sizes = tuple(2 ** k for k in (16, 18, 20, 22))               # 64 KiB .. 4 MiB
+        return ProfilePlan(world, backend, ranks_per_node, algorithms, sizes, chosen,
+                           compress_rows=(16, 64, 256), expert_rows=(64, 256, 1024),
+                           warmup=1, repeats=5, progress=progress)
+    sizes = tuple(2 ** k for k in range(12, 27, 2))                    # 4 KiB .. 64 MiB
+    return ProfilePlan(world, backend, ranks_per_node, algorithms, sizes, chosen,
+                       compress_rows=(4, 16, 64, 256, 1024, 4096), expert_rows=(16, 64, 256, 1024, 4096),
+                       warmup=2, repeats=7, progress=progress)
+
+
+# --------------------------------------------------------------------------- on each rank
+
+Samples = dict[str, list[tuple[float, list[float]]]]   # key -> [(size, [seconds per repeat])]
+
+
+def _profile_rank(rank: int, world: int, plan: ProfilePlan) -> Samples:
+    """Measure every task of ``plan`` on this rank; the per-repeat times, by key."""
+    device = torch.device("cpu")
+    group = dist.group.WORLD
+    if plan.backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        group = dist.new_group(backend="nccl")
+    bar = None
+    if plan.progress and rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=plan.steps, desc=f"profile (P={world}, {plan.backend})", unit="point", file=sys.stderr)
+    samples: Samples = {}
+
+    def record(key: str, size: float, fn: Callable[[], object], barrier: bool) -> None:
+        times = []
+        for i in range(plan.warmup + plan.repeats):
+            if barrier:
+                dist.barrier(group=group)
+                _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            if i >= plan.warmup:
+                times.append(time.perf_counter() - start)
+        samples.setdefault(key, []).append((float(size), times))
+        if bar is not None:
+            bar.set_postfix_str(key)
+            bar.update()
+
+    _profile_collectives(plan, group, device, record)
+    _profile_compressors(plan, device, record)
+    _profile_experts(plan, device, record)
+    if bar is not None:
+        bar.close()
+    return samples
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _profile_collectives(plan: ProfilePlan, group, device: torch.device, record) -> None:
+    from .collectives.algorithms import ALL_TO_ALLS, make_topology
+    from .collectives.algorithms.base import wait
+
+    p = plan.world
+    topology = make_topology(group, plan.ranks_per_node or p)
+    name = topology.group.name
+    for nbytes in plan.collective_bytes:
+        rows = max(nbytes // (4 * 256 * p), 1) * p                # [rows, 256] float32, rows divisible by P
+        x = torch.randn(rows, 256, device=device)
+        size = x.numel() * x.element_size()
+        for algorithm in plan.algorithms:
+            cls = ALL_TO_ALLS[algorithm]
+            run = cls()
+            record(task_key("all_to_all", cls.cost_model, p), size,
+                   lambda: run(x, None, None, topology), barrier=True)
+        record(task_key("all_gather", world=p), size,
+               lambda: wait(torch.ops._c10d_functional.all_gather_into_tensor(x, p, name)), barrier=True)
+        record(task_key("all_reduce", world=p), size,
+               lambda: wait(torch.ops._c10d_functional.all_reduce(x, "sum", name)), barrier=True)
+
+
+def _profile_compressors(plan: ProfilePlan, device: torch.device, record) -> None:
+    for compressor in plan.compressors:
+        for rows in plan.compress_rows:
+            x = torch.randn(rows, MODEL_DIM, device=device)
+            raw = x.numel() * x.element_size()
+            payload = torch.ops.moe.compress(x, compressor)
+            record(task_key("compress", compressor), raw, lambda: torch.ops.moe.compress(x, compressor), False)
+            record(task_key("decompress", compressor), raw,
+                   lambda: torch.ops.moe.decompress(payload, compressor, MODEL_DIM, x.dtype), False)
+
+
+def _profile_experts(plan: ProfilePlan, device: torch.device, record) -> None:
+    from .ops.experts import experts  # noqa: F401  registers torch.ops.moe.experts
+
+    e_local, m, h = EXPERT_SHAPE
+    w1 = torch.randn(e_local, h, m, device=device) / m ** 0.5
+    w2 = torch.randn(e_local, m, h, device=device) / h ** 0.5
+    for rows in plan.expert_rows:
+        x = torch.randn(e_local, rows, m, device=device)
+        macs = e_local * rows * m * h * 2
+        record(task_key("experts"), macs, lambda: torch.ops.moe.experts(x, w1, w2, None, "relu"), False)
+
+
+# --------------------------------------------------------------------------- fitting
+
+
+def combine(per_rank: list[Samples]) -> dict[str, list[tuple[float, float]]]:
+    """Per-rank times → one ``(size, seconds)`` per repeat: the slowest rank for collectives, pooled otherwise."""
+    combined: dict[str, list[tuple[float, float]]] = {}
+    for key, points in per_rank[0].items():
+        collective = key.split(":")[0] in ("all_to_all", "all_gather", "all_reduce")
+        out = combined.setdefault(key, [])
+        for i, (size, _) in enumerate(points):
+            runs = [rank[key][i][1] for rank in per_rank]
+            if collective:
+                out.extend((size, max(ts)) for ts in zip(*runs))
+            else:
+                out.extend((size, t) for ts in runs for t in ts)
+    return combined
+
+
+def r_squared(model: AlphaBeta, sizes: Sequence[float], seconds: Sequence[float]) -> float:
+    """Coefficient of determination of ``model`` on the points (1 = perfect; may be negative)."""
+    y = np.asarray(seconds, dtype=np.float64)
+    predicted = np.asarray([model(n) for n in sizes])
+    total = float(((y - y.mean()) ** 2).sum())
+    residual = float(((y - predicted) ** 2).sum())
+    return 1.0 - residual / total if total > 0 else float(residual == 0)
+
+
+def fit_models(samples: dict[str, list[tuple[float, float]]]) -> tuple[dict[str, AlphaBeta], dict[str, float]]:
+    """One α-β model per key, fitted to the median time of each size; and its R² on those medians."""
+    models, quality = {}, {}
+    for key, points in samples.items():
+        by_size: dict[float, list[float]] = {}
+        for size, t in points:
+            by_size.setdefault(size, []).append(t)
+        sizes = sorted(by_size)
+        medians = [statistics.median(by_size[s]) for s in sizes]
+        models[key] = AlphaBeta.fit(sizes, medians)
+        quality[key] = r_squared(models[key], sizes, medians)
+    return models, quality
+
+
+def format_table(models: dict[str, AlphaBeta], quality: dict[str, float]) -> str:
+    """``key  α (µs)  throughput  R²``; throughput is ``1/β`` in GB/s (bytes) or GMAC/s (experts)."""
+    lines = [f"{'key':<26} {'alpha (us)':>11} {'1/beta':>16} {'R^2':>7}"]
+    for key in sorted(models):
+        model = models[key]
+        unit = "GMAC/s" if key == task_key("experts") else "GB/s"
+        rate = f"{1e-9 / model.beta:9.3f} {unit}" if model.beta > 0 else f"{'inf':>9} {unit}"
+        lines.append(f"{key:<26} {model.alpha * 1e6:11.1f} {rate:>16} {quality[key]:7.3f}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def main(argv: Sequence[str] | None = None) -> CostModels:
+    parser = argparse.ArgumentParser(
+        prog="python -m moe_compile.profile",
+        description="Measure all-to-all, all-gather/all-reduce, compressors and experts on this machine and fit "
+                    "alpha-beta cost models (ScheMoE §3.2) for the schedule solver.",
+    )
+    parser.add_argument("--quick", action="store_true", help="a few sizes only (seconds; for tests)")
+    parser.add_argument("--world", type=int, default=2, help="ranks to spawn (default 2)")
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="ranks per emulated node; with --world >= 4 also profiles 1dh, 2dh and pipe")
+    parser.add_argument("--compressors", default=None,
+                        help="comma-separated compressors to profile (default: every registered one)")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                        help="collectives on gloo (CPU) or NCCL (one GPU per rank)")
+    parser.add_argument("--out", default=None, help=f"output JSON (default {CostModels.default_path()})")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+
+    compressors = None
+    if args.compressors is not None:
+        compressors = [c.strip() for c in args.compressors.split(",") if c.strip()]
+    try:
+        plan = make_plan(world=args.world, quick=args.quick, ranks_per_node=args.ranks_per_node,
+                         compressors=compressors, backend=args.backend, progress=not args.no_progress)
+    except ValueError as err:
+        parser.error(str(err))
+
+    from .testing import spawn
+
+    per_rank = spawn(_profile_rank, plan.world, plan, timeout=3600)
+    samples = combine(per_rank)
+    models, quality = fit_models(samples)
+    machine = {
+        **machine_info(),
+        "world": plan.world,
+        "backend": plan.backend,
+        "ranks_per_node": plan.ranks_per_node,
+        "threads_per_rank": 1,
+        "quick": args.quick,
+        "r_squared": quality,
+    }
+    result = CostModels(models=models, machine=machine, samples=samples)
+    path = result.save(args.out or CostModels.default_path())
+    print(format_table(models, quality))
+    print(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    from moe_compile.profile import main as _main  # the spawned ranks import this module by name
+
+    _main()

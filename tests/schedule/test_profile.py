@@ -1,0 +1,68 @@
+"""``python -m moe_compile.profile``: the quick profile on 2 gloo ranks writes loadable α-β models; plan and fit units."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moe_compile.profile import combine, fit_models, main, make_plan, r_squared
+from moe_compile.schedule.cost_model import AlphaBeta, CostModels
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_quick_profile_writes_cost_models(tmp_path, capsys):
+    out = tmp_path / "models.json"
+    returned = main(["--quick", "--world", "2", "--out", str(out)])
+    loaded = CostModels.load(out)
+    assert loaded.models == returned.models
+    expected = {"all_to_all:flat:2", "all_gather:2", "all_reduce:2", "compress:int8", "decompress:int8", "experts"}
+    assert expected <= set(loaded.models), sorted(loaded.models)
+    plan = make_plan(world=2, quick=True)
+    for key, model in loaded.models.items():
+        assert model.beta > 0, (key, model)
+        sizes = {n for n, _ in loaded.samples[key]}
+        assert len(sizes) >= 3, (key, sizes)
+        assert all(t > 0 for _, t in loaded.samples[key]), key
+        per_size = 1 if key.split(":")[0] in ("all_to_all", "all_gather", "all_reduce") else 2  # pooled over ranks
+        assert len(loaded.samples[key]) == len(sizes) * plan.repeats * per_size, key
+    assert loaded.machine["world"] == 2 and loaded.machine["backend"] == "gloo"
+    assert json.loads(out.read_text())["machine"]["hostname"]
+    printed = capsys.readouterr().out
+    for key in loaded.models:
+        assert key in printed
+    assert str(out) in printed
+
+
+def test_plan_chooses_algorithms_and_checks_arguments():
+    assert make_plan(world=2, quick=True).algorithms == ("flat",)
+    assert make_plan(world=4, quick=True).algorithms == ("flat",)               # no nodes given
+    assert set(make_plan(world=4, quick=True, ranks_per_node=2).algorithms) == {"flat", "1dh", "2dh", "pipe"}
+    assert make_plan(world=4, quick=True, ranks_per_node=4).algorithms == ("flat",)  # one node: no hierarchy
+    assert make_plan(world=2, quick=True, compressors=["int8"]).compressors == ("int8",)
+    with pytest.raises(ValueError, match="--compressors: int4 not registered; choose from .*int8"):
+        make_plan(world=2, quick=True, compressors=["int4"])
+    with pytest.raises(ValueError, match="--ranks-per-node 3"):
+        make_plan(world=4, quick=True, ranks_per_node=3)
+    with pytest.raises(ValueError, match="--world 1"):
+        make_plan(world=1, quick=True)
+    with pytest.raises(SystemExit):
+        main(["--compressors", "int4", "--quick"])
+
+
+def test_combine_takes_the_slowest_rank_for_collectives_and_pools_local_tasks():
+    rank0 = {"all_to_all:flat:2": [(100.0, [1.0, 5.0])], "experts": [(10.0, [1.0, 2.0])]}
+    rank1 = {"all_to_all:flat:2": [(100.0, [3.0, 4.0])], "experts": [(10.0, [3.0, 4.0])]}
+    combined = combine([rank0, rank1])
+    assert combined["all_to_all:flat:2"] == [(100.0, 3.0), (100.0, 5.0)]
+    assert sorted(t for _, t in combined["experts"]) == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_fit_recovers_a_linear_model_from_medians():
+    truth = AlphaBeta(alpha=2e-4, beta=3e-9)
+    samples = {"compress:int8": [(n, truth(n) * f) for n in (1e5, 1e6, 1e7) for f in (0.5, 1.0, 9.0)]}
+    models, quality = fit_models(samples)  # the median of each size is the exact point
+    assert models["compress:int8"].alpha == pytest.approx(truth.alpha, rel=1e-6)
+    assert models["compress:int8"].beta == pytest.approx(truth.beta, rel=1e-6)
+    assert quality["compress:int8"] == pytest.approx(1.0)
+    assert r_squared(AlphaBeta(0.0, 0.0), [1.0, 2.0], [1.0, 3.0]) < 0
