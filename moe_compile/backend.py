@@ -55,6 +55,11 @@ def moe_backend(
     counters["graphs"] += 1
     dumper = GraphDumper(cfg.debug_dir)
     gm = PassManager(stage1_passes(cfg), dumper)(gm)
+    plans = gm.meta.get("moe_plans")
+    if plans and dumper.directory is not None:
+        from .schedule.plan import write_plans
+
+        write_plans(dumper.directory, plans)
 
     inner = cfg.inner
     if inner == "auto":

@@ -71,8 +71,9 @@ class MoECompileConfig:
     #: "triton" = always the kernels (on CPU they need TRITON_INTERPRET=1); "torch" = never.
     kernels: str = "auto"
     #: Algorithm of the expert-parallel all-to-all: "flat" (one all_to_all_single), "1dh",
-    #: "2dh", "pipe" (hierarchical over nodes of ``ranks_per_node`` ranks), or a name given to
-    #: register_all_to_all.
+    #: "2dh", "pipe" (hierarchical over nodes of ``ranks_per_node`` ranks), a name given to
+    #: register_all_to_all, or "auto": per layer, the one with the least time predicted by
+    #: the fitted cost models (``cost_models``) for its exchange size; flat without models.
     all_to_all: str = "flat"
     #: Ranks per node for the hierarchical all-to-alls (consecutive EP ranks form a node).
     ranks_per_node: int | None = None
@@ -111,7 +112,7 @@ class MoECompileConfig:
             get_compressor(self.compressor)
         if not isinstance(self.all_to_all, str):
             raise ConfigError(f"options['all_to_all']={self.all_to_all!r}: expected an algorithm name (a string)")
-        if self.all_to_all != "flat":
+        if self.all_to_all not in ("flat", "auto"):
             from .collectives.registry import get_all_to_all
 
             get_all_to_all(self.all_to_all)

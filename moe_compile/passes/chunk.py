@@ -61,7 +61,7 @@ class Chunk:
 
     def __init__(self, cfg: MoECompileConfig):
         self.cfg = cfg
-        self.choices: dict[str, dict] = {}
+        self._models = None
 
     def __call__(self, gm: GraphModule) -> PassResult:
         segments: list[ExchangeSegment] = gm.meta.get("moe_exchange_segments", [])
@@ -72,8 +72,8 @@ class Chunk:
                             segment.name)
                 continue
             chunks, why = self.chunks_for(segment)
-            self.choices[segment.name] = {"chunks": chunks, "why": why}
             segment.chunks = chunks
+            gm.meta.setdefault("moe_plans", []).append(segment.plan)
             if chunks == 1:
                 log.info("moe_compile: %s not chunked (r = 1: %s)", segment.name, why)
                 continue
@@ -86,15 +86,35 @@ class Chunk:
     def chunks_for(self, segment: ExchangeSegment) -> tuple[int, str]:
         """r for ``segment`` and why: the option, or the solver's choice on the fitted models."""
         r = self.cfg.num_chunks
-        if r != "auto":
-            return r, "options['num_chunks']"
-        if self.cfg.schedule == "sequential":
-            return 1, "the sequential schedule overlaps nothing"
-        if self.cfg.schedule == "fastermoe":
-            return 2, "FasterMoE's pipeline degree"
-        from ..schedule.auto import solve_layer_chunks
+        if r == "auto" and self.cfg.schedule == "sequential":
+            r, why = 1, "the sequential schedule overlaps nothing"
+        elif r == "auto" and self.cfg.schedule == "fastermoe":
+            r, why = 2, "FasterMoE's pipeline degree"
+        else:
+            why = "options['num_chunks']"
+        plan = self.plan(segment, r)
+        segment.plan = plan
+        return (plan.chunks, plan.why) if r == "auto" else (r, why)
 
-        return solve_layer_chunks(segment, self.cfg, max_chunks=MAX_AUTO_CHUNKS)
+    def plan(self, segment: ExchangeSegment, chunks):
+        from ..collectives.compressors import payload_ratio
+        from ..schedule.cost_model import LayerShape
+        from ..schedule.plan import load_models, plan_layer
+
+        if self._models is None:
+            self._models = load_models(self.cfg.cost_models)
+        models, source = self._models
+        shape = LayerShape(
+            num_experts=segment.num_experts, world=segment.group.size, rows=max(1, segment.rows_hint),
+            model_dim=segment.model_dim, hidden_dim=max(1, segment.hidden_dim),
+            dtype_bytes=segment.token_dtype.itemsize, num_matrices=max(1, segment.num_matrices),
+            payload_ratio=min(1.0, payload_ratio(self.cfg.compressor, segment.model_dim, segment.token_dtype)),
+        )
+        return plan_layer(
+            segment.name, shape, schedule=self.cfg.schedule, compressor=self.cfg.compressor,
+            algorithm=self.cfg.all_to_all, models=models, models_source=source, chunks=chunks,
+            max_chunks=MAX_AUTO_CHUNKS,
+        )
 
 
 def segment_nodes(segment: ExchangeSegment) -> list[Node]:

@@ -15,7 +15,8 @@ Before (the canonical layer)::
 After (rank r; with ``config.compressor`` each ``all_to_all_single(t)`` is
 ``moe.decompress(all_to_all_single(moe.compress(t)))``, ScheMoE's C → A → D; with
 ``config.all_to_all`` other than "flat" it is one call of the chosen algorithm,
-:mod:`moe_compile.collectives.registry`)::
+:mod:`moe_compile.collectives.registry`; with ``config.emulate_link`` it is the
+emulated exchange of :mod:`moe_compile.collectives.emulated`)::
 
     need = moe.capacity(ids, E, C, bucket)                  # rows this batch needs, [1]
     rows = wait_tensor(all_reduce(need, "max", ep))          # agreed over the group
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
@@ -54,6 +56,7 @@ from torch.fx import GraphModule, Node
 from .. import ops  # noqa: F401  (registers torch.ops.moe.*)
 from ..collectives import compressors  # noqa: F401  (registers torch.ops.moe.compress / decompress)
 from ..collectives import registry
+from ..collectives.emulated import Link, emit_emulated_all_to_all
 from ..collectives import EPGroup, emit_all_reduce_max, emit_all_to_all
 from ..config import ConfigError, MoECompileConfig
 from ..counters import counters
@@ -133,15 +136,17 @@ class ExpertParallel:
             log.info("moe_compile: expert-parallel group of size 1; no collectives inserted")
             return PassResult(gm, False)
         matches, skips = match_layers(gm)
-        if matches and self.cfg.all_to_all != "flat":
+        algorithms = {m.name: self._algorithm(m) for m in matches}
+        if any(a != "flat" for a in algorithms.values()):
             registry.make_topology(self.group.name, self.cfg.ranks_per_node)  # sub-groups, on every rank
             if self.cfg.verify_collectives:
-                registry.verify_all_to_all(self.cfg.all_to_all, self.group.name, self.cfg.ranks_per_node)
+                for algorithm in sorted(set(algorithms.values()) - {"flat"}):
+                    registry.verify_all_to_all(algorithm, self.group.name, self.cfg.ranks_per_node)
         for dispatch, reason in skips:
             log.warning("moe_compile: %s not made expert-parallel (%s); its experts run locally", dispatch.name, reason)
         local_weights = _LocalWeights(gm, self.group, shards)
         for match in matches:
-            _rewrite(gm, match, self.group, self.cfg, local_weights)
+            _rewrite(gm, match, self.group, self.cfg, local_weights, algorithms[match.name])
             counters["regions_expert_parallel"] += 1
             log.info(
                 "moe_compile: %s is expert-parallel over %d ranks (%d local experts, %s weights)",
@@ -158,8 +163,35 @@ class ExpertParallel:
             )
         return PassResult(gm, bool(matches))
 
+    def _algorithm(self, match: ExpertParallelMatch) -> str:
+        """``config.all_to_all``, or for "auto" the algorithm with the least predicted time for this
+        layer's exchange (:func:`moe_compile.schedule.collective_models.choose_all_to_all`)."""
+        if self.cfg.all_to_all != "auto":
+            return self.cfg.all_to_all
+        from ..collectives.compressors import payload_ratio
+        from ..schedule.collective_models import choose_all_to_all
+        from ..schedule.plan import load_models
 
-def _rewrite(gm: GraphModule, match: ExpertParallelMatch, group: EPGroup, cfg, local_weights) -> None:
+        models, source = load_models(self.cfg.cost_models)
+        x = example_value(match.dispatch.args[0])
+        rows = _rows_hint(match.dispatch.args[3], example_value(match.dispatch.args[1]), match.num_experts)
+        nbytes = match.num_experts * rows * x.shape[-1] * x.dtype.itemsize * min(
+            1.0, payload_ratio(self.cfg.compressor, x.shape[-1], x.dtype))
+        if models is None or self.cfg.ranks_per_node is None:
+            log.info("moe_compile: all_to_all='auto' for %s: %s; using flat", match.name,
+                     "no ranks_per_node" if models is not None else "no fitted cost models (python -m moe_compile.profile)")
+            return "flat"
+        try:
+            chosen, predicted = choose_all_to_all(nbytes, self.group.size, self.cfg.ranks_per_node, models)
+        except KeyError as e:
+            log.warning("moe_compile: all_to_all='auto' for %s: %s; using flat", match.name, e)
+            return "flat"
+        log.info("moe_compile: all_to_all='auto' for %s (%d bytes per rank, models %s): %s; predicted %s",
+                 match.name, nbytes, source, chosen, {k: f"{v * 1e6:.1f} us" for k, v in predicted.items()})
+        return chosen
+
+
+def _rewrite(gm: GraphModule, match: ExpertParallelMatch, group: EPGroup, cfg, local_weights, algorithm) -> None:
     graph = gm.graph
     dispatch, experts = match.dispatch, match.experts
     num_experts, capacity = dispatch.args[2], dispatch.args[3]
@@ -194,6 +226,7 @@ def _rewrite(gm: GraphModule, match: ExpertParallelMatch, group: EPGroup, cfg, l
         rows_hint=_rows_hint(capacity, example_value(dispatch.args[1]), num_experts),
         hidden_dim=_hidden_dim(experts.args[1], model_dim),
         num_matrices=sum(w is not None for w in experts.args[1:4]),
+        algorithm=algorithm,
     )
     with graph.inserting_before(experts):
         full = emit_exchange(graph, match.buffer, segment, cfg)
@@ -226,7 +259,9 @@ class ExchangeSegment:
     num_matrices: int = 2     # 2 (w1, w2) or 3 (gated: w1, w2, w3)
     buffer: Node | None = None
     output: Node | None = None
+    algorithm: str = "flat"   # the all-to-all algorithm (config.all_to_all, "auto" resolved)
     chunks: int = 1           # set by the chunk pass
+    plan: Any = None          # its moe_compile.schedule.plan.LayerPlan
 
     @property
     def num_local(self) -> int:
@@ -248,13 +283,16 @@ def emit_exchange(graph, buffer: Node, segment: ExchangeSegment, cfg, chunk: int
         return node
 
     def all_to_all(rows: Node, per_peer: Node, task: str) -> Node:
-        if cfg.all_to_all == "flat":
-            recv = emit_all_to_all(graph, rows, per_peer, group)
+        if segment.algorithm == "flat":
+            if cfg.emulate_link is not None:
+                recv = emit_emulated_all_to_all(graph, rows, per_peer, group, Link.from_option(cfg.emulate_link))
+            else:
+                recv = emit_all_to_all(graph, rows, per_peer, group)
             for node in (recv.args[0], recv):
                 node.meta.update(segment.meta)
                 node.meta.update(moe_task=task, moe_chunk=chunk)
             return recv
-        return call(registry.all_to_all, rows, per_peer, group.name, cfg.all_to_all, cfg.ranks_per_node, task=task)
+        return call(registry.all_to_all, rows, per_peer, group.name, segment.algorithm, cfg.ranks_per_node, task=task)
 
     def exchange(rows: Node, per_peer: Node, dtype: torch.dtype, first: bool) -> Node:
         compress, comm, decompress = ("C1", "A1", "D1") if first else ("C2", "A2", "D2")

@@ -1,0 +1,149 @@
+"""The plan of one expert-parallel layer: its shape, r, and the predicted timelines.
+
+This is where the graph side meets the cost side. The ``chunk`` pass asks
+:func:`plan_layer` for r when ``options["num_chunks"] == "auto"``; the backend
+writes every layer's plan to ``schedule.json`` in the debug dump (with the
+predicted forward and backward timelines as a Chrome trace and a PNG).
+
+r: FSMoE Algorithm 1 (:func:`moe_compile.schedule.solver.solve_chunks`) solves the
+forward and the backward separately; one graph chunks both alike (AOTAutograd
+derives the backward of the chunked forward), so of the two degrees the one with
+the smaller predicted forward + backward time is used. Models: the fitted file
+(``options["cost_models"]`` or ``python -m moe_compile.profile``'s default path);
+without one, r = 2 (ScheMoE §4 uses r = 2) and the plan says so.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from .cost_model import CostModels, LayerShape, chunk_times
+from .simulator import Simulation, simulate
+
+__all__ = ["LayerPlan", "load_models", "plan_layer", "write_plans"]
+
+log = logging.getLogger("moe_compile")
+
+#: r used by "auto" when no fitted cost models exist (ScheMoE §4: "we use r = 2").
+DEFAULT_CHUNKS = 2
+
+
+@dataclasses.dataclass
+class LayerPlan:
+    """One layer's schedule decision and what it was based on (a schedule.json entry)."""
+
+    layer: str
+    schedule: str
+    chunks: int
+    why: str
+    shape: LayerShape | None = None
+    compressor: str = "none"
+    models: str | None = None                      # where the cost models came from
+    predicted: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)  # phase -> schedule -> s
+    timelines: dict[str, Simulation] = dataclasses.field(default_factory=dict)        # phase -> simulation
+    measured: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "layer": self.layer, "schedule": self.schedule, "chunks": self.chunks, "why": self.why,
+            "order": _order_text(self.schedule, self.chunks),
+            "shape": dataclasses.asdict(self.shape) if self.shape else None,
+            "compressor": self.compressor, "models": self.models, "predicted_seconds": self.predicted,
+            "timelines": {phase: sim.to_dict() for phase, sim in self.timelines.items()},
+            "measured": self.measured,
+        }
+
+
+def _order_text(schedule: str, chunks: int) -> str:
+    from .simulator import make_schedule
+
+    return " ".join(f"{k}^{i}" for k, i in make_schedule(schedule, chunks).compute_order)
+
+
+def load_models(path: str | None) -> tuple[CostModels | None, str | None]:
+    """The fitted models at ``path`` (an error if given and missing), else at the default path if present."""
+    if path is not None:
+        return CostModels.load(path), str(path)
+    default = CostModels.default_path()
+    if default.exists():
+        return CostModels.load(default), str(default)
+    return None, None
+
+
+def plan_layer(
+    name: str,
+    shape: LayerShape,
+    *,
+    schedule: str,
+    compressor: str,
+    algorithm: str,
+    models: CostModels | None,
+    models_source: str | None,
+    chunks: int | str,
+    max_chunks: int = 16,
+) -> LayerPlan:
+    """r (given, or solved for ``chunks == "auto"``) and the predicted times of ``schedule`` and its rivals."""
+    if chunks != "auto":
+        plan = LayerPlan(name, schedule, int(chunks), "options['num_chunks']", shape, compressor, models_source)
+    elif models is None:
+        plan = LayerPlan(name, schedule, min(DEFAULT_CHUNKS, shape.rows), "no fitted cost models (run `python -m "
+                         "moe_compile.profile`); ScheMoE §4's r = 2", shape, compressor, None)
+    else:
+        plan = _solve(name, shape, schedule, compressor, algorithm, models, models_source, max_chunks)
+    if models is not None:
+        try:
+            for phase, backward in (("forward", False), ("backward", True)):
+                plan.timelines[phase] = _simulate(shape, models, plan.chunks, schedule, compressor, algorithm, backward)
+                plan.predicted[phase] = {
+                    other: _simulate(shape, models, r, other, compressor, algorithm, backward).makespan
+                    for other, r in (("sequential", 1), (schedule, plan.chunks), ("optimal", plan.chunks),
+                                     ("tutel", plan.chunks))
+                }
+        except (KeyError, ValueError) as e:   # a model the file lacks (e.g. this compressor was not profiled)
+            log.warning("moe_compile: no prediction for %s: %s", name, e)
+    return plan
+
+
+def _solve(name, shape, schedule, compressor, algorithm, models, models_source, max_chunks) -> LayerPlan:
+    """FSMoE Algorithm 1 forward and backward; r = 2 with a warning when the models lack a task this layer needs."""
+    from .solver import solve_chunks
+
+    limit = max(1, min(max_chunks, shape.rows))
+    kw = dict(compressor=compressor, algorithm=algorithm, schedule=schedule, max_chunks=limit)
+    try:
+        forward = solve_chunks(shape, models, backward=False, **kw)
+        backward = solve_chunks(shape, models, backward=True, **kw)
+    except KeyError as e:
+        log.warning("moe_compile: %s: the cost models lack %s; r = %d", name, e, DEFAULT_CHUNKS)
+        return LayerPlan(name, schedule, min(DEFAULT_CHUNKS, shape.rows), f"cost models at {models_source} lack "
+                         f"{e}; ScheMoE §4's r = 2", shape, compressor, models_source)
+
+    def total(r: int) -> float:
+        return sum(_simulate(shape, models, r, schedule, compressor, algorithm, b).makespan for b in (False, True))
+
+    best = min({forward.chunks, backward.chunks}, key=total)
+    why = (f"FSMoE r solver on {models_source}: forward r={forward.chunks} ({forward.case}), "
+           f"backward r={backward.chunks} ({backward.case}); r={best} minimises their sum")
+    return LayerPlan(name, schedule, best, why, shape, compressor, models_source)
+
+
+def _simulate(shape, models, r, schedule, compressor, algorithm, backward) -> Simulation:
+    times = chunk_times(shape, models, r, compressor=compressor, algorithm=algorithm, backward=backward)
+    return simulate(times, schedule)
+
+
+def write_plans(directory: Path, plans: list[LayerPlan]) -> None:
+    """``schedule.json`` plus, per layer with predictions, a Chrome trace and a PNG Gantt chart."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "schedule.json").write_text(json.dumps({"layers": [p.to_dict() for p in plans]}, indent=2))
+    for i, plan in enumerate(plans):
+        for phase, sim in plan.timelines.items():
+            from .timeline import write_chrome_trace, write_gantt_png
+
+            stem = directory / f"timeline_layer{i}_{phase}"
+            write_chrome_trace(stem.with_suffix(".json"), sim, None)
+            write_gantt_png(stem.with_suffix(".png"), sim, None,
+                            title=f"{plan.layer} {phase}: {plan.schedule}, r = {plan.chunks} (predicted)")
