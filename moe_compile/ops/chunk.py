@@ -18,8 +18,9 @@ different symbols: the backward of ``chunk_rows`` is ``cat_rows`` with the saved
 total R, and the backward of ``cat_rows`` is ``split_rows`` with the saved
 chunk sizes, so every gradient has exactly its input's symbolic shape.
 
-Custom ops may not return views of their inputs: the chunks are contiguous copies,
-which the exchange needs anyway (a row slice of ``[E, R, M]`` is not contiguous).
+Custom ops may not return views of their inputs: the chunks are contiguous copies
+(always copies: with r = 1 or E = 1 a row slice is already contiguous and ``.contiguous()``
+would return the input itself), which the exchange needs anyway.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def chunk_bounds(rows: int, chunks: int) -> list[int]:
 def chunk_rows(x: Tensor, chunks: int) -> list[Tensor]:
     """``x: [E, R, M]`` → ``chunks`` contiguous tensors ``[E, R_i, M]`` (rows split by :func:`chunk_bounds`)."""
     bounds = chunk_bounds(x.shape[1], chunks)
-    return [x[:, lo:hi].contiguous() for lo, hi in zip(bounds[:-1], bounds[1:])]
+    return [x[:, lo:hi].clone(memory_format=torch.contiguous_format) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
 @chunk_rows.register_fake
@@ -66,7 +67,7 @@ def _cat_rows_fake(xs, total):
 @torch.library.custom_op("moe::split_rows", mutates_args=())
 def split_rows(x: Tensor, sizes: list[int]) -> list[Tensor]:
     """``x: [E, Σ sizes, M]`` → contiguous ``[E, sizes[i], M]``: the adjoint of :func:`cat_rows`."""
-    return [part.contiguous() for part in torch.split(x, list(sizes), dim=1)]
+    return [part.clone(memory_format=torch.contiguous_format) for part in torch.split(x, list(sizes), dim=1)]
 
 
 @split_rows.register_fake
