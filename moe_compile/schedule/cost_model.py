@@ -45,6 +45,7 @@ __all__ = [
     "chunk_times",
     "machine_info",
     "task_key",
+    "task_work",
 ]
 
 
@@ -401,6 +402,42 @@ class ChunkTimes:
         return table[kind]
 
 
+def task_work(
+    shape: LayerShape,
+    models: CostModels,
+    *,
+    compressor: str = "none",
+    algorithm: str = "flat",
+    backward: bool = False,
+) -> dict[str, tuple[AlphaBeta, float]]:
+    """The model and the *whole-layer* work ``n`` of each task kind (``r = 1``).
+
+    Keys ``"compress"``, ``"all_to_all"``, ``"decompress"``, ``"experts"``. A chunk of
+    ``r`` costs ``model(n / r)``. Backward: the same exchanges carry gradients (same
+    sizes), the experts do twice the forward MACs (input and weight gradients).
+    ``compressor="none"`` has no compress / decompress task (zero model) and needs
+    ``shape.payload_ratio == 1``.
+    """
+    raw = shape.raw_bytes
+    zero = AlphaBeta(0.0, 0.0)
+    if compressor == "none":
+        if abs(shape.payload_ratio - 1.0) > 1e-12:
+            raise ValueError(
+                f"compressor='none' but shape.payload_ratio={shape.payload_ratio}; "
+                f"set payload_ratio=1.0 or name the compressor"
+            )
+        compress = decompress = (zero, 0.0)
+    else:
+        compress = (models[task_key("compress", compressor)], raw)
+        decompress = (models[task_key("decompress", compressor)], raw)
+    return {
+        "compress": compress,
+        "all_to_all": (models[task_key("all_to_all", algorithm, shape.world)], raw * shape.payload_ratio),
+        "decompress": decompress,
+        "experts": (models[task_key("experts")], shape.expert_macs * (2.0 if backward else 1.0)),
+    }
+
+
 def chunk_times(
     shape: LayerShape,
     models: CostModels,
@@ -413,27 +450,13 @@ def chunk_times(
     """Task times of one of ``chunks`` equal chunks of ``shape`` under ``models``.
 
     Bytes and MACs are split evenly over the ``r`` chunks (α is paid per chunk, which is
-    what makes a large ``r`` costly). Backward: the same exchanges carry gradients (same
-    sizes), the experts do twice the forward MACs (input and weight gradients).
-    ``compressor="none"`` has no compress / decompress task (times 0) and needs
-    ``shape.payload_ratio == 1``.
+    what makes a large ``r`` costly); see :func:`task_work` for the units, the backward
+    and ``compressor="none"``.
     """
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunk_times: chunks={chunks!r} must be an integer >= 1")
     if chunks > shape.rows:
         raise ValueError(f"chunk_times: chunks={chunks} exceeds the {shape.rows} capacity rows to split")
-    raw = shape.raw_bytes / chunks
-    if compressor == "none":
-        if abs(shape.payload_ratio - 1.0) > 1e-12:
-            raise ValueError(
-                f"chunk_times: compressor='none' but shape.payload_ratio={shape.payload_ratio}; "
-                f"set payload_ratio=1.0 or name the compressor"
-            )
-        compress = decompress = 0.0
-    else:
-        compress = models[task_key("compress", compressor)](raw)
-        decompress = models[task_key("decompress", compressor)](raw)
-    all_to_all = models[task_key("all_to_all", algorithm, shape.world)](raw * shape.payload_ratio)
-    macs = shape.expert_macs / chunks * (2.0 if backward else 1.0)
-    experts = models[task_key("experts")](macs)
-    return ChunkTimes(compress=compress, all_to_all=all_to_all, decompress=decompress, experts=experts, chunks=chunks)
+    work = task_work(shape, models, compressor=compressor, algorithm=algorithm, backward=backward)
+    per_chunk = {kind: (0.0 if n == 0 else model(n / chunks)) for kind, (model, n) in work.items()}
+    return ChunkTimes(chunks=chunks, **per_chunk)
