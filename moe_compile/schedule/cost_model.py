@@ -66,13 +66,15 @@ class AlphaBeta:
         return self.alpha + self.beta * n
 
     @classmethod
-    def fit(cls, sizes: Iterable[float], seconds: Iterable[float]) -> "AlphaBeta":
+    def fit(cls, sizes: Iterable[float], seconds: Iterable[float], *, relative: bool = True) -> "AlphaBeta":
         """Least squares ``seconds ≈ alpha + beta * sizes`` with ``alpha, beta >= 0``.
 
-        Bounded linear least squares (``scipy.optimize.lsq_linear``). The columns are
-        scaled to unit norm first so that sizes of 1e9 bytes and a column of ones are
-        equally well conditioned. One distinct size cannot separate α from β: it is
-        an error.
+        Bounded linear least squares (``scipy.optimize.lsq_linear``). ``relative=True``
+        (default) weights each sample by ``1 / seconds``: profiles span decades of sizes
+        with about the same *relative* noise, and unweighted residuals would let the
+        largest sizes swamp α. The columns are scaled to unit norm so that sizes of 1e9
+        bytes and a column of ones are equally well conditioned. One distinct size cannot
+        separate α from β: it is an error.
         """
         from scipy.optimize import lsq_linear
 
@@ -87,8 +89,14 @@ class AlphaBeta:
                 f"AlphaBeta.fit: needs at least 2 distinct sizes to separate alpha from beta, got {np.unique(x).tolist()}"
             )
         design = np.stack([np.ones_like(x), x], axis=1)
+        target = y
+        if relative:
+            if np.any(y <= 0):
+                raise ValueError("AlphaBeta.fit(relative=True): every time must be > 0; pass relative=False")
+            design, target = design / y[:, None], np.ones_like(y)
         scale = np.linalg.norm(design, axis=0)
-        result = lsq_linear(design / scale, y, bounds=(0.0, np.inf), method="bvls")
+        scale[scale == 0] = 1.0
+        result = lsq_linear(design / scale, target, bounds=(0.0, np.inf), method="bvls")
         alpha, beta = (result.x / scale).tolist()
         return cls(alpha=max(alpha, 0.0), beta=max(beta, 0.0))
 

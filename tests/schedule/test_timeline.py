@@ -1,0 +1,30 @@
+"""moe_compile/schedule/timeline.py: schedule.json, Chrome trace and PNG are written and parse."""
+import json
+
+from moe_compile.schedule.cost_model import ChunkTimes
+from moe_compile.schedule.simulator import Event, simulate
+from moe_compile.schedule.timeline import write_chrome_trace, write_gantt_png, write_schedule_json
+
+
+def test_timeline_files(tmp_path):
+    times = ChunkTimes(compress=1e-4, all_to_all=3e-4, decompress=1e-4, experts=2e-4, chunks=2)
+    predicted = simulate(times, "optimal")
+    measured = [Event(e.task, e.stream, 10.0 + e.start * 1.1, 10.0 + e.end * 1.1) for e in predicted.events]
+
+    record = {"schedule": "optimal", "chunks": 2, "times": times, "predicted": predicted.makespan,
+              "order": [e.task for e in predicted.events]}
+    loaded = json.loads(write_schedule_json(tmp_path / "schedule.json", record).read_text())
+    assert loaded["chunks"] == 2 and loaded["times"]["all_to_all"] == 3e-4 and loaded["order"][0] == ["C1", 1]
+
+    trace = json.loads(write_chrome_trace(tmp_path / "trace.json", predicted, measured).read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == 2 * 14 and {e["pid"] for e in spans} == {1, 2} and {e["tid"] for e in spans} == {1, 2}
+    a2 = next(e for e in spans if e["pid"] == 1 and e["name"] == "A2^2")
+    event = next(e for e in predicted.events if e.task == ("A2", 2))
+    assert abs(a2["ts"] - event.start * 1e6) < 1e-6 and abs(a2["dur"] - 3e-4 * 1e6) < 1e-6
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert {"predicted", "measured", "compute", "comm"} <= names
+
+    png = write_gantt_png(tmp_path / "gantt.png", predicted, measured, title="r=2").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+    assert write_gantt_png(tmp_path / "only.png", predicted).read_bytes()[:4] == b"\x89PNG"
