@@ -52,11 +52,13 @@ class Recorded:
     """The graph module a recording pass saw (stage 1: the Dynamo graph after ``chunk``)."""
 
     graphs: list[GraphModule] = dataclasses.field(default_factory=list)
+    names: list[list[str]] = dataclasses.field(default_factory=list)   # node names when recorded
 
 
 @contextlib.contextmanager
-def record_after(anchor: str, name: str = "test_record"):
-    """Register a pass right after the built-in ``anchor`` that records the graph; unregistered on exit."""
+def record_after(anchor: str, name: str = "test_record", *, before: bool = False):
+    """Register a pass right after (or ``before``) the built-in ``anchor`` that records the graph and
+    a snapshot of its node names; unregistered on exit."""
     recorded = Recorded()
 
     class Record:
@@ -65,9 +67,10 @@ def record_after(anchor: str, name: str = "test_record"):
 
         def __call__(self, gm):
             recorded.graphs.append(gm)
+            recorded.names.append([n.name for n in gm.graph.nodes])
             return PassResult(gm, False)
 
-    moe_compile.register_pass(Record(), after=anchor)
+    moe_compile.register_pass(Record(), **{"before" if before else "after": anchor})
     try:
         yield recorded
     finally:
