@@ -72,7 +72,6 @@ class Chunk:
                             segment.name)
                 continue
             chunks, why = self.chunks_for(segment)
-            segment.chunks = chunks
             gm.meta.setdefault("moe_plans", []).append(segment.plan)
             if chunks == 1:
                 log.info("moe_compile: %s not chunked (r = 1: %s)", segment.name, why)

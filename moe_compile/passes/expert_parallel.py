@@ -260,7 +260,6 @@ class ExchangeSegment:
     buffer: Node | None = None
     output: Node | None = None
     algorithm: str = "flat"   # the all-to-all algorithm (config.all_to_all, "auto" resolved)
-    chunks: int = 1           # set by the chunk pass
     plan: Any = None          # its moe_compile.schedule.plan.LayerPlan
 
     @property
@@ -414,21 +413,23 @@ def _rows_hint(capacity: int, expert_ids, num_experts: int) -> int:
 
 def _hidden_dim(w1: Node, model_dim: int) -> int:
     """H of ``w1: [E, M, H]`` (or ``[E, H, M]``): its dimension that is not M."""
-    value = example_value(w1)
-    while value is None and w1.all_input_nodes:
-        w1 = w1.all_input_nodes[0]
-        value = example_value(w1)
+    value = _source_value(w1)
     if not isinstance(value, torch.Tensor) or value.dim() != 3:
         return model_dim
     dims = [int(d) for d in value.shape[1:]]
     return dims[1] if dims[0] == model_dim else dims[0]
 
 
-def _dtype(node: Node) -> torch.dtype:
-    """dtype of a node; canonical weight views (transpose, slice, stack) carry no meta, their source does."""
+def _source_value(node: Node):
+    """``node``'s example value; canonical weight views (transpose, slice, stack) carry no meta, their source does."""
     while example_value(node) is None and node.all_input_nodes:
         node = node.all_input_nodes[0]
-    value = example_value(node)
+    return example_value(node)
+
+
+def _dtype(node: Node) -> torch.dtype:
+    """dtype of a node (through meta-less views, see :func:`_source_value`)."""
+    value = _source_value(node)
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"no dtype known for {node.name}")
     return value.dtype

@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
+from ..debug import log
 from .cost_model import CostModels, LayerShape, chunk_times
 from .simulator import Simulation, simulate
 
 __all__ = ["LayerPlan", "load_models", "plan_layer", "write_plans"]
 
-log = logging.getLogger("moe_compile")
 
 #: r used by "auto" when no fitted cost models exist (ScheMoE §4: "we use r = 2").
 DEFAULT_CHUNKS = 2
@@ -97,10 +96,12 @@ def plan_layer(
         try:
             for phase, backward in (("forward", False), ("backward", True)):
                 plan.timelines[phase] = _simulate(shape, models, plan.chunks, schedule, compressor, algorithm, backward)
+                rivals = {"sequential": 1, "optimal": plan.chunks, "tutel": plan.chunks}
+                rivals[schedule] = plan.chunks
                 plan.predicted[phase] = {
-                    other: _simulate(shape, models, r, other, compressor, algorithm, backward).makespan
-                    for other, r in (("sequential", 1), (schedule, plan.chunks), ("optimal", plan.chunks),
-                                     ("tutel", plan.chunks))
+                    name: plan.timelines[phase].makespan if name == schedule and r == plan.chunks
+                    else _simulate(shape, models, r, name, compressor, algorithm, backward).makespan
+                    for name, r in rivals.items()
                 }
         except (KeyError, ValueError) as e:   # a model the file lacks (e.g. this compressor was not profiled)
             log.warning("moe_compile: no prediction for %s: %s", name, e)
