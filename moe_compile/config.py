@@ -18,11 +18,12 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["ConfigError", "MoECompileConfig", "config", "INNER_COMPILERS", "SCHEDULES"]
+__all__ = ["ConfigError", "MoECompileConfig", "config", "INNER_COMPILERS", "PAUSE_MP", "SCHEDULES"]
 
 INNER_COMPILERS = ("auto", "eager", "inductor")
 KERNELS = ("auto", "triton", "torch")
 SCHEDULES = ("optimal", "sequential", "tutel", "fastermoe")
+PAUSE_MP = ("auto", "off", "s1", "s2")
 _ENV_PREFIX = "MOE_COMPILE_"
 
 
@@ -93,6 +94,20 @@ class MoECompileConfig:
     #: all-to-all last at least alpha + bytes / bandwidth (the link sleeps, not the compute;
     #: DESIGN.md "Measuring schedules on small machines"). None = the real network only.
     emulate_link: Any = None
+    #: Model-parallel (tensor-parallel) group around the MoE layers (Parm §II-B): its ranks
+    #: hold the same tokens (the MoE input is replicated across it). Same forms as ``ep_group``;
+    #: needs ``ep_group``. None = no model parallelism.
+    mp_group: Any = None
+    #: Expert-sharding group (Parm §II-B, DeepSpeed-TED): the ranks that each hold a slice of
+    #: every local expert along its hidden dimension H. Same forms as ``ep_group``; needs
+    #: ``ep_group``. None = experts are not sharded.
+    esp_group: Any = None
+    #: Parm's PauseMP schedule for layers with ``mp_group`` / ``esp_group`` (Parm §III):
+    #: "off" (the DeepSpeed-MoE baseline: ESP-AllGather, EP-AlltoAll, ESP-AllReduce),
+    #: "s1" (MP-Split before the gate, MP-AllGather after combine), "s2" (MP-Split after the
+    #: gate, MP-AllGather after the return all-to-all), or "auto" (Parm Algorithm 1 on the
+    #: fitted cost models). S1 and S2 use the fused EP&ESP-AlltoAll.
+    pause_mp: str = "auto"
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> MoECompileConfig:
@@ -148,6 +163,16 @@ class MoECompileConfig:
                 f"0 no drop, < 0 adaptive up to -f) or None to keep the model's capacity"
             )
         _check_ep_group(self.ep_group)
+        for name in ("mp_group", "esp_group"):
+            group = getattr(self, name)
+            _check_ep_group(group, name)
+            if group is not None and self.ep_group is None:
+                raise ConfigError(
+                    f"options[{name!r}] is set but options['ep_group'] is not; model-parallel and "
+                    f"expert-sharding layouts need the expert-parallel group too"
+                )
+        if self.pause_mp not in PAUSE_MP:
+            raise ConfigError(f"options['pause_mp']={self.pause_mp!r}: choose one of {', '.join(PAUSE_MP)}")
         b = self.capacity_bucket
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ConfigError(f"options['capacity_bucket']={b!r}: expected an integer >= 1")
@@ -222,7 +247,7 @@ def _check_optional_str(cfg: MoECompileConfig, name: str) -> None:
         raise ConfigError(f"options[{name!r}]={value!r}: expected a path string or None")
 
 
-def _check_ep_group(group: Any) -> None:
+def _check_ep_group(group: Any, name: str = "ep_group") -> None:
     if group is None or (isinstance(group, str) and group == "world"):
         return
     import torch.distributed as dist
@@ -235,7 +260,7 @@ def _check_ep_group(group: Any) -> None:
         if isinstance(group, DeviceMesh):
             if group.ndim != 1:
                 raise ConfigError(
-                    f"options['ep_group']: a {group.ndim}-D DeviceMesh; pass (mesh, dim) to name the expert-parallel dimension"
+                    f"options[{name!r}]: a {group.ndim}-D DeviceMesh; pass (mesh, dim) to name the mesh dimension"
                 )
             return
         if (
@@ -244,7 +269,7 @@ def _check_ep_group(group: Any) -> None:
         ):
             return
     raise ConfigError(
-        f"options['ep_group']={group!r}: expected None, 'world', a ProcessGroup, a 1-D DeviceMesh "
+        f"options[{name!r}]={group!r}: expected None, 'world', a ProcessGroup, a 1-D DeviceMesh "
         f"or (DeviceMesh, dim)"
     )
 
