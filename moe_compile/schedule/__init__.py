@@ -1,7 +1,7 @@
 """Cost side of the chunked MoE pipeline: α-β cost models, the ScheMoE simulator, the r solver, timelines.
 
 ScheMoE §4 (tasks C1 A1 D1 E C2 A2 D2 per chunk, Theorem 1's order), FSMoE §4 (r per
-overlap case with SLSQP), Parm §IV (α-β models fitted by least squares).
+overlap case with SLSQP), Parm §IV-V (α-β models fitted by least squares; S1 / S2 cost models and Algorithm 1).
 """
 from .cost_model import (
     AlphaBeta,
@@ -13,6 +13,11 @@ from .cost_model import (
     task_key,
     task_work,
 )
+from .parm import ParmPrediction, ParmShape, choose_pause_mp
+from .parm import collectives as parm_collectives  # generic names in parm.py get a parm_ prefix here
+from .parm import group_model as parm_group_model
+from .parm import predict as parm_predict
+from .parm import testbed as parm_testbed
 from .simulator import (
     FASTERMOE_CHUNKS,
     ORDERS,
@@ -39,16 +44,23 @@ __all__ = [
     "FASTERMOE_CHUNKS",
     "LayerShape",
     "ORDERS",
+    "ParmPrediction",
+    "ParmShape",
     "Schedule",
     "Simulation",
     "TASKS",
     "Task",
     "brute_force_chunks",
+    "choose_pause_mp",
     "chunk_times",
     "closed_form_makespan",
     "lower_bound",
     "machine_info",
     "make_schedule",
+    "parm_collectives",
+    "parm_group_model",
+    "parm_predict",
+    "parm_testbed",
     "simulate",
     "solve_chunks",
     "task_key",
