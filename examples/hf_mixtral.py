@@ -20,7 +20,7 @@ leaves the layers unchanged (still equal to eager, but nothing is rewritten).
 Prints, e.g.::
 
     experts_implementation='grouped_mm', 1 process
-    step 0  loss compiled 4.873150  eager 4.873150
+    step 0  loss compiled 4.823576  eager 4.823576
     ...
     MoE layers rewritten: 2 of 2 (pattern sort)
     compiled loss matches eager over 5 steps

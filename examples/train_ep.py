@@ -24,7 +24,7 @@ The reference is the eager model with all E experts on every rank, trained on
 the same local batches with DDP-averaged gradients. Rank 0 prints, e.g.::
 
     gloo, 2 ranks, options {'ep_group': 'world', 'compressor': 'none', 'num_chunks': 1}
-    step 0  loss compiled 4.957706  eager 4.957706   (mean over ranks)
+    step 0  loss compiled 4.967072  eager 4.967072   (mean over ranks)
     ...
     MoE layers made expert-parallel: 2, chunked: 0
     compiled loss matches eager over 5 steps on every rank
