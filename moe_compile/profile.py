@@ -17,6 +17,19 @@ collectives on one GPU per rank):
 ``flat`` is always measured; the hierarchical algorithms need ``--world >= 4``
 and a ``--ranks-per-node`` that makes at least 2 nodes of at least 2 ranks.
 
+Parm's layout (``--esp S`` and/or ``--mp M``; :mod:`moe_compile.schedule.parm`): the
+world is the expert group G = EP × ESP, ``P = p·s``. ESP groups are ``s`` consecutive
+ranks, EP groups every ``s``-th rank (``p = P/s``), MP groups ``m`` consecutive ranks;
+``--mp`` defaults to ``--esp`` (MP = ESP, the layout of Parm Fig. 2), ``--esp`` to 1.
+All groups of a kind run their collective at once, as in training. Keys, for the
+groups of more than one rank (``n`` = bytes of one rank's input, as above):
+
+| key | what runs |
+|---|---|
+| ``all_to_all:epesp:<P>`` / ``all_to_all:ep:<p>`` | ``all_to_all_single`` over G / over EP (the latter if ``s > 1``) |
+| ``all_gather:mp:<m>`` / ``all_reduce:mp:<m>`` | over MP (S1/S2's MP-AllGather, S1's gate gradient) |
+| ``all_gather:esp:<s>`` / ``all_reduce:esp:<s>`` / ``reduce_scatter:esp:<s>`` | over ESP (the baseline's) |
+
 Each point is the median of ``repeats`` runs after ``warmup`` runs. A
 collective's run time is the slowest rank's (every rank starts after a
 barrier), a local task's is pooled over the ranks (they compute at the same
@@ -63,18 +76,35 @@ class ProfilePlan:
     warmup: int
     repeats: int
     progress: bool = True
+    esp: int | None = None               # Parm layout (None: no group-labelled keys)
+    mp: int | None = None
+
+    def layout_collectives(self) -> list[tuple[str, str, int]]:
+        """``(kind, group, size)`` of the group-labelled keys to measure (module docstring)."""
+        if self.esp is None and self.mp is None:
+            return []
+        s, m = self.esp or 1, self.mp or 1
+        p = self.world // s
+        out = [("all_to_all", "epesp", self.world)]
+        if s > 1 and p > 1:
+            out.append(("all_to_all", "ep", p))
+        if m > 1:
+            out += [("all_gather", "mp", m), ("all_reduce", "mp", m)]
+        if s > 1:
+            out += [("all_gather", "esp", s), ("all_reduce", "esp", s), ("reduce_scatter", "esp", s)]
+        return out
 
     @property
     def steps(self) -> int:
-        collectives = (len(self.algorithms) + 2) * len(self.collective_bytes)
+        collectives = (len(self.algorithms) + 2 + len(self.layout_collectives())) * len(self.collective_bytes)
         return collectives + 2 * len(self.compressors) * len(self.compress_rows) + len(self.expert_rows)
 
 
 def make_plan(
     *, world: int, quick: bool, ranks_per_node: int | None = None, compressors: Sequence[str] | None = None,
-    backend: str = "gloo", progress: bool = True,
+    backend: str = "gloo", progress: bool = True, esp: int | None = None, mp: int | None = None,
 ) -> ProfilePlan:
-    """The sizes to measure: ``quick`` (a handful, for tests) or the full sweep."""
+    """The sizes to measure: ``quick`` (a handful, for tests) or the full sweep; ``esp`` / ``mp``: Parm's layout."""
     from .collectives.algorithms import ALL_TO_ALLS
     from .collectives.compressors import compressor_names
 
@@ -88,6 +118,13 @@ def make_plan(
         )
     if ranks_per_node is not None and (ranks_per_node < 1 or world % ranks_per_node):
         raise ValueError(f"--ranks-per-node {ranks_per_node}: must be >= 1 and divide --world {world}")
+    if esp is not None or mp is not None:
+        for flag, value in (("--esp", esp), ("--mp", mp)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1
+                                      or world % value):
+                raise ValueError(f"{flag} {value!r}: must be an integer >= 1 that divides --world {world}")
+        esp = 1 if esp is None else esp
+        mp = esp if mp is None else mp
     known = [c for c in compressor_names() if c != "none"]
     chosen = tuple(known if compressors is None else compressors)
     unknown = [c for c in chosen if c not in known]
@@ -99,11 +136,11 @@ def make_plan(
         sizes = tuple(2 ** k for k in (16, 18, 20, 22))               # 64 KiB .. 4 MiB
         return ProfilePlan(world, backend, ranks_per_node, algorithms, sizes, chosen,
                            compress_rows=(16, 64, 256), expert_rows=(64, 256, 1024),
-                           warmup=1, repeats=5, progress=progress)
+                           warmup=1, repeats=5, progress=progress, esp=esp, mp=mp)
     sizes = tuple(2 ** k for k in range(12, 27, 2))                    # 4 KiB .. 64 MiB
     return ProfilePlan(world, backend, ranks_per_node, algorithms, sizes, chosen,
                        compress_rows=(4, 16, 64, 256, 1024, 4096), expert_rows=(16, 64, 256, 1024, 4096),
-                       warmup=2, repeats=7, progress=progress)
+                       warmup=2, repeats=7, progress=progress, esp=esp, mp=mp)
 
 
 # --------------------------------------------------------------------------- on each rank
@@ -143,6 +180,7 @@ def _profile_rank(rank: int, world: int, plan: ProfilePlan) -> Samples:
             bar.update()
 
     _profile_collectives(plan, group, device, record)
+    _profile_layout(plan, rank, device, record)
     _profile_compressors(plan, device, record)
     _profile_experts(plan, device, record)
     if bar is not None:
@@ -177,6 +215,51 @@ def _profile_collectives(plan: ProfilePlan, group, device: torch.device, record)
                lambda: wait(torch.ops._c10d_functional.all_reduce(x, "sum", name)), barrier=True)
 
 
+def _layout_groups(plan: ProfilePlan, rank: int) -> dict[str, object]:
+    """This rank's EP, ESP and MP process groups (every rank creates every group, in the same order)."""
+    s, m, world = plan.esp or 1, plan.mp or 1, plan.world
+    p = world // s
+    members = {
+        "esp": [[i * s + j for j in range(s)] for i in range(p)],
+        "ep": [[i * s + j for i in range(p)] for j in range(s)],
+        "mp": [[i * m + j for j in range(m)] for i in range(world // m)],
+    }
+    mine = {"epesp": dist.group.WORLD if plan.backend == "gloo" else None}
+    for name, lists in members.items():
+        for ranks in lists:
+            if len(ranks) == 1:
+                continue
+            pg = dist.new_group(ranks, backend=plan.backend)
+            if rank in ranks:
+                mine[name] = pg
+    if mine["epesp"] is None:
+        mine["epesp"] = dist.new_group(list(range(world)), backend=plan.backend)
+    return mine
+
+
+def _profile_layout(plan: ProfilePlan, rank: int, device: torch.device, record) -> None:
+    from .collectives.algorithms.base import all_to_all, wait
+
+    layout = plan.layout_collectives()
+    if not layout:
+        return
+    groups = _layout_groups(plan, rank)
+    ops = torch.ops._c10d_functional
+    for nbytes in plan.collective_bytes:
+        rows = max(nbytes // (4 * 256 * plan.world), 1) * plan.world    # divisible by every group size
+        x = torch.randn(rows, 256, device=device)
+        size = x.numel() * x.element_size()
+        for kind, group, g in layout:
+            name, splits = groups[group].group_name, [rows // g] * g
+            run = {
+                "all_to_all": lambda: all_to_all(x, splits, splits, name),
+                "all_gather": lambda: wait(ops.all_gather_into_tensor(x, g, name)),
+                "all_reduce": lambda: wait(ops.all_reduce(x, "sum", name)),
+                "reduce_scatter": lambda: wait(ops.reduce_scatter_tensor(x, "sum", g, name)),
+            }[kind]
+            record(task_key(kind, group, g), size, run, barrier=True)
+
+
 def _profile_compressors(plan: ProfilePlan, device: torch.device, record) -> None:
     for compressor in plan.compressors:
         for rows in plan.compress_rows:
@@ -207,7 +290,7 @@ def combine(per_rank: list[Samples]) -> dict[str, list[tuple[float, float]]]:
     """Per-rank times → one ``(size, seconds)`` per repeat: the slowest rank for collectives, pooled otherwise."""
     combined: dict[str, list[tuple[float, float]]] = {}
     for key, points in per_rank[0].items():
-        collective = key.split(":")[0] in ("all_to_all", "all_gather", "all_reduce")
+        collective = key.split(":")[0] in ("all_to_all", "all_gather", "all_reduce", "reduce_scatter")
         out = combined.setdefault(key, [])
         for i, (size, _) in enumerate(points):
             runs = [rank[key][i][1] for rank in per_rank]
@@ -269,6 +352,12 @@ def main(argv: Sequence[str] | None = None) -> CostModels:
                         help="comma-separated compressors to profile (default: every registered one)")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
                         help="collectives on gloo (CPU) or NCCL (one GPU per rank)")
+    parser.add_argument("--esp", type=int, default=None,
+                        help="Parm layout: ESP group size s (world = EP x ESP); also measures the group keys "
+                             "all_to_all:epesp/ep, all_gather/all_reduce/reduce_scatter:esp")
+    parser.add_argument("--mp", type=int, default=None,
+                        help="Parm layout: MP group size m (consecutive ranks; default: --esp); measures "
+                             "all_gather/all_reduce:mp")
     parser.add_argument("--out", default=None, help=f"output JSON (default {CostModels.default_path()})")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
@@ -278,7 +367,8 @@ def main(argv: Sequence[str] | None = None) -> CostModels:
         compressors = [c.strip() for c in args.compressors.split(",") if c.strip()]
     try:
         plan = make_plan(world=args.world, quick=args.quick, ranks_per_node=args.ranks_per_node,
-                         compressors=compressors, backend=args.backend, progress=not args.no_progress)
+                         compressors=compressors, backend=args.backend, progress=not args.no_progress,
+                         esp=args.esp, mp=args.mp)
     except ValueError as err:
         parser.error(str(err))
 
@@ -292,6 +382,8 @@ def main(argv: Sequence[str] | None = None) -> CostModels:
         "world": plan.world,
         "backend": plan.backend,
         "ranks_per_node": plan.ranks_per_node,
+        "esp": plan.esp,
+        "mp": plan.mp,
         "threads_per_rank": 1,
         "quick": args.quick,
         "r_squared": quality,

@@ -1,4 +1,5 @@
-"""``python -m moe_compile.profile``: the quick profile on 2 gloo ranks writes loadable α-β models; plan and fit units."""
+"""``python -m moe_compile.profile``: the quick profile on 2 gloo ranks writes loadable α-β models; plan and fit units;
+Parm's layout flags (``--esp``, ``--mp``) measure the group-labelled keys."""
 from __future__ import annotations
 
 import json
@@ -66,3 +67,42 @@ def test_fit_recovers_a_linear_model_from_medians():
     assert models["compress:int8"].beta == pytest.approx(truth.beta, rel=1e-6)
     assert quality["compress:int8"] == pytest.approx(1.0)
     assert r_squared(AlphaBeta(0.0, 0.0), [1.0, 2.0], [1.0, 3.0]) < 0
+
+
+# --------------------------------------------------------------------------- Parm layout (--esp, --mp)
+
+
+def test_layout_flags_choose_the_group_keys():
+    plan = make_plan(world=4, quick=True, esp=2, mp=2)
+    assert plan.layout_collectives() == [
+        ("all_to_all", "epesp", 4), ("all_to_all", "ep", 2), ("all_gather", "mp", 2), ("all_reduce", "mp", 2),
+        ("all_gather", "esp", 2), ("all_reduce", "esp", 2), ("reduce_scatter", "esp", 2)]
+    assert make_plan(world=4, quick=True, esp=2).mp == 2                      # MP = ESP unless told otherwise
+    assert make_plan(world=4, quick=True, mp=4).layout_collectives() == [    # no ESP: EP = G, only MP keys
+        ("all_to_all", "epesp", 4), ("all_gather", "mp", 4), ("all_reduce", "mp", 4)]
+    assert make_plan(world=4, quick=True).layout_collectives() == []          # unchanged without the flags
+    with pytest.raises(ValueError, match="--esp 3: must be an integer >= 1 that divides --world 4"):
+        make_plan(world=4, quick=True, esp=3)
+    with pytest.raises(SystemExit):
+        main(["--quick", "--world", "4", "--mp", "3"])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_layout_profile_measures_group_keys_on_4_ranks():
+    """``--world 4 --esp 2 --mp 2`` on gloo, with fewer, smaller sizes than ``--quick`` to stay fast."""
+    import dataclasses
+
+    from moe_compile.profile import _profile_rank
+    from moe_compile.testing import spawn
+
+    plan = dataclasses.replace(make_plan(world=4, quick=True, esp=2, mp=2, compressors=[], progress=False),
+                               collective_bytes=(2**12, 2**14, 2**16), expert_rows=(), repeats=3)
+    samples = combine(spawn(_profile_rank, 4, plan))
+    expected = {"all_to_all:epesp:4", "all_to_all:ep:2", "all_gather:mp:2", "all_reduce:mp:2",
+                "all_gather:esp:2", "all_reduce:esp:2", "reduce_scatter:esp:2", "all_to_all:flat:4"}
+    assert expected <= set(samples), sorted(samples)
+    for key in expected:
+        assert len(samples[key]) == 3 * plan.repeats and all(t > 0 for _, t in samples[key]), key  # slowest rank
+    models, _ = fit_models({k: samples[k] for k in expected})
+    assert set(models) == expected
