@@ -11,6 +11,7 @@ from .collectives import Compressor, register_compressor
 from .collectives.algorithms import AllToAll
 from .collectives.registry import register_all_to_all
 from .counters import counters
+from .faults import MoECollectiveError
 from .passes import PassResult
 from .passes.registry import register_pass, unregister_pass
 from .sharding import shard_experts
@@ -21,6 +22,7 @@ __all__ = [
     "AllToAll",
     "Compressor",
     "ConfigError",
+    "MoECollectiveError",
     "MoECompileConfig",
     "config",
     "counters",

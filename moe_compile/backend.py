@@ -21,6 +21,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from .config import ConfigError, MoECompileConfig, config
 from .counters import counters
 from .debug import GraphDumper
+from .faults import name_collective_faults
 from .collectives import resolve_group
 from .passes import Canonicalize, Chunk, Detect, DropDeadCollectives, ExpertParallel, Lower, PassManager, Schedule
 from .passes.registry import with_user_passes
@@ -53,7 +54,7 @@ def moe_backend(
         raise ConfigError(f"mode={mode!r}: the moe backend takes no mode; pass settings as options={{...}}")
     cfg = config.merged(options)
     counters["graphs"] += 1
-    dumper = GraphDumper(cfg.debug_dir)
+    dumper = GraphDumper(cfg.debug_dir, cfg)
     gm = PassManager(stage1_passes(cfg), dumper)(gm)
     plans = gm.meta.get("moe_plans")
     if plans and dumper.directory is not None:
@@ -76,7 +77,7 @@ def moe_backend(
 
     def eager_inner(graph, inputs, prefix):
         graph = PassManager(stage2_passes(cfg), dumper, prefix=prefix)(graph)
-        return make_boxed_func(graph.forward)
+        return make_boxed_func(name_collective_faults(graph))  # names the MoE layer of a failed collective
 
     return aot_autograd(
         fw_compiler=functools.partial(eager_inner, prefix="fw_"),

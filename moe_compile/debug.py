@@ -3,8 +3,10 @@
 Layout (DESIGN.md "User surface")::
 
     <debug_dir>/rank<r>/graph<id>/<NN>_<pass>_{before,after}.py
+    <debug_dir>/rank<r>/graph<id>/summary.json      # moe_compile.summary: regions, skips, passes, plans
+    <debug_dir>/rank<r>/measured.json               # record_measured(...): measured seconds per layer
 
-``<id>`` numbers the graphs Dynamo hands to the backend in this process; the
+``python -m moe_compile.explain <debug_dir>`` prints them. ``<id>`` numbers the graphs Dynamo hands to the backend in this process; the
 forward and backward graphs of AOTAutograd share their Dynamo graph's id and
 prefix the pass name with ``fw_`` / ``bw_``. The same text is emitted as a
 ``trace_structured`` artifact, so ``TORCH_TRACE=<dir>`` + tlparse show it too.
@@ -12,16 +14,19 @@ prefix the pass name with ``fw_`` / ``bw_``. The same text is emitted as a
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.fx
 
 log = logging.getLogger("moe_compile")
 
-__all__ = ["GraphDumper", "graph_text", "log", "rank"]
+__all__ = ["GraphDumper", "graph_text", "log", "rank", "record_measured"]
 
 _graph_ids = itertools.count()
 
@@ -39,12 +44,21 @@ def graph_text(gm: torch.fx.GraphModule) -> str:
 
 
 class GraphDumper:
-    """Writes one graph's before/after snapshots; one instance per Dynamo graph."""
+    """Writes one graph's before/after snapshots; one instance per Dynamo graph.
 
-    def __init__(self, debug_dir: str | os.PathLike | None):
+    Given the backend's ``cfg`` it also keeps the graph's ``summary.json`` and the
+    layer sites that name a failing collective (:meth:`record_stage`).
+    """
+
+    def __init__(self, debug_dir: str | os.PathLike | None, cfg: Any = None):
+        from .faults import CollectiveSites
+
         self.graph_id = next(_graph_ids)
         self.debug_dir = Path(debug_dir) if debug_dir else None
+        self.cfg = cfg
         self._step = itertools.count()
+        self.sites = CollectiveSites()
+        self.summary: dict = {"graph": self.graph_id, "rank": rank(), "passes": {}}
 
     @property
     def directory(self) -> Path | None:
@@ -74,3 +88,41 @@ class GraphDumper:
 
     def next_step(self) -> int:
         return next(self._step)
+
+    def record_stage(self, prefix: str, passes: Sequence[tuple[str, bool]], gm: torch.fx.GraphModule) -> None:
+        """After a pass manager ran (``prefix`` "" = stage 1, "fw_" / "bw_" = stage 2): note the passes and
+        their effect, carry the layers' sites to the AOTAutograd graph (``moe_compile.faults``), and
+        rewrite ``summary.json``."""
+        stage = prefix.rstrip("_") or "stage1"
+        self.summary["passes"][stage] = [{"pass": name, "modified": modified} for name, modified in passes]
+        if stage == "stage1":
+            from .summary import stage1_summary
+
+            self.sites.record_stage1(gm)
+            self.summary.update(stage1_summary(gm, self.cfg))
+        else:
+            self.sites.annotate(gm, backward=stage == "bw")
+        directory = self.directory
+        if directory is not None and self.cfg is not None:   # a backend compile (bare pass runs dump graphs only)
+            from .summary import write_summary
+
+            write_summary(directory, self.summary)
+
+
+def record_measured(debug_dir: str | os.PathLike, layer: str, seconds: float, phase: str = "forward") -> Path:
+    """Add a measured time of ``layer`` (``phase``: forward / backward / step) to ``<debug_dir>/rank<r>/measured.json``.
+
+    ``explain`` shows it next to the predicted time of that layer::
+
+        t0 = time.perf_counter(); out = cmodel(x); record_measured(dump, "moe", time.perf_counter() - t0)
+    """
+    if not isinstance(seconds, (int, float)) or not seconds >= 0:
+        raise ValueError(f"record_measured: seconds={seconds!r}: expected a number >= 0")
+    if phase not in ("forward", "backward", "step"):
+        raise ValueError(f"record_measured: phase={phase!r}: choose one of forward, backward, step")
+    path = Path(debug_dir) / f"rank{rank()}" / "measured.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data.setdefault(str(layer), {}).setdefault(phase, []).append(float(seconds))
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path

@@ -42,7 +42,7 @@ from .. import ops  # noqa: F401  (registers torch.ops.moe.*)
 from ..config import MoECompileConfig
 from ..counters import counters
 from ..debug import log
-from .detect import ExpertLinear, MoERegion, find_moe_regions
+from .detect import ExpertLinear, MoERegion, Skip, find_moe_regions
 from .graph_utils import example_value, is_inplace, shape_of
 from .manager import PassResult
 
@@ -57,6 +57,7 @@ class Detect:
     def __call__(self, gm: GraphModule) -> PassResult:
         regions, skips = find_moe_regions(gm.graph)
         gm.meta["moe_regions"] = regions
+        gm.meta["moe_found"] = list(regions)   # kept for the debug summary (canonicalize empties moe_regions)
         gm.meta["moe_skips"] = skips
         counters["regions_found"] += len(regions)
         for skip in skips:
@@ -102,6 +103,7 @@ class Canonicalize:
                 log.info("moe_compile: rewrote %s MoE layer %s into moe.dispatch/experts/combine", region.pattern, region.name)
             else:
                 counters["regions_skipped"] += 1
+                gm.meta.setdefault("moe_skips", []).append(Skip(region.name, reason, stage="canonicalize"))
                 log.warning("moe_compile: MoE layer %s left unchanged: %s", region.name, reason)
         gm.meta["moe_regions"] = []
         return PassResult(gm, modified)

@@ -82,8 +82,11 @@ class MoERegion:
 
 @dataclasses.dataclass(frozen=True)
 class Skip:
+    """A layer left as the model wrote it; ``stage`` is the pass that decided (detect, canonicalize)."""
+
     name: str
     reason: str
+    stage: str = "detect"
 
 
 class _NoMatch(Exception):

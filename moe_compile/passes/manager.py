@@ -3,7 +3,8 @@
 Modelled on ``torch/fx/passes/infra/pass_manager.py``: a pass is a callable
 ``pass(gm) -> PassResult(graph_module, modified)`` with a ``name``. After each
 pass that modified the graph the manager lints it and recompiles; with a debug
-directory it writes the graph before and after every pass. An exception inside a
+directory it writes the graph before and after every pass, and at the end tells the
+dumper which passes ran and which modified the graph (``summary.json``). An exception inside a
 pass becomes ``PassFailedError("pass <name> failed after [<passes that ran>]: <cause>")``.
 """
 from __future__ import annotations
@@ -49,6 +50,7 @@ class PassManager:
 
     def __call__(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         ran: list[str] = []
+        effects: list[tuple[str, bool]] = []
         for p in self.passes:
             name = self.prefix + pass_name(p)
             step = self.dumper.next_step() if self.dumper else 0
@@ -70,4 +72,7 @@ class PassManager:
                 self.dumper.dump(f"{name}_after", gm, step=step)
             log.debug("moe_compile: pass %s %s", name, "modified the graph" if result.modified else "left the graph unchanged")
             ran.append(name)
+            effects.append((pass_name(p), bool(result.modified)))
+        if self.dumper:
+            self.dumper.record_stage(self.prefix, effects, gm)
         return gm
