@@ -1,0 +1,138 @@
+"""How much do Parm's S1, S2 and Algorithm 1's choice gain over the DeepSpeed-MoE baseline, per (MP, ESP)?
+
+Simulation on Parm's Table III grid (§VI-A): ``B ∈ {8,16,32}`` samples of
+``L ∈ {512,1024,2048}`` tokens per MP group (``T = B·L``), ``M, H ∈ {1024,2048,4096}``,
+``k ∈ {2,4,8}`` (the set ``{2,4,8}`` of Table III; its symbol is lost in our copy of
+the text, read here as top-k), ``f ∈ {1.2,2.4}``, ``MP, ESP ∈ {1,2,4}``; fp32, 2
+expert matrices, fixed capacity. ``E = world`` experts (assumed; Table III gives no
+E, and ``E = P`` makes every EP size ``P/s`` divide it), ``EP = world/ESP``. Every
+layer's forward + backward is priced by :func:`moe_compile.schedule.parm.predict` on
+:func:`~moe_compile.schedule.parm.testbed` ``"A"`` (8×RTX4090, one node) and ``"B"``
+(8 nodes × 4 RTX2080Ti); ``auto`` is :func:`choose_pause_mp` (Algorithm 1). Parm ran
+1296 of these layers per testbed (those fitting in GPU memory); nothing is excluded here.
+
+The table gives, per testbed and (MP, ESP), the mean / min / max speedup of S1, S2
+and auto over the baseline, how often Algorithm 1 picks S1, and auto's mean gain
+over the worse of S1 and S2 (Parm §VI-C: 8% on A, 10.5% on B).
+
+    python benchmarks/pause_mp.py --quick
+    python benchmarks/pause_mp.py
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from moe_compile.schedule.parm import ParmShape, choose_pause_mp, testbed  # noqa: E402
+
+GRID = {"B": (8, 16, 32), "L": (512, 1024, 2048), "M": (1024, 2048, 4096), "H": (1024, 2048, 4096),
+        "k": (2, 4, 8), "f": (1.2, 2.4)}
+QUICK_GRID = {"B": (8, 32), "L": (512, 2048), "M": (1024, 4096), "H": (4096,), "k": (2, 8), "f": (1.2,)}
+PARALLEL = (1, 2, 4)   # MP and ESP sizes
+HEADER = ["testbed", "MP", "ESP", "layers", "S1 mean", "S1 min-max", "S2 mean", "S2 min-max", "auto mean",
+          "auto min-max", "picks S1", "auto vs worse"]
+
+
+def simulate_testbed(name: str, grid: dict) -> tuple[list[dict], list[dict]]:
+    """Every (MP, ESP) × grid layer on testbed ``name``: per-layer rows and per-(MP, ESP) summaries."""
+    models = testbed(name)
+    world = models.machine["world"]
+    layers, summaries = [], []
+    for mp, esp in itertools.product(PARALLEL, PARALLEL):
+        rows = []
+        for B, L, M, H, k, f in itertools.product(*(grid[key] for key in ("B", "L", "M", "H", "k", "f"))):
+            shape = ParmShape(tokens=B * L, model_dim=M, hidden_dim=H, num_experts=world, top_k=k,
+                              capacity_factor=f, ep=world // esp, esp=esp, mp=mp)
+            choice, seconds, _ = choose_pause_mp(shape, models)
+            rows.append({"testbed": name, "mp": mp, "esp": esp, "B": B, "L": L, "M": M, "H": H, "k": k, "f": f,
+                         "off_ms": seconds["off"] * 1e3, "s1_ms": seconds["s1"] * 1e3, "s2_ms": seconds["s2"] * 1e3,
+                         "auto": choice})
+        speedup = {s: [r["off_ms"] / r[f"{s}_ms"] for r in rows] for s in ("s1", "s2")}
+        speedup["auto"] = [r["off_ms"] / r[f"{r['auto']}_ms"] for r in rows]
+        summary = {"testbed": name, "world": world, "mp": mp, "esp": esp, "layers": len(rows),
+                   "picks_s1": sum(r["auto"] == "s1" for r in rows) / len(rows),
+                   "auto_vs_worse_mean": statistics.mean(max(r["s1_ms"], r["s2_ms"]) / r[f"{r['auto']}_ms"]
+                                                         for r in rows)}
+        for s, values in speedup.items():
+            summary.update({f"{s}_mean": statistics.mean(values), f"{s}_min": min(values), f"{s}_max": max(values)})
+        summaries.append(summary)
+        layers += rows
+    return layers, summaries
+
+
+def simulate(args) -> dict:
+    """The simulation part: every testbed of ``args.testbeds`` on the (quick) grid; the JSON-ready result."""
+    grid = QUICK_GRID if args.quick else GRID
+    started = time.perf_counter()
+    layers, summaries = [], []
+    for name in args.testbeds:
+        rows, summary = simulate_testbed(name, grid)
+        layers += rows
+        summaries += summary
+        print(f"testbed {name}: {len(rows)} layers", flush=True)
+    return {"grid": grid, "parallel": PARALLEL, "wall_s": time.perf_counter() - started,
+            "models": {name: testbed(name).machine for name in args.testbeds},
+            "summary": summaries, "layers": layers}
+
+
+def table_rows(summaries: list[dict]):
+    for s in summaries:
+        yield [s["testbed"] + f" (P={s['world']})", str(s["mp"]), str(s["esp"]), str(s["layers"]),
+               *(cell for name in ("s1", "s2", "auto")
+                 for cell in (f"{s[f'{name}_mean']:.2f}x", f"{s[f'{name}_min']:.2f}-{s[f'{name}_max']:.2f}x")),
+               f"{100 * s['picks_s1']:.0f}%", f"{100 * (s['auto_vs_worse_mean'] - 1):.1f}%"]
+
+
+def print_table(summaries: list[dict], title: str) -> None:
+    body = list(table_rows(summaries))
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(h), *(len(line[i]) for line in body)) for i, h in enumerate(HEADER)]
+        print(title)
+        for line in [HEADER, *body]:
+            print("  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
+        return
+    table = Table(title=title)
+    for name in HEADER:
+        table.add_column(name, justify="left" if name == "testbed" else "right")
+    for line in body:
+        table.add_row(*line)
+    Console(width=200).print(table)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--testbeds", nargs="+", choices=("A", "B"), default=["A", "B"],
+                        help="Parm's testbeds to simulate (A: 8x RTX4090; B: 8 nodes x 4 RTX2080Ti)")
+    parser.add_argument("--quick", action="store_true", help=f"a corner of the grid: {QUICK_GRID}")
+    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/pause_mp.json"))
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    result = {"question": __doc__.split("\n\n")[0], "args": {k: str(v) for k, v in vars(args).items()},
+              "machine": {"python": platform.python_version(), "host": platform.node()},
+              "simulation": simulate(args)}
+    print_table(result["simulation"]["summary"],
+                f"Parm Table III grid{' (quick)' if args.quick else ''}: speedup over the DeepSpeed-MoE baseline, "
+                f"fwd+bwd of one MoE layer (simulated, α-β testbed models)")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
