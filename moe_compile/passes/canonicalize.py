@@ -268,6 +268,10 @@ def _probe(node: Node, region: MoERegion, equal_tokens: bool, gen: torch.Generat
         return _hint(value)
     if not isinstance(value, torch.Tensor):
         raise _CannotProbe(f"input {node.name} is not a tensor")
+    if value.dim() == 0 and node is not region.hidden:
+        # a Python scalar that Dynamo lifted to an input (dynamic=True makes a float attribute
+        # such as a capacity factor a 0-d float64 input): its value is semantics, not data
+        return _scalar_input(node)
     shape = [_hint(s) for s in value.shape]
     if value.is_floating_point():
         t = torch.randn(shape, generator=gen, dtype=torch.float32)
@@ -281,6 +285,18 @@ def _probe(node: Node, region: MoERegion, equal_tokens: bool, gen: torch.Generat
     else:
         raise _CannotProbe(f"input {node.name} is an integer tensor")
     return t.to(value.device)
+
+
+def _scalar_input(node: Node) -> torch.Tensor:
+    """The value a 0-d graph input had when Dynamo traced (``GraphArg.example``), as a tensor."""
+    grapharg = node.meta.get("grapharg") if node.op == "placeholder" else None
+    try:
+        real = getattr(grapharg, "example", None)
+    except Exception:  # noqa: BLE001 - a freed weak reference: treat as unknown
+        real = None
+    if not isinstance(real, torch.Tensor) or isinstance(real, torch._subclasses.FakeTensor):
+        raise _CannotProbe(f"input {node.name} is a scalar whose traced value is unknown")
+    return real.detach().clone()
 
 
 # --------------------------------------------------------------------------- splice

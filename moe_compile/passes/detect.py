@@ -26,12 +26,14 @@ that reads the structure right but the semantics wrong is still caught.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 import re
 
 import torch
 import torch.nn.functional as F
 from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..sharding import expert_shard
 from .graph_utils import example_value, is_call, module_region, region_boundary, shape_of, strip
@@ -251,7 +253,7 @@ def _gate_weights(vals: Node, ids: Node, numel: int) -> Node:
     while True:
         nxt = [
             u for u in node.users
-            if _is_elementwise_or_reshape(u) and _numel(u) == numel and u.args and u.args[0] is node
+            if _is_elementwise_or_reshape(u) and _same_size(_numel(u), numel) and u.args and u.args[0] is node
             and not any(_depends_on(a, {ids}) for a in u.all_input_nodes if a is not node)
         ]
         if len(nxt) != 1:
@@ -259,14 +261,17 @@ def _gate_weights(vals: Node, ids: Node, numel: int) -> Node:
         node = nxt[0]
 
 
-def _numel(node: Node) -> int | None:
+def _numel(node: Node) -> int | torch.SymInt | None:
+    """The element count, symbolic under dynamic shapes (never ``int()``: that would guard on it)."""
     shape = shape_of(node)
     if shape is None:
         return None
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
+    return math.prod(shape)
+
+
+def _same_size(a: int | torch.SymInt | None, b: int | torch.SymInt) -> bool:
+    """``a == b`` when provable without adding a guard (a guard would specialise the graph's shapes)."""
+    return a is not None and statically_known_true(a == b)
 
 
 _ELEMENTWISE = (operator.truediv, operator.mul, operator.itruediv, operator.imul, torch.div, torch.mul)
