@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import math
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -157,7 +158,7 @@ class MoECompileConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"options[{name!r}]={getattr(self, name)!r}: expected True or False")
         cf = self.capacity_factor
-        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf != cf):
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf)):
             raise ConfigError(
                 f"options['capacity_factor']={cf!r}: expected a number (> 0 fixed capacity, "
                 f"0 no drop, < 0 adaptive up to -f) or None to keep the model's capacity"
@@ -183,10 +184,15 @@ class MoECompileConfig:
         return self
 
     def merged(self, options: Mapping[str, Any] | None) -> MoECompileConfig:
-        """A validated copy with ``options`` (from ``torch.compile(options=...)``) applied."""
+        """A validated copy with ``options`` (from ``torch.compile(options=...)``) applied.
+
+        Also checks options that need one another (:func:`_check_dependencies`): only here,
+        per compile, because the process-wide config (environment, ``patch``) may leave
+        ``ep_group`` to each call's ``options``.
+        """
         changes = dict(options or {})
         _check_keys(changes)
-        return dataclasses.replace(self, **changes).validate()
+        return _check_dependencies(dataclasses.replace(self, **changes).validate())
 
     @contextlib.contextmanager
     def patch(self, **changes: Any) -> Iterator[MoECompileConfig]:
@@ -224,6 +230,30 @@ class MoECompileConfig:
     def as_dict(self) -> dict[str, Any]:
         """Field values by name (shallow: a process group stays the same object)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+#: Options that only act on the expert-parallel exchange, with the value that means "off".
+_NEEDS_EP_GROUP = {"compressor": "none", "all_to_all": "flat", "schedule": "optimal", "num_chunks": 1,
+                   "emulate_link": None}
+
+
+def _check_dependencies(cfg: MoECompileConfig) -> MoECompileConfig:
+    """Options that would silently do nothing without the option they act through are errors."""
+    if cfg.ep_group is None:
+        for name, off in _NEEDS_EP_GROUP.items():
+            value = getattr(cfg, name)
+            if value != off:
+                raise ConfigError(
+                    f"options[{name!r}]={value!r} acts on the expert-parallel all-to-all, but "
+                    f"options['ep_group'] is None (no expert parallelism): set options['ep_group'] "
+                    f"(e.g. 'world') or leave {name} at {off!r}"
+                )
+    if cfg.nan_check and cfg.compressor == "none":
+        raise ConfigError(
+            "options['nan_check']=True checks what a compressor is given, but options['compressor'] is "
+            "'none': choose a compressor (fp16, bf16, int8, fp8, zfp) or leave nan_check False"
+        )
+    return cfg
 
 
 def _field_names() -> list[str]:

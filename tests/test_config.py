@@ -190,7 +190,97 @@ def test_capacity_bucket_must_be_a_positive_int(value):
 def test_all_to_all_options(options, match):
     with pytest.raises(ConfigError, match=match):
         MoECompileConfig().merged(options)
-    assert MoECompileConfig().merged({"all_to_all": "pipe", "ranks_per_node": 2}).all_to_all == "pipe"
+    merged = MoECompileConfig().merged({"all_to_all": "pipe", "ranks_per_node": 2, "ep_group": "world"})
+    assert merged.all_to_all == "pipe"
+
+
+# --------------------------------------------------------------------------- every field, dependencies
+
+#: For every option: values of a wrong type or out of range. A new field must be added here.
+BAD_VALUES = {
+    "debug_dir": [3, ["/tmp"]],
+    "inner": ["tvm", 1, None],
+    "rewrite": [1, "yes", None],
+    "capacity_factor": ["1", True, float("nan"), float("inf"), -float("inf"), [1.0]],
+    "verify_regions": [0, "no"],
+    "verify_rtol": [-1e-3, "1e-4", True, float("nan"), None],
+    "verify_atol": [-1.0, "0", False, None],
+    "ep_group": ["everyone", 0, ["world"]],
+    "capacity_bucket": [0, -8, 2.5, True, "8", None],
+    "compressor": ["int4", 8, None],
+    "nan_check": [1, "true"],
+    "kernels": ["cuda", None],
+    "all_to_all": ["3dh", 2, None],
+    "ranks_per_node": [0, -1, 1.5, True, "2"],
+    "verify_collectives": ["yes", 1],
+    "schedule": ["fast", None, 1],
+    "num_chunks": [0, -1, 1.5, True, "2", None],
+    "cost_models": [1, ["a.json"]],
+    "emulate_link": [{"alpha_us": -1, "gbps": 25}, {"gbps": 0}, "fast", 3],
+    "mp_group": ["everyone", 1],
+    "esp_group": ["everyone", 1],
+    "pause_mp": ["s3", None, True],
+}
+
+
+def test_every_option_has_bad_values_listed():
+    assert sorted(BAD_VALUES) == sorted(_field_names())
+
+
+@pytest.mark.parametrize("name, value", [(n, v) for n, values in BAD_VALUES.items() for v in values],
+                         ids=lambda v: repr(v)[:20])
+def test_bad_value_raises_config_error_naming_the_option(name, value):
+    """Each wrong type / range is a ConfigError that names the option (with an EP group, so that
+    dependency checks do not answer first)."""
+    options = {name: value}
+    if name != "ep_group":
+        options["ep_group"] = "world"
+    with pytest.raises(ConfigError) as info:
+        MoECompileConfig().merged(options)
+    assert f"options[{name!r}]" in str(info.value) or (name == "emulate_link" and "emulate_link" in str(info.value))
+
+
+@pytest.mark.parametrize("options, needs", [
+    ({"compressor": "int8"}, "ep_group"),
+    ({"num_chunks": 2}, "ep_group"),
+    ({"num_chunks": "auto"}, "ep_group"),
+    ({"schedule": "sequential"}, "ep_group"),
+    ({"emulate_link": {"alpha_us": 10, "gbps": 25}}, "ep_group"),
+    ({"all_to_all": "2dh", "ranks_per_node": 2}, "ep_group"),
+    ({"all_to_all": "auto"}, "ep_group"),
+    ({"nan_check": True}, "compressor"),
+    ({"ep_group": "world", "nan_check": True}, "compressor"),
+    ({"mp_group": "world"}, "ep_group"),
+    ({"esp_group": "world"}, "ep_group"),
+])
+def test_option_that_would_do_nothing_names_the_option_it_needs(options, needs):
+    with pytest.raises(ConfigError) as info:
+        MoECompileConfig().merged(options)
+    message = str(info.value)
+    assert f"options[{needs!r}]" in message
+    assert any(f"options[{name!r}]" in message for name in options if name != needs), message
+
+
+@pytest.mark.parametrize("options", [
+    {"ep_group": "world", "compressor": "int8", "nan_check": True},
+    {"ep_group": "world", "num_chunks": "auto", "schedule": "tutel"},
+    {"ep_group": "world", "emulate_link": {"alpha_us": 10, "gbps": 25}},
+    {"ep_group": "world", "all_to_all": "auto"},
+    {"compressor": "none", "num_chunks": 1, "schedule": "optimal", "all_to_all": "flat"},  # the "off" values
+])
+def test_consistent_options_are_accepted(options):
+    merged = MoECompileConfig().merged(options)
+    assert all(getattr(merged, k) == v for k, v in options.items())
+
+
+def test_dependencies_are_checked_per_compile_not_in_the_process_config():
+    """The environment or config.patch may set compressor while each torch.compile call brings ep_group."""
+    cfg = MoECompileConfig.from_env({"MOE_COMPILE_COMPRESSOR": "int8"})
+    assert cfg.compressor == "int8"
+    with config.patch(num_chunks=2):
+        assert config.merged({"ep_group": "world"}).num_chunks == 2
+        with pytest.raises(ConfigError, match=r"options\['num_chunks'\]=2.*options\['ep_group'\]"):
+            config.merged({})
 
 
 # --------------------------------------------------------------------------- through torch.compile
