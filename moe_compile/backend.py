@@ -3,7 +3,7 @@
     torch.compile(model, backend="moe", fullgraph=True, options={...})
 
 Pipeline (DESIGN.md): stage-1 passes on the Dynamo graph (detect, canonicalize,
-expert_parallel, chunk),
+expert_parallel, pause_mp, chunk),
 then AOTAutograd, whose forward and backward graphs each run the stage-2 passes
 and then the inner compiler: ``"eager"`` (the AOTAutograd graphs run as they are,
 the default on CPU) or ``"inductor"`` (the default on CUDA).
@@ -23,7 +23,9 @@ from .counters import counters
 from .debug import GraphDumper
 from .faults import name_collective_faults
 from .collectives import resolve_group
+from .collectives.layout import resolve_layout
 from .passes import Canonicalize, Chunk, Detect, DropDeadCollectives, ExpertParallel, Lower, PassManager, Schedule
+from .passes.pause_mp import PauseMP
 from .passes.registry import with_user_passes
 
 __all__ = ["moe_backend", "stage1_passes", "stage2_passes"]
@@ -33,8 +35,10 @@ def stage1_passes(cfg: MoECompileConfig) -> list:
     """Semantic rewrites on the Dynamo graph; every new op is autograd-aware."""
     if not cfg.rewrite:
         return []
+    group = resolve_group(cfg.ep_group)
+    layout = resolve_layout(cfg.ep_group, cfg.esp_group, cfg.mp_group) if group is not None else None
     return with_user_passes(
-        [Detect(), Canonicalize(cfg), ExpertParallel(cfg, resolve_group(cfg.ep_group)), Chunk(cfg)]
+        [Detect(), Canonicalize(cfg), ExpertParallel(cfg, group, layout), PauseMP(cfg), Chunk(cfg)]
     )
 
 

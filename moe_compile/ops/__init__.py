@@ -8,7 +8,9 @@ Importing this package registers:
 - ``torch.ops.moe.combine``   ``[E, C, M]`` → weighted tokens (fast decode);
 - ``torch.ops.moe.experts``   batched expert MLP over ``[E, C, M]``;
 - ``torch.ops.moe.chunk_rows`` / ``cat_rows`` / ``split_rows``: the buffer split along
-  capacity into r chunks and joined back (ScheMoE §4 partitioning).
+  capacity into r chunks and joined back (ScheMoE §4 partitioning);
+- ``torch.ops.moe.esp_dump`` / ``esp_combine``: Parm's local dump and local combine
+  around the fused EP&ESP-AlltoAll (Parm §III-C).
 """
 from .dispatch import (
     capacity,
@@ -21,6 +23,7 @@ from .dispatch import (
     needed_capacity,
 )
 from .chunk import cat_rows, chunk_bounds, chunk_rows, split_rows
+from .esp import esp_combine, esp_dump
 from .experts import ACTIVATIONS, experts, experts_torch
 
 __all__ = [
@@ -34,6 +37,8 @@ __all__ = [
     "dispatch",
     "dispatch_torch",
     "dropped_tokens",
+    "esp_combine",
+    "esp_dump",
     "expert_locations",
     "experts",
     "experts_torch",

@@ -47,6 +47,7 @@ weights.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from typing import Any
 
@@ -65,7 +66,7 @@ from ..sharding import ExpertShard, expert_shard
 from .graph_utils import example_value
 from .manager import PassResult
 
-__all__ = ["ExchangeSegment", "ExpertParallel", "ExpertParallelMatch", "emit_exchange", "match_layers"]
+__all__ = ["Emitter", "ExchangeSegment", "ExpertParallel", "ExpertParallelMatch", "emit_exchange", "match_layers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,9 +114,11 @@ class ExpertParallel:
 
     name = "expert_parallel"
 
-    def __init__(self, cfg: MoECompileConfig, group: EPGroup | None):
+    def __init__(self, cfg: MoECompileConfig, group: EPGroup | None, layout: Any = None):
         self.cfg = cfg
         self.group = group
+        #: the MP / EP / ESP layout (:func:`moe_compile.collectives.layout.resolve_layout`); None = EP only
+        self.layout = layout if layout is not None and layout.fused else None
 
     def __call__(self, gm: GraphModule) -> PassResult:
         shards = _sharded_placeholders(gm)
@@ -137,6 +140,10 @@ class ExpertParallel:
             return PassResult(gm, False)
         matches, skips = match_layers(gm)
         algorithms = {m.name: self._algorithm(m) for m in matches}
+        if self.layout is not None and any(a != "flat" for a in algorithms.values()):
+            log.info("moe_compile: with options['esp_group'] / options['mp_group'] the all-to-alls are flat "
+                     "(Parm's EP&ESP-AlltoAll); all_to_all=%r is not used", self.cfg.all_to_all)
+            algorithms = {name: "flat" for name in algorithms}
         if any(a != "flat" for a in algorithms.values()):
             registry.make_topology(self.group.name, self.cfg.ranks_per_node)  # sub-groups, on every rank
             if self.cfg.verify_collectives:
@@ -146,7 +153,7 @@ class ExpertParallel:
             log.warning("moe_compile: %s not made expert-parallel (%s); its experts run locally", dispatch.name, reason)
         local_weights = _LocalWeights(gm, self.group, shards)
         for match in matches:
-            _rewrite(gm, match, self.group, self.cfg, local_weights, algorithms[match.name])
+            _rewrite(gm, match, self.group, self.cfg, local_weights, algorithms[match.name], self.layout)
             counters["regions_expert_parallel"] += 1
             log.info(
                 "moe_compile: %s is expert-parallel over %d ranks (%d local experts, %s weights)",
@@ -191,7 +198,8 @@ class ExpertParallel:
         return chosen
 
 
-def _rewrite(gm: GraphModule, match: ExpertParallelMatch, group: EPGroup, cfg, local_weights, algorithm) -> None:
+def _rewrite(gm: GraphModule, match: ExpertParallelMatch, group: EPGroup, cfg, local_weights, algorithm,
+             layout=None) -> None:
     graph = gm.graph
     dispatch, experts = match.dispatch, match.experts
     num_experts, capacity = dispatch.args[2], dispatch.args[3]
@@ -208,16 +216,19 @@ def _rewrite(gm: GraphModule, match: ExpertParallelMatch, group: EPGroup, cfg, l
         node.meta.update(meta)
         return node
 
-    # 1. agree on the capacity: the largest need over the group (bucketed when data-dependent)
+    # 1. agree on the capacity: the largest need over the group (bucketed when data-dependent);
+    #    with ESP / MP over the expert group EP × ESP, which all exchange buffers of R rows
     with graph.inserting_before(dispatch):
         bucket = cfg.capacity_bucket if capacity <= 0 else 1
         need = call(torch.ops.moe.capacity.default, dispatch.args[1], num_experts, capacity, bucket)
-        rows = emit_all_reduce_max(graph, need, group)
+        rows = emit_all_reduce_max(graph, need, layout.expert if layout is not None else group)
     dispatch.args = (*dispatch.args[:4], rows)
 
     # 2. A1: buffer rows to the owners of their experts; A2: expert outputs back (compressed: C, A, D)
     with graph.inserting_before(experts):
         weights = tuple(local_weights(w, num_experts) if w is not None else None for w in experts.args[1:4])
+        if layout is not None:
+            weights = _hidden_shard(graph, weights, layout, model_dim)
     segment = ExchangeSegment(
         name=match.name, group=group, num_experts=num_experts, model_dim=model_dim,
         token_dtype=_dtype(dispatch.args[0]), expert_dtype=_dtype(experts.args[1]),  # experts compute in w's dtype
@@ -227,7 +238,10 @@ def _rewrite(gm: GraphModule, match: ExpertParallelMatch, group: EPGroup, cfg, l
         hidden_dim=_hidden_dim(experts.args[1], model_dim),
         num_matrices=sum(w is not None for w in experts.args[1:4]),
         algorithm=algorithm,
+        layout=layout, pause="off" if layout is not None else "ep", capacity=need,
     )
+    if layout is not None:  # the exchange is over EP × ESP; the baseline's all-to-alls use segment.layout.ep
+        segment.group = layout.expert
     with graph.inserting_before(experts):
         full = emit_exchange(graph, match.buffer, segment, cfg)
     match.combine.replace_input_with(experts, full)
@@ -261,62 +275,106 @@ class ExchangeSegment:
     output: Node | None = None
     algorithm: str = "flat"   # the all-to-all algorithm (config.all_to_all, "auto" resolved)
     plan: Any = None          # its moe_compile.schedule.plan.LayerPlan
+    layout: Any = None        # its moe_compile.collectives.layout.MoELayout
+    pause: str = "ep"         # "ep" (plain expert parallelism), or with ESP / MP: Parm's "off", "s1", "s2"
+    capacity: Node | None = None  # the moe.capacity node whose bucket rounds the agreed rows R
+    pause_decision: dict | None = None  # pause_mp's choice for this layer, why, and what it predicted
+    scaled_weights: tuple | None = None  # the baseline's expert weights with gradient scaled by 1/m
 
     @property
     def num_local(self) -> int:
-        return self.num_experts // self.group.size
+        return self.num_experts // (self.layout.ep.size if self.layout is not None else self.group.size)
+
+    def round_rows(self, multiple: int) -> None:
+        """Make the agreed rows R a multiple of ``multiple`` (S2 splits R over MP, and each chunk too)."""
+        if self.capacity is None or multiple <= 1:
+            return
+        args = list(self.capacity.args)
+        args[3] = math.lcm(int(args[3]), multiple)
+        self.capacity.args = tuple(args)
+
+
+class Emitter:
+    """Inserts one chunk's nodes at the graph's insertion point, tagged with the layer's meta and
+    ``meta["moe_task"]`` (ScheMoE §4.1: C1 A1 D1 E C2 A2 D2) and ``meta["moe_chunk"]``."""
+
+    def __init__(self, graph, segment: ExchangeSegment, cfg, chunk: int):
+        self.graph, self.segment, self.cfg, self.chunk = graph, segment, cfg, chunk
+
+    def call(self, target, *args, task: str, method: bool = False, kwargs: dict | None = None) -> Node:
+        node = (self.graph.call_method if method else self.graph.call_function)(target, args, kwargs or {})
+        self.tag(node, task)
+        return node
+
+    def tag(self, node: Node, task: str) -> None:
+        node.meta.update(self.segment.meta)
+        node.meta.update(moe_task=task, moe_chunk=self.chunk)
+
+    def all_to_all(self, rows: Node, per_peer: Node, task: str, group: EPGroup | None = None) -> Node:
+        """Equal-split all-to-all of ``rows`` over ``group`` (default: the segment's) by the layer's algorithm."""
+        group = group or self.segment.group
+        cfg = self.cfg
+        if self.segment.algorithm == "flat":
+            if cfg.emulate_link is not None:
+                recv = emit_emulated_all_to_all(self.graph, rows, per_peer, group, Link.from_option(cfg.emulate_link))
+            else:
+                recv = emit_all_to_all(self.graph, rows, per_peer, group)
+            for node in (recv.args[0], recv):
+                self.tag(node, task)
+            return recv
+        return self.call(registry.all_to_all, rows, per_peer, group.name, self.segment.algorithm,
+                         cfg.ranks_per_node, task=task)
+
+    def exchange(self, rows: Node, per_peer: Node, dtype: torch.dtype, first: bool,
+                 group: EPGroup | None = None) -> Node:
+        """C → A → D (ScheMoE §3) of ``rows: [n, M]``; without a compressor just A."""
+        compress, comm, decompress = ("C1", "A1", "D1") if first else ("C2", "A2", "D2")
+        cfg = self.cfg
+        if cfg.compressor == "none":
+            return self.all_to_all(rows, per_peer, comm, group)
+        payload = self.call(torch.ops.moe.compress.default, rows, cfg.compressor, "torch", cfg.nan_check,
+                            task=compress)
+        received = self.all_to_all(payload, per_peer, comm, group)
+        return self.call(torch.ops.moe.decompress.default, received, cfg.compressor, self.segment.model_dim, dtype,
+                         "torch", task=decompress)
+
+    def experts(self, local_in: Node, weights: tuple | None = None) -> Node:
+        """``moe.experts`` on ``[El, n, M]`` with the segment's (local) weights, or ``weights`` instead."""
+        segment = self.segment
+        args = segment.experts_args if weights is None else (*weights, *segment.experts_args[3:])
+        node = self.call(torch.ops.moe.experts.default, local_in, *args, task="E", kwargs=segment.experts_kwargs)
+        for key, value in segment.experts_meta.items():
+            node.meta.setdefault(key, value)
+        return node
 
 
 def emit_exchange(graph, buffer: Node, segment: ExchangeSegment, cfg, chunk: int = 1) -> Node:
     """Insert A1 → local experts → A2 for the ``[E, R, M]`` node ``buffer``; the ``[E, R, M]`` result.
 
     Each node is tagged ``meta["moe_task"]`` with its ScheMoE §4.1 task (C1 A1 D1 E C2 A2 D2;
-    the views belong to the task they feed) and ``meta["moe_chunk"] = chunk``.
+    the views belong to the task they feed) and ``meta["moe_chunk"] = chunk``. A segment
+    with ESP or MP groups (``segment.pause`` not "ep") is emitted by
+    :func:`moe_compile.passes.pause_mp.emit_layout_exchange` (Parm's baseline, S1, S2).
     """
+    if segment.pause != "ep":
+        from .pause_mp import emit_layout_exchange
+
+        return emit_layout_exchange(graph, buffer, segment, cfg, chunk)
     group, num_local, model_dim = segment.group, segment.num_local, segment.model_dim
-
-    def call(target, *args, task, method=False, kwargs=None):
-        node = (graph.call_method if method else graph.call_function)(target, args, kwargs or {})
-        node.meta.update(segment.meta)
-        node.meta.update(moe_task=task, moe_chunk=chunk)
-        return node
-
-    def all_to_all(rows: Node, per_peer: Node, task: str) -> Node:
-        if segment.algorithm == "flat":
-            if cfg.emulate_link is not None:
-                recv = emit_emulated_all_to_all(graph, rows, per_peer, group, Link.from_option(cfg.emulate_link))
-            else:
-                recv = emit_all_to_all(graph, rows, per_peer, group)
-            for node in (recv.args[0], recv):
-                node.meta.update(segment.meta)
-                node.meta.update(moe_task=task, moe_chunk=chunk)
-            return recv
-        return call(registry.all_to_all, rows, per_peer, group.name, segment.algorithm, cfg.ranks_per_node, task=task)
-
-    def exchange(rows: Node, per_peer: Node, dtype: torch.dtype, first: bool) -> Node:
-        compress, comm, decompress = ("C1", "A1", "D1") if first else ("C2", "A2", "D2")
-        if cfg.compressor == "none":
-            return all_to_all(rows, per_peer, comm)
-        payload = call(torch.ops.moe.compress.default, rows, cfg.compressor, "torch", cfg.nan_check, task=compress)
-        received = all_to_all(payload, per_peer, comm)
-        return call(torch.ops.moe.decompress.default, received, cfg.compressor, model_dim, dtype, "torch",
-                    task=decompress)
-
+    emit = Emitter(graph, segment, cfg, chunk)
+    call = emit.call
     rows_per_expert = call(torch.ops.aten.sym_size.int, buffer, 1, task="C1")  # R
     per_peer = call(operator.mul, rows_per_expert, num_local, task="C1")
     send = call("reshape", buffer, (-1, model_dim), method=True, task="C1")
-    recv = exchange(send, per_peer, segment.token_dtype, first=True)
+    recv = emit.exchange(send, per_peer, segment.token_dtype, first=True)
     recv = call("view", recv, (group.size, num_local, rows_per_expert, model_dim), method=True, task="D1")
     local_in = call("reshape", call("transpose", recv, 0, 1, method=True, task="D1"), (num_local, -1, model_dim),
                     method=True, task="D1")
-    experts = call(torch.ops.moe.experts.default, local_in, *segment.experts_args, task="E",
-                   kwargs=segment.experts_kwargs)
-    for key, value in segment.experts_meta.items():
-        experts.meta.setdefault(key, value)
+    experts = emit.experts(local_in)
     back = call("view", experts, (num_local, group.size, rows_per_expert, model_dim), method=True, task="C2")
     send_back = call("reshape", call("transpose", back, 0, 1, method=True, task="C2"), (-1, model_dim),
                      method=True, task="C2")
-    returned = exchange(send_back, per_peer, segment.expert_dtype, first=False)
+    returned = emit.exchange(send_back, per_peer, segment.expert_dtype, first=False)
     return call("view", returned, (segment.num_experts, rows_per_expert, model_dim), method=True, task="D2")
 
 
@@ -401,6 +459,24 @@ class _LocalWeights:
                 erased.add(node)
 
 
+def _hidden_shard(graph, weights: tuple, layout, model_dim: int) -> tuple:
+    """This ESP rank's H-slice of the local experts' weights (``w1, w3: [El, H, M]``, ``w2: [El, M, H]``)."""
+    w1, w2, w3 = weights
+    hidden = _hidden_dim(w1, model_dim)
+    cols = layout.hidden_slice(hidden)
+    if layout.shards == 1:
+        return weights
+
+    def rows(w):
+        node = graph.call_function(operator.getitem, (w, (slice(None), cols)))
+        return node
+
+    def columns(w):
+        return graph.call_function(operator.getitem, (w, (slice(None), slice(None), cols)))
+
+    return rows(w1), columns(w2), rows(w3) if w3 is not None else None
+
+
 def _rows_hint(capacity: int, expert_ids, num_experts: int) -> int:
     """Rows per expert to plan chunking for: the fixed capacity, or a balanced dropless ``ceil(k·T/E)``."""
     if capacity > 0:
@@ -412,11 +488,11 @@ def _rows_hint(capacity: int, expert_ids, num_experts: int) -> int:
 
 
 def _hidden_dim(w1: Node, model_dim: int) -> int:
-    """H of ``w1: [E, M, H]`` (or ``[E, H, M]``): its dimension that is not M."""
+    """H of ``w1: [E, M, H]`` (or ``[E, H, M]``, or one expert's ``[H, M]``): its dimension that is not M."""
     value = _source_value(w1)
-    if not isinstance(value, torch.Tensor) or value.dim() != 3:
+    if not isinstance(value, torch.Tensor) or value.dim() not in (2, 3):
         return model_dim
-    dims = [int(d) for d in value.shape[1:]]
+    dims = [int(d) for d in value.shape[-2:]]
     return dims[1] if dims[0] == model_dim else dims[0]
 
 

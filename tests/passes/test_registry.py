@@ -92,7 +92,7 @@ def test_a_pass_that_edits_the_graph(registered):
 
 
 @pytest.mark.parametrize("where, error, match", [
-    ({"after": "pause_mp"}, ValueError, r"after='pause_mp'\): not a pass of the moe backend; stage 1: detect, canonicalize"),
+    ({"after": "streams"}, ValueError, r"after='streams'\): not a pass of the moe backend; stage 1: detect, canonicalize"),
     ({}, ValueError, "exactly one of before= or after="),
     ({"before": "lower", "after": "lower"}, ValueError, "exactly one"),
 ])

@@ -1,0 +1,169 @@
+"""Parm's PauseMP on 4 gloo ranks (MP = 2 = ESP, EP = 2): baseline, S1, S2 equal the single-device model.
+
+Layout: a 2 × 2 mesh ("ep", "esp"); the MP group is the ESP group, so ranks 2i
+and 2i+1 hold batch i (the MP group's batch) and experts i·E/2 .. (i+1)·E/2 - 1,
+each split along H into two slices. Every rank runs forward + backward of the
+compiled layer on its MP group's batch and checks, against the eager model with
+all experts on that batch:
+
+- the output and the input gradient (every rank);
+- the router's gradient (every rank: S1 sums the slices' gradients over MP);
+- the expert weights' gradients summed over the 4 ranks against the eager
+  gradients summed over the 2 distinct batches (each token counted once,
+  although the baseline computes it twice);
+- the graph (debug dump after pause_mp): the collectives each schedule must
+  contain, and the baseline's ESP-AllGather / ESP-AllReduce gone from S1 / S2.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import pathlib
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe_compile.testing import spawn
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    model: str            # "gshard" (fixed capacity), "sort" (dropless, stacked), "loop" (dropless, SwiGLU ModuleList)
+    pause_mp: str
+    expect: str           # the schedule the layer must end up with
+    options: tuple = ()   # more options, as (key, value) pairs
+    tol: tuple = ()       # (rtol, atol) when lossy
+
+
+def _model(name: str, num_experts: int = 4) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if name == "gshard":
+        from tests.models.gshard import GShardMoE
+
+        return GShardMoE(8, 16, num_experts, top_k=2, capacity_factor=1.0)
+    if name == "sort":
+        from tests.models.sort import SortMoE
+
+        return SortMoE(8, 16, num_experts, top_k=2)
+    from tests.models.loop import LoopMoE
+
+    return LoopMoE(8, 16, num_experts, top_k=2)
+
+
+def _batch(index: int) -> torch.Tensor:
+    return torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(100 + index))
+
+
+def _is_expert(name: str) -> bool:
+    parts = name.split(".")
+    return "experts" in parts or parts[0] in ("w1", "w2", "w3")
+
+
+def _groups(world_size: int, ep: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ep, world_size // ep), mesh_dim_names=("ep", "esp"))
+    return {"ep_group": (mesh, "ep"), "esp_group": (mesh, "esp"), "mp_group": (mesh, "esp")}, mesh
+
+
+def _run_case(rank: int, world_size: int, case: Case, ep: int, debug_root: str) -> dict:
+    import moe_compile
+
+    groups, mesh = _groups(world_size, ep)
+    batch_index = mesh.get_local_rank("ep")
+    model = _model(case.model)
+    eager = copy.deepcopy(model)
+    debug_dir = pathlib.Path(debug_root) / case.name.replace(" ", "_")
+    options = {**groups, "pause_mp": case.pause_mp, "inner": "eager", "debug_dir": str(debug_dir),
+               **dict(case.options)}
+    compiled = torch.compile(model, backend="moe", fullgraph=True, options=options)
+    moe_compile.counters.clear()
+
+    x = _batch(batch_index)
+    x_c, x_e = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_c = compiled(x_c)
+    out_e = eager(x_e)
+    tol = dict(rtol=case.tol[0], atol=case.tol[1]) if case.tol else TOL
+    torch.testing.assert_close(out_c, out_e, **tol, msg=lambda m: f"{case.name} rank {rank} output: {m}")
+    (out_c ** 2).sum().backward()
+    (out_e ** 2).sum().backward()
+    torch.testing.assert_close(x_c.grad, x_e.grad, **tol, msg=lambda m: f"{case.name} rank {rank} input grad: {m}")
+
+    # eager gradients summed over the distinct batches (one per MP group)
+    distinct = {name: torch.zeros_like(p) for name, p in eager.named_parameters()}
+    for index in range(ep):
+        reference = copy.deepcopy(_model(case.model))
+        (reference(_batch(index)) ** 2).sum().backward()
+        for name, p in reference.named_parameters():
+            distinct[name] += p.grad
+    eager_grads = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{case.name}: no grad for {name}"
+        if not _is_expert(name):
+            torch.testing.assert_close(p.grad, eager_grads[name].grad, **tol,
+                                       msg=lambda m: f"{case.name} rank {rank} grad {name}: {m}")
+            continue
+        summed = p.grad.clone()
+        dist.all_reduce(summed)
+        torch.testing.assert_close(summed, distinct[name], **tol,
+                                   msg=lambda m: f"{case.name} rank {rank} summed expert grad {name}: {m}")
+
+    after = sorted((debug_dir / f"rank{rank}").glob("graph*/*pause_mp_after.py"))
+    assert after, f"{case.name}: no pause_mp dump under {debug_dir}"
+    code = after[0].read_text()
+    expected = {
+        "off": ["all_gather_into_tensor", "all_reduce_sum", "grad_scale"],
+        "s1": ["mp_split", "esp_dump", "esp_combine", "mp_all_gather", "mp_copy"],
+        "s2": ["mp_split", "esp_dump", "esp_combine", "mp_all_gather"],
+    }[case.expect]
+    for name in expected:
+        assert name in code, f"{case.name}: {name} missing from the graph after pause_mp"
+    if case.expect != "off":
+        for name in ("all_gather_into_tensor", "all_reduce_sum", "grad_scale"):
+            assert name not in code, f"{case.name}: the baseline's {name} is still in the graph"
+    if case.expect != "s1":
+        assert "mp_copy" not in code
+    return {"counters": dict(moe_compile.counters)}
+
+
+def _run_cases(rank: int, world_size: int, cases: list[Case], ep: int, debug_root: str) -> list:
+    results = []
+    for case in cases:
+        torch._dynamo.reset()
+        try:
+            results.append(_run_case(rank, world_size, case, ep, debug_root))
+        except Exception as e:
+            raise AssertionError(f"case {case.name!r} on rank {rank} of {world_size}") from e
+    from moe_compile.collectives.layout import clear_layout_cache
+
+    clear_layout_cache()
+    return results
+
+
+CASES_4 = [
+    Case("gshard baseline", "gshard", "off", "off"),
+    Case("gshard s2", "gshard", "s2", "s2"),
+    Case("gshard s1 falls back to s2 (fixed capacity)", "gshard", "s1", "s2"),
+    Case("sort s1", "sort", "s1", "s1"),
+    Case("loop s1", "loop", "s1", "s1"),
+    Case("loop baseline", "loop", "off", "off"),
+    Case("sort s2 chunked r=2 (SAA)", "sort", "s2", "s2", options=(("num_chunks", 2),)),
+    Case("gshard baseline chunked r=2", "gshard", "off", "off", options=(("num_chunks", 2),)),
+    Case("sort s1 int8", "sort", "s1", "s1", options=(("compressor", "int8"),), tol=(5e-2, 5e-2)),
+    Case("gshard s2 int8", "gshard", "s2", "s2", options=(("compressor", "int8"),), tol=(5e-2, 5e-2)),
+]
+
+
+def test_pause_mp_4_ranks():
+    with tempfile.TemporaryDirectory() as root:
+        results = spawn(_run_cases, 4, CASES_4, 2, root)
+    for case, counters in zip(CASES_4, results[0]):
+        if case.expect != "off":
+            assert counters["counters"].get(f"regions_pause_mp_{case.expect}") == 1, (case, counters)
