@@ -15,8 +15,17 @@ The table gives, per testbed and (MP, ESP), the mean / min / max speedup of S1, 
 and auto over the baseline, how often Algorithm 1 picks S1, and auto's mean gain
 over the worse of S1 and S2 (Parm §VI-C: 8% on A, 10.5% on B).
 
+With ``--measure``, also the measured step (forward + backward of one compiled
+MoE layer) of the baseline, S1, S2 and auto on 4 gloo ranks (MP = 2 = ESP, EP = 2,
+one torch thread per rank; a dropless ``SortMoE`` so that S1 applies), median over
+``--steps`` timed steps, a step's time being the slowest rank's; every variant's
+output is checked against the baseline's. ``auto`` uses ``--models`` (a
+``python -m moe_compile.profile --world 4 --esp 2 --mp 2`` file) or, without one,
+falls back to S2 and says so.
+
     python benchmarks/pause_mp.py --quick
     python benchmarks/pause_mp.py
+    python benchmarks/pause_mp.py --quick --measure --steps 10
 """
 from __future__ import annotations
 
@@ -83,6 +92,94 @@ def simulate(args) -> dict:
             "summary": summaries, "layers": layers}
 
 
+MEASURED = ("off", "s1", "s2", "auto")
+
+
+def _measure_rank(rank: int, world_size: int, args: dict) -> dict:
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moe_compile.collectives.layout import clear_layout_cache
+    from tests.models.sort import SortMoE
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "esp"))
+    groups = {"ep_group": (mesh, "ep"), "esp_group": (mesh, "esp"), "mp_group": (mesh, "esp")}
+    torch.manual_seed(0)
+    base = SortMoE(args["model_dim"], args["hidden_dim"], args["experts"], top_k=2)
+    gen = torch.Generator().manual_seed(100 + mesh.get_local_rank("ep"))
+    x = torch.randn(args["tokens"], args["model_dim"], generator=gen)
+    result, reference = {}, None
+    for variant in MEASURED:
+        torch._dynamo.reset()
+        options = {**groups, "pause_mp": variant, "inner": "eager"}
+        if variant == "auto" and args["models"]:
+            options["cost_models"] = args["models"]
+        model = torch.compile(copy.deepcopy(base), backend="moe", fullgraph=True, options=options)
+        times = []
+        for step in range(args["warmup"] + args["steps"]):
+            xi = x.clone().requires_grad_()
+            dist.barrier()
+            start = time.perf_counter()
+            out = model(xi)
+            (out ** 2).sum().backward()
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if step >= args["warmup"]:
+                times.append(float(elapsed))
+        if reference is None:
+            reference = out.detach()
+        torch.testing.assert_close(out.detach(), reference, rtol=1e-4, atol=1e-5)
+        import moe_compile
+
+        chosen = [k.removeprefix("regions_pause_mp_") for k in moe_compile.counters if k.startswith("regions_pause_mp_")]
+        result[variant] = {"median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3,
+                           "schedule": chosen[-1] if chosen else "off"}
+        moe_compile.counters.clear()
+    clear_layout_cache()
+    return result
+
+
+def measure(args) -> dict:
+    """The measured part: baseline / S1 / S2 / auto step times on 4 gloo ranks (see the module docstring)."""
+    from moe_compile.testing import spawn
+
+    shape = {"tokens": args.tokens, "model_dim": args.model_dim, "hidden_dim": args.hidden_dim,
+             "experts": args.experts, "warmup": 2, "steps": args.steps,
+             "models": str(args.models) if args.models else None}
+    per_rank = spawn(_measure_rank, 4, shape, timeout=1800)
+    rows = per_rank[0]
+    base = rows["off"]["median_ms"]
+    for name, row in rows.items():
+        row["speedup"] = base / row["median_ms"]
+    print_measured(rows, shape)
+    return {"shape": shape, "variants": rows}
+
+
+def print_measured(rows: dict, shape: dict) -> None:
+    header = ["variant", "schedule run", "median ms", "min ms", "speedup vs off"]
+    body = [[name, row["schedule"], f"{row['median_ms']:.1f}", f"{row['min_ms']:.1f}", f"{row['speedup']:.2f}x"]
+            for name, row in rows.items()]
+    title = (f"measured, 4 gloo ranks (MP=2=ESP, EP=2), SortMoE T={shape['tokens']} per MP group, "
+             f"M={shape['model_dim']} H={shape['hidden_dim']} E={shape['experts']}, fwd+bwd")
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(title)
+        for line in [header, *body]:
+            print("  ".join(cell.rjust(14) for cell in line))
+        return
+    table = Table(title=title)
+    for name in header:
+        table.add_column(name, justify="right")
+    for line in body:
+        table.add_row(*line)
+    Console(width=200).print(table)
+
+
 def table_rows(summaries: list[dict]):
     for s in summaries:
         yield [s["testbed"] + f" (P={s['world']})", str(s["mp"]), str(s["esp"]), str(s["layers"]),
@@ -117,6 +214,13 @@ def parse_args(argv=None):
                         help="Parm's testbeds to simulate (A: 8x RTX4090; B: 8 nodes x 4 RTX2080Ti)")
     parser.add_argument("--quick", action="store_true", help=f"a corner of the grid: {QUICK_GRID}")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/pause_mp.json"))
+    parser.add_argument("--measure", action="store_true", help="also time the compiled layer on 4 gloo ranks")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (--measure)")
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per MP group (--measure)")
+    parser.add_argument("--model-dim", type=int, default=256)
+    parser.add_argument("--hidden-dim", type=int, default=1024)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--models", type=Path, default=None, help="cost models for auto (--measure)")
     return parser.parse_args(argv)
 
 
@@ -128,6 +232,8 @@ def main(argv=None) -> dict:
     print_table(result["simulation"]["summary"],
                 f"Parm Table III grid{' (quick)' if args.quick else ''}: speedup over the DeepSpeed-MoE baseline, "
                 f"fwd+bwd of one MoE layer (simulated, α-β testbed models)")
+    if args.measure:
+        result["measured"] = measure(args)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.json}")

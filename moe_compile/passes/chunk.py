@@ -92,6 +92,7 @@ class Chunk:
         else:
             why = "options['num_chunks']"
         plan = self.plan(segment, r)
+        plan.pause_mp = segment.pause_decision
         segment.plan = plan
         return (plan.chunks, plan.why) if r == "auto" else (r, why)
 
@@ -147,6 +148,8 @@ def _chunk(gm: GraphModule, segment: ExchangeSegment, chunks: int, cfg: MoECompi
             f"the layer cannot be chunked"
         )
     meta = dict(segment.meta)
+    if segment.pause == "s2":  # every chunk is split over MP again: R a multiple of m·r keeps them divisible
+        segment.round_rows(segment.layout.replicas * chunks)
     with graph.inserting_before(old[0]):
         total = graph.call_function(torch.ops.aten.sym_size.int, (segment.buffer, 1))
         parts = graph.call_function(torch.ops.moe.chunk_rows.default, (segment.buffer, chunks))

@@ -66,7 +66,7 @@ from ..collectives.model_parallel import grad_scale
 from ..config import MoECompileConfig
 from ..counters import counters
 from ..debug import log
-from .expert_parallel import Emitter, ExchangeSegment, emit_exchange
+from .expert_parallel import Emitter, ExchangeSegment, _source_value, emit_exchange
 from .graph_utils import example_value
 from .manager import PassResult
 
@@ -119,11 +119,10 @@ class PauseMP:
         models, source = load_models(self.cfg.cost_models)
         if models is None:
             return "s2", "auto without fitted cost models (python -m moe_compile.profile): S2, exact for every capacity", {}
-        shape = _parm_shape(segment)
         try:
-            choice, predicted, inputs = choose_pause_mp(shape, models)
-        except KeyError as e:
-            return "s2", f"auto: the cost models lack {e}; S2", {"models": source}
+            choice, predicted, inputs = choose_pause_mp(_parm_shape(segment), models)
+        except (KeyError, ValueError) as e:
+            return "s2", f"auto: Algorithm 1 cannot price this layer ({e}); S2", {"models": source}
         why = f"Parm Algorithm 1 on {source}: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in predicted.items())
         return choice, why, {"predicted_seconds": predicted, "inputs": inputs, "models": source}
 
@@ -133,8 +132,10 @@ def _parm_shape(segment: ExchangeSegment):
 
     layout = segment.layout
     dispatch = segment.buffer.args[0]
-    ids = example_value(dispatch.args[1])
-    tokens, top_k = (int(d) for d in ids.shape) if isinstance(ids, torch.Tensor) else (segment.rows_hint, 1)
+    x, ids = example_value(dispatch.args[0]), _source_value(dispatch.args[1])
+    if not (isinstance(x, torch.Tensor) and isinstance(ids, torch.Tensor) and ids.dim() == 2):
+        raise KeyError("the layer's token count and top-k (no example values)")
+    tokens, top_k = int(x.shape[0]), int(ids.shape[-1])
     capacity = dispatch.args[3]
     factor = capacity * segment.num_experts / (top_k * tokens) if capacity > 0 else 1.0
     return ParmShape(

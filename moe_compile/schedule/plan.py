@@ -44,6 +44,7 @@ class LayerPlan:
     predicted: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)  # phase -> schedule -> s
     timelines: dict[str, Simulation] = dataclasses.field(default_factory=dict)        # phase -> simulation
     measured: dict[str, Any] = dataclasses.field(default_factory=dict)
+    pause_mp: dict | None = None   # Parm's schedule for a layer with ESP / MP groups: choice, why, predictions
 
     def to_dict(self) -> dict:
         return {
@@ -52,7 +53,7 @@ class LayerPlan:
             "shape": dataclasses.asdict(self.shape) if self.shape else None,
             "compressor": self.compressor, "models": self.models, "predicted_seconds": self.predicted,
             "timelines": {phase: sim.to_dict() for phase, sim in self.timelines.items()},
-            "measured": self.measured,
+            "measured": self.measured, "pause_mp": self.pause_mp,
         }
 
 

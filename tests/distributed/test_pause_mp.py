@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import pathlib
 import tempfile
 
@@ -40,9 +41,10 @@ class Case:
     expect: str           # the schedule the layer must end up with
     options: tuple = ()   # more options, as (key, value) pairs
     tol: tuple = ()       # (rtol, atol) when lossy
+    models: str = ""      # with pause_mp="auto": synthetic cost models that favour "s1" or "s2"
 
 
-def _model(name: str, num_experts: int = 4) -> torch.nn.Module:
+def _model(name: str, num_experts: int = 8) -> torch.nn.Module:
     torch.manual_seed(0)
     if name == "gshard":
         from tests.models.gshard import GShardMoE
@@ -83,6 +85,8 @@ def _run_case(rank: int, world_size: int, case: Case, ep: int, debug_root: str) 
     debug_dir = pathlib.Path(debug_root) / case.name.replace(" ", "_")
     options = {**groups, "pause_mp": case.pause_mp, "inner": "eager", "debug_dir": str(debug_dir),
                **dict(case.options)}
+    if case.models:
+        options["cost_models"] = str(_synthetic_models(case.models, debug_dir / f"models_rank{rank}.json"))
     compiled = torch.compile(model, backend="moe", fullgraph=True, options=options)
     moe_compile.counters.clear()
 
@@ -130,7 +134,28 @@ def _run_case(rank: int, world_size: int, case: Case, ep: int, debug_root: str) 
             assert name not in code, f"{case.name}: the baseline's {name} is still in the graph"
     if case.expect != "s1":
         assert "mp_copy" not in code
+    plans = json.loads(next((debug_dir / f"rank{rank}").glob("graph*/schedule.json")).read_text())["layers"]
+    decision = plans[0]["pause_mp"]
+    assert decision["choice"] == case.expect, decision
+    if case.models:
+        predicted = decision["predicted_seconds"]
+        assert min(predicted, key=predicted.get) == case.expect, decision
+        assert predicted["off"] > predicted[case.expect]
     return {"counters": dict(moe_compile.counters)}
+
+
+def _synthetic_models(favour: str, path: pathlib.Path) -> pathlib.Path:
+    """α = 0, β = 1 s/byte for every collective of the 2 × 2 layout; the SAA model decides (Parm eqs 13-14):
+    with no overlap S1 moves less (it gathers T/m·M outputs, S2 the E·R/m·M rows: k·f = 2 > 1),
+    with the all-gather fully hidden under the all-to-all S2 wins."""
+    from moe_compile.schedule.cost_model import AlphaBeta, CostModels
+
+    unit = AlphaBeta(0.0, 1.0)
+    keys = ["all_gather:esp:2", "all_to_all:ep:2", "all_reduce:esp:2", "all_to_all:epesp:4",
+            "all_gather:mp:2", "all_reduce:mp:2", "experts"]
+    saa = AlphaBeta(0.0, 1.5 if favour == "s1" else 1.0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return CostModels(models={**{k: unit for k in keys}, "saa:4:2": saa}, machine={"source": favour}).save(path)
 
 
 def _run_cases(rank: int, world_size: int, cases: list[Case], ep: int, debug_root: str) -> list:
@@ -158,6 +183,8 @@ CASES_4 = [
     Case("gshard baseline chunked r=2", "gshard", "off", "off", options=(("num_chunks", 2),)),
     Case("sort s1 int8", "sort", "s1", "s1", options=(("compressor", "int8"),), tol=(5e-2, 5e-2)),
     Case("gshard s2 int8", "gshard", "s2", "s2", options=(("compressor", "int8"),), tol=(5e-2, 5e-2)),
+    Case("sort auto, models favour s1", "sort", "auto", "s1", models="s1"),
+    Case("sort auto, models favour s2", "sort", "auto", "s2", models="s2"),
 ]
 
 
@@ -167,3 +194,15 @@ def test_pause_mp_4_ranks():
     for case, counters in zip(CASES_4, results[0]):
         if case.expect != "off":
             assert counters["counters"].get(f"regions_pause_mp_{case.expect}") == 1, (case, counters)
+
+
+CASES_8 = [
+    Case("gshard s2, EP=4", "gshard", "s2", "s2"),
+    Case("sort s1, EP=4", "sort", "s1", "s1"),
+]
+
+
+def test_pause_mp_8_ranks():
+    """MP = 2 = ESP, EP = 4 (Parm's 8-GPU testbed shape)."""
+    with tempfile.TemporaryDirectory() as root:
+        spawn(_run_cases, 8, CASES_8, 4, root)

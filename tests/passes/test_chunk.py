@@ -125,14 +125,10 @@ def test_dropless_layer_is_chunked(fake_group):
     _check_chunked_structure(recorded.graphs[0], 3, compressed=False)
 
 
-def test_no_expert_parallelism_no_chunks(fake_group):
-    """Chunking splits the exchange; without an EP group there is none, whatever num_chunks says."""
-    fake_group(2)
-    with record_after("chunk") as recorded:
-        train_step(GShardMoE(MODEL_DIM, HIDDEN, 4), torch.randn(TOKENS, MODEL_DIM), {"num_chunks": 4})
-    gm = recorded.graphs[0]
-    assert calls(gm, CHUNK_ROWS) == [] and calls(gm, A2A) == []
-    assert moe_compile.counters["regions_chunked"] == 0
+def test_num_chunks_without_ep_group_is_an_error():
+    """Chunking splits the exchange; without an EP group there is none, so num_chunks would do nothing."""
+    with pytest.raises(ConfigError, match=r"options\['num_chunks'\]=4.*options\['ep_group'\]"):
+        moe_compile.config.merged({"num_chunks": 4})
 
 
 # --------------------------------------------------------------------------- num_chunks="auto"

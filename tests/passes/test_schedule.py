@@ -158,7 +158,7 @@ def test_graph_without_expert_parallelism_is_unchanged(fake_group):
     fake_group(2)
     with record_after("schedule", "before_schedule", before=True) as before, \
             record_after("schedule", "after_schedule") as after:
-        train_step(GShardMoE(8, 16, 4), torch.randn(12, 8, requires_grad=True), {"num_chunks": 3})
+        train_step(GShardMoE(8, 16, 4), torch.randn(12, 8, requires_grad=True), {})
     assert len(before.names) == len(after.names) == 2   # forward and backward
     assert after.names == before.names
     assert all(calls(gm, A2A) == [] for gm in after.graphs)
