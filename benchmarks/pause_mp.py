@@ -17,7 +17,7 @@ over the worse of S1 and S2 (Parm §VI-C: 8% on A, 10.5% on B).
 
 With ``--measure``, also the measured step (forward + backward of one compiled
 MoE layer) of the baseline, S1, S2 and auto on 4 gloo ranks (MP = 2 = ESP, EP = 2,
-one torch thread per rank; a dropless ``SortMoE`` so that S1 applies), median over
+one torch thread per rank; a dropless ``LoopMoE``, Mixtral-style SwiGLU experts, so that S1 applies), median over
 ``--steps`` timed steps, a step's time being the slowest rank's; every variant's
 output is checked against the baseline's. ``auto`` uses ``--models`` (a
 ``python -m moe_compile.profile --world 4 --esp 2 --mp 2`` file) or, without one,
@@ -103,12 +103,12 @@ def _measure_rank(rank: int, world_size: int, args: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from moe_compile.collectives.layout import clear_layout_cache
-    from tests.models.sort import SortMoE
+    from tests.models.loop import LoopMoE
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "esp"))
     groups = {"ep_group": (mesh, "ep"), "esp_group": (mesh, "esp"), "mp_group": (mesh, "esp")}
     torch.manual_seed(0)
-    base = SortMoE(args["model_dim"], args["hidden_dim"], args["experts"], top_k=2)
+    base = LoopMoE(args["model_dim"], args["hidden_dim"], args["experts"], top_k=2)
     gen = torch.Generator().manual_seed(100 + mesh.get_local_rank("ep"))
     x = torch.randn(args["tokens"], args["model_dim"], generator=gen)
     result, reference = {}, None
@@ -162,7 +162,7 @@ def print_measured(rows: dict, shape: dict) -> None:
     header = ["variant", "schedule run", "median ms", "min ms", "speedup vs off"]
     body = [[name, row["schedule"], f"{row['median_ms']:.1f}", f"{row['min_ms']:.1f}", f"{row['speedup']:.2f}x"]
             for name, row in rows.items()]
-    title = (f"measured, 4 gloo ranks (MP=2=ESP, EP=2), SortMoE T={shape['tokens']} per MP group, "
+    title = (f"measured, 4 gloo ranks (MP=2=ESP, EP=2), LoopMoE T={shape['tokens']} per MP group, "
              f"M={shape['model_dim']} H={shape['hidden_dim']} E={shape['experts']}, fwd+bwd")
     try:
         from rich.console import Console
