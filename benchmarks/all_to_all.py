@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from tables import print_table as _print_table  # noqa: E402
 from moe_compile.schedule.collective_models import (  # noqa: E402
     ALGORITHMS,
     NETWORKS,
@@ -151,12 +152,8 @@ def table_rows(rows):
                f"{r['algbw_gbps']:.2f}", f"{r['busbw_gbps']:.2f}", f"{r['vs_flat']:.2f}x"]
 
 
-def print_table(rows, title):
-    body = list(table_rows(rows))
-    widths = [max(len(h), *(len(line[i]) for line in body)) for i, h in enumerate(HEADER)]
-    print(title)
-    for line in [HEADER, *body]:
-        print("  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
+def print_table(rows, title) -> None:
+    _print_table(title, HEADER, list(table_rows(rows)))
 
 
 def machine_info() -> dict:

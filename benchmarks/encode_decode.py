@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tables import print_table as _print_table  # noqa: E402
 import moe_compile.ops  # noqa: E402,F401  (registers torch.ops.moe.*)
 
 # Live [T, E, C] tensors of the one-hot path in fwd+bwd: dispatch mask,
@@ -236,23 +237,8 @@ HEADER = ["T", "E", "M", "C", "fwd onehot ms", "fwd canonical ms", "fwd speedup"
           "fwd+bwd onehot ms", "fwd+bwd canonical ms", "fwd+bwd speedup"]
 
 
-def print_table(rows, title):
-    body = list(table_rows(rows))
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(h), *(len(line[i]) for line in body)) for i, h in enumerate(HEADER)]
-        print(title)
-        for line in [HEADER, *body]:
-            print("  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
-        return
-    table = Table(title=title)
-    for name in HEADER:
-        table.add_column(name, justify="right")
-    for line in body:
-        table.add_row(*line)
-    Console(width=200).print(table)
+def print_table(rows, title) -> None:
+    _print_table(title, HEADER, list(table_rows(rows)))
 
 
 def machine_info(device) -> dict:

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from tables import print_table as _print_table  # noqa: E402
 from moe_compile.testing import spawn  # noqa: E402
 
 REFERENCE = "eager reference"
@@ -202,23 +203,8 @@ def table_rows(rows):
         ]
 
 
-def print_table(rows, title):
-    body = list(table_rows(rows))
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(h), *(len(line[i]) for line in body)) for i, h in enumerate(HEADER)]
-        print(title)
-        for line in [HEADER, *body]:
-            print("  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
-        return
-    table = Table(title=title)
-    for name in HEADER:
-        table.add_column(name, justify="left" if name == "variant" else "right")
-    for line in body:
-        table.add_row(*line)
-    Console(width=200).print(table)
+def print_table(rows, title) -> None:
+    _print_table(title, HEADER, list(table_rows(rows)), left=('variant',))
 
 
 def machine_info() -> dict:

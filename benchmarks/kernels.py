@@ -49,6 +49,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tables import print_table as _print_table  # noqa: E402
 import moe_compile.ops  # noqa: E402,F401  (registers torch.ops.moe.*)
 from moe_compile.ops.dispatch import expert_locations  # noqa: E402
 from moe_compile.triton_kernels.decode import (  # noqa: E402
@@ -260,23 +261,8 @@ def table_rows(rows, missing):
                f"{r.torch_ms:.3f}", f"{r.torch_gbps:.1f}", f"{100 * r.torch_of_copy:.0f}", r.agrees or "-"]
 
 
-def print_table(rows, title, missing):
-    body = list(table_rows(rows, missing))
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(h), *(len(line[i]) for line in body)) for i, h in enumerate(HEADER)]
-        print(title)
-        for line in [HEADER, *body]:
-            print("  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
-        return
-    table = Table(title=title)
-    for name in HEADER:
-        table.add_column(name, justify="right")
-    for line in body:
-        table.add_row(*line)
-    Console(width=200).print(table)
+def print_table(rows, title, missing) -> None:
+    _print_table(title, HEADER, list(table_rows(rows, missing)))
 
 
 def machine_info(device) -> dict:

@@ -40,6 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from tables import print_table as _print_table  # noqa: E402
 from moe_compile.schedule.parm import ParmShape, choose_pause_mp, testbed  # noqa: E402
 
 GRID = {"B": (8, 16, 32), "L": (512, 1024, 2048), "M": (1024, 2048, 4096), "H": (1024, 2048, 4096),
@@ -164,20 +165,7 @@ def print_measured(rows: dict, shape: dict) -> None:
             for name, row in rows.items()]
     title = (f"measured, 4 gloo ranks (MP=2=ESP, EP=2), LoopMoE T={shape['tokens']} per MP group, "
              f"M={shape['model_dim']} H={shape['hidden_dim']} E={shape['experts']}, fwd+bwd")
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(title)
-        for line in [header, *body]:
-            print("  ".join(cell.rjust(14) for cell in line))
-        return
-    table = Table(title=title)
-    for name in header:
-        table.add_column(name, justify="right")
-    for line in body:
-        table.add_row(*line)
-    Console(width=200).print(table)
+    _print_table(title, header, body, left=("variant", "schedule run"))
 
 
 def table_rows(summaries: list[dict]):
@@ -189,22 +177,7 @@ def table_rows(summaries: list[dict]):
 
 
 def print_table(summaries: list[dict], title: str) -> None:
-    body = list(table_rows(summaries))
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(h), *(len(line[i]) for line in body)) for i, h in enumerate(HEADER)]
-        print(title)
-        for line in [HEADER, *body]:
-            print("  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
-        return
-    table = Table(title=title)
-    for name in HEADER:
-        table.add_column(name, justify="left" if name == "testbed" else "right")
-    for line in body:
-        table.add_row(*line)
-    Console(width=200).print(table)
+    _print_table(title, HEADER, list(table_rows(summaries)), left=('testbed',))
 
 
 def parse_args(argv=None):

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from tables import print_table as _print_table  # noqa: E402
 from moe_compile.testing import spawn  # noqa: E402
 
 HEADER = ["P", "compressor", "variant", "r", "median ms", "p90 ms", "predicted MoE ms", "vs bound", "speedup vs seq"]
@@ -220,20 +221,7 @@ def print_table(rows, title):
     body = [[str(r["P"]), r["compressor"], r["variant"], str(r["r"]), f"{r['median_ms']:.1f}", f"{r['p90_ms']:.1f}",
              f"{r['predicted_moe_ms']:.1f}", f"{r['vs_bound']:.2f}x", f"{r['speedup_vs_sequential']:.2f}x"]
             for r in rows]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(title)
-        for line in [HEADER, *body]:
-            print("  ".join(line))
-        return
-    table = Table(title=title)
-    for name in HEADER:
-        table.add_column(name, justify="right")
-    for line in body:
-        table.add_row(*line)
-    Console(width=200).print(table)
+    _print_table(title, HEADER, body)
 
 
 def parse_args(argv=None):

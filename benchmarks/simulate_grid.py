@@ -43,6 +43,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from tables import print_table as _print_table  # noqa: E402
 from moe_compile.schedule import (  # noqa: E402
     FASTERMOE_CHUNKS,
     CostModels,
@@ -132,23 +133,8 @@ def table_rows(summaries):
                f"{s['median_optimal_ms']:.1f}"]
 
 
-def print_table(summaries, title):
-    body = list(table_rows(summaries))
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(h), *(len(line[i]) for line in body)) for i, h in enumerate(HEADER)]
-        print(title)
-        for line in [HEADER, *body]:
-            print("  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
-        return
-    table = Table(title=title)
-    for name in HEADER:
-        table.add_column(name, justify="left" if name in ("models", "compressor") else "right")
-    for line in body:
-        table.add_row(*line)
-    Console(width=220).print(table)
+def print_table(summaries, title) -> None:
+    _print_table(title, HEADER, list(table_rows(summaries)), left=('models', 'compressor'))
 
 
 def parse_args(argv=None):
