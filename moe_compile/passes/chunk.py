@@ -45,7 +45,7 @@ from .. import ops  # noqa: F401  (registers torch.ops.moe.chunk_rows / cat_rows
 from ..config import MoECompileConfig
 from ..counters import counters
 from ..debug import log
-from .expert_parallel import ExchangeSegment, emit_exchange
+from .expert_parallel import ExchangeSegment, emit_exchange, live_segments
 from .manager import PassResult
 
 __all__ = ["Chunk", "segment_nodes"]
@@ -64,13 +64,8 @@ class Chunk:
         self._models = None
 
     def __call__(self, gm: GraphModule) -> PassResult:
-        segments: list[ExchangeSegment] = gm.meta.get("moe_exchange_segments", [])
         modified = False
-        for segment in segments:
-            if segment.output is None or segment.output.graph is not gm.graph:
-                log.warning("moe_compile: chunk: layer %s's exchange is no longer in the graph; left alone",
-                            segment.name)
-                continue
+        for segment in live_segments(gm, self.name):
             chunks, why = self.chunks_for(segment)
             gm.meta.setdefault("moe_plans", []).append(segment.plan)
             if chunks == 1:

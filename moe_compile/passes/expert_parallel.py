@@ -66,7 +66,7 @@ from ..sharding import ExpertShard, expert_shard
 from .graph_utils import example_value
 from .manager import PassResult
 
-__all__ = ["Emitter", "ExchangeSegment", "ExpertParallel", "ExpertParallelMatch", "emit_exchange", "match_layers"]
+__all__ = ["Emitter", "ExchangeSegment", "live_segments", "ExpertParallel", "ExpertParallelMatch", "emit_exchange", "match_layers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,6 +292,19 @@ class ExchangeSegment:
         args = list(self.capacity.args)
         args[3] = math.lcm(int(args[3]), multiple)
         self.capacity.args = tuple(args)
+
+
+def live_segments(gm: GraphModule, pass_name: str) -> list[ExchangeSegment]:
+    """The exchange segments the expert-parallel pass left in ``gm`` that are still in its graph
+    (a user pass may have replaced one: it is then left alone, logged)."""
+    live = []
+    for segment in gm.meta.get("moe_exchange_segments", []):
+        if segment.output is None or segment.output.graph is not gm.graph:
+            log.warning("moe_compile: %s: layer %s's exchange is no longer in the graph; left alone",
+                        pass_name, segment.name)
+            continue
+        live.append(segment)
+    return live
 
 
 class Emitter:

@@ -66,7 +66,7 @@ from ..collectives.model_parallel import grad_scale
 from ..config import MoECompileConfig
 from ..counters import counters
 from ..debug import log
-from .expert_parallel import Emitter, ExchangeSegment, _source_value, emit_exchange
+from .expert_parallel import Emitter, ExchangeSegment, _source_value, emit_exchange, live_segments
 from .graph_utils import example_value
 from .manager import PassResult
 
@@ -84,12 +84,9 @@ class PauseMP:
         self.cfg = cfg
 
     def __call__(self, gm: GraphModule) -> PassResult:
-        segments = [s for s in gm.meta.get("moe_exchange_segments", []) if s.layout is not None]
         modified = False
-        for segment in segments:
-            if segment.output is None or segment.output.graph is not gm.graph:
-                log.warning("moe_compile: pause_mp: layer %s's exchange is no longer in the graph; left alone",
-                            segment.name)
+        for segment in live_segments(gm, self.name):
+            if segment.layout is None:
                 continue
             mode, why, extra = self.choose(segment)
             if mode == "s1":
