@@ -37,7 +37,7 @@ from torch import Tensor
 from torch._C._distributed_c10d import _register_work
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-__all__ = ["all_reduce_sum", "grad_scale", "mp_all_gather", "mp_copy", "mp_gather", "mp_split", "mp_take"]
+__all__ = ["all_reduce_sum", "grad_scale", "mp_all_gather", "mp_copy", "mp_gather", "mp_split", "mp_take", "slice_kept"]
 
 
 #: ``all_gather_single`` (torch >= 2.13) is the new name of ``all_gather_into_tensor`` (deprecated there)
@@ -213,3 +213,26 @@ def grad_scale(x: Tensor, scale: float) -> Tensor:
     gradient; ``grad_scale(w, 1/m)`` counts them once.
     """
     return _GradScale.apply(x, scale)
+
+
+# ---------------------------------------------------------------- slice_kept: the batch's drop decisions for a slice
+@torch.library.custom_op("moe::slice_kept", mutates_args=())
+def slice_kept(expert_ids: Tensor, num_experts: int, capacity: int, start: int, count: int) -> Tensor:
+    """Which choices of tokens ``start .. start+count`` the capacity keeps, decided over all of ``expert_ids``.
+
+    ``expert_ids: [T, k]`` are the routing choices of the MP group's whole batch
+    (gathered from its slices); the result ``[count, k]`` (bool) is what
+    :func:`moe_compile.ops.expert_locations` keeps for this rank's slice, GShard
+    k-major priority over the whole batch. S1 multiplies the slice's gate weights by
+    it, so a choice the single-device model drops contributes nothing (Parm's S1 with
+    the capacity contract of the unsplit batch).
+    """
+    from ..ops.dispatch import expert_locations
+
+    locations, _ = expert_locations(expert_ids.long(), num_experts, capacity)
+    return locations[start:start + count] >= 0
+
+
+@slice_kept.register_fake
+def _slice_kept_fake(expert_ids, num_experts, capacity, start, count):
+    return expert_ids.new_empty((count, expert_ids.shape[1]), dtype=torch.bool)

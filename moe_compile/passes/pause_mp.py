@@ -46,11 +46,13 @@ outputs and the gradients of everything outside the experts equal the eager
 model's on the MP group's batch, on every rank; the expert shards' gradients,
 summed over the ranks, equal the eager gradients summed over the distinct batches.
 
-S1 changes which rows a rank routes: with a capacity C per expert, dropping by
-slice would differ from dropping over the MP group's batch, so S1 is used only for
-dropless layers (capacity 0); elsewhere, or when values computed from the tokens
-leave the layer (router logits for an auxiliary loss), S2 is used and the log
-says why. ``auto`` is Parm Algorithm 1 (:func:`moe_compile.schedule.parm.choose_pause_mp`)
+S1 keeps the drop decisions of the MP group's whole batch: with a capacity, the
+slices' expert ids are gathered over MP (T·k integers), each slice is dispatched
+dropless and the gate weights of the choices the batch drops are zeroed
+(``moe.slice_kept``), so outputs and gradients are those of the unsplit layer (the
+slice's buffer holds its largest expert load rather than at most C rows). When
+values computed from the tokens leave the layer (router logits for an auxiliary
+loss), or T is not a multiple of m, S2 is used and the log says why. ``auto`` is Parm Algorithm 1 (:func:`moe_compile.schedule.parm.choose_pause_mp`)
 on the fitted cost models; the choice and its inputs go to ``schedule.json``.
 """
 from __future__ import annotations
@@ -290,9 +292,6 @@ def _s1_blocker(segment: ExchangeSegment) -> str | None:
         x, dispatch, combine, region = _layer_nodes(segment)
     except LookupError as e:
         return str(e)
-    if dispatch.args[3] != 0:
-        return (f"the layer has a capacity of {dispatch.args[3]} rows per expert and S1 would decide drops per MP "
-                f"slice, not over the MP group's batch (S1 is exact for dropless layers, capacity_factor=0)")
     value = example_value(x)
     m = segment.layout.replicas
     if not isinstance(value, torch.Tensor) or value.dim() != 2 or not isinstance(value.shape[0], int):
@@ -324,7 +323,7 @@ def _externals(region: set[Node], x: Node, segment: ExchangeSegment):
 def _split_tokens(gm: GraphModule, segment: ExchangeSegment) -> None:
     """S1: MP-Split of ``x`` for the layer, ``moe.mp_copy`` of the gate's parameters, MP-AllGather of the output."""
     graph = gm.graph
-    x, _, combine, region = _layer_nodes(segment)
+    x, dispatch, combine, region = _layer_nodes(segment)
     group = segment.layout.mp.name
     meta = dict(segment.meta)
     with graph.inserting_after(x):
@@ -342,6 +341,9 @@ def _split_tokens(gm: GraphModule, segment: ExchangeSegment) -> None:
                 copies[param] = graph.call_function(torch.ops.moe.mp_copy.default, (param, group))
             copies[param].meta.update(meta)
         node.replace_input_with(param, copies[param])
+    capacity = dispatch.args[3]
+    if capacity != 0:
+        _keep_batch_drops(graph, segment, dispatch, combine, capacity, example_value(x).shape[0], meta)
     with graph.inserting_after(combine):
         issued = graph.call_function(torch.ops.moe.mp_all_gather.default, (combine, group))
     with graph.inserting_after(issued):
@@ -349,6 +351,43 @@ def _split_tokens(gm: GraphModule, segment: ExchangeSegment) -> None:
     for node in (issued, gathered):
         node.meta.update(meta)
     combine.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not issued)
+
+
+def _keep_batch_drops(graph, segment: ExchangeSegment, dispatch: Node, combine: Node, capacity: int,
+                      tokens: int, meta: dict) -> None:
+    """S1 with a capacity: drop exactly what the MP group's whole batch drops.
+
+    The slice is dispatched dropless (every choice sent), and the gate weights of the
+    choices the batch drops are zeroed: their outputs and gradients are then exactly 0,
+    as in the single-device model. Which ones: the expert ids of the whole batch
+    (MP-AllGather of the slices', ``T·k`` integers) through ``moe.slice_kept``::
+
+        ids_all = wait_tensor(all_gather_into_tensor(ids_q, m, mp))        # [T, k]
+        kept    = moe.slice_kept(ids_all, E, C, q·T/m, T/m)                 # [T/m, k] bool
+        buf, loc = moe.dispatch(x_q, ids_q, E, 0, rows)                     # dropless slice
+        y = moe.combine(out, ids_q, loc, w_q * kept)
+    """
+    layout = segment.layout
+    m, q = layout.replicas, layout.mp.rank
+    ids = dispatch.args[1]
+    count = tokens // m
+    with graph.inserting_before(dispatch):
+        issued = graph.call_function(torch.ops._c10d_functional.all_gather_into_tensor.default,
+                                     (ids, m, layout.mp.name))
+        ids_all = graph.call_function(_WAIT, (issued,))
+        kept = graph.call_function(torch.ops.moe.slice_kept.default,
+                                   (ids_all, segment.num_experts, capacity, q * count, count))
+    weights = combine.args[3]
+    with graph.inserting_before(combine):
+        masked = graph.call_function(operator.mul, (weights, kept))
+    for node in (issued, ids_all, kept, masked):
+        node.meta.update(meta)
+    combine.replace_input_with(weights, masked)
+    dispatch.args = (*dispatch.args[:3], 0, *dispatch.args[4:])
+    if segment.capacity is not None:
+        need = list(segment.capacity.args)
+        need[2] = 0
+        segment.capacity.args = tuple(need)
 
 
 def _first(nodes: set[Node]) -> Node:

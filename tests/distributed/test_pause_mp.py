@@ -36,7 +36,7 @@ TOL = dict(rtol=1e-4, atol=1e-5)
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
-    model: str            # "gshard" (fixed capacity), "sort" (dropless, stacked), "loop" (dropless, SwiGLU ModuleList)
+    model: str            # "gshard" / "gshard_tight" (fixed capacity), "sort" (dropless, stacked), "loop" (dropless, SwiGLU ModuleList)
     pause_mp: str
     expect: str           # the schedule the layer must end up with
     options: tuple = ()   # more options, as (key, value) pairs
@@ -46,10 +46,10 @@ class Case:
 
 def _model(name: str, num_experts: int = 8) -> torch.nn.Module:
     torch.manual_seed(0)
-    if name == "gshard":
+    if name in ("gshard", "gshard_tight"):  # tight: capacity factor 0.5, many choices dropped
         from tests.models.gshard import GShardMoE
 
-        return GShardMoE(8, 16, num_experts, top_k=2, capacity_factor=1.0)
+        return GShardMoE(8, 16, num_experts, top_k=2, capacity_factor=0.5 if name == "gshard_tight" else 1.0)
     if name == "sort":
         from tests.models.sort import SortMoE
 
@@ -123,17 +123,19 @@ def _run_case(rank: int, world_size: int, case: Case, ep: int, debug_root: str) 
     assert after, f"{case.name}: no pause_mp dump under {debug_dir}"
     code = after[0].read_text()
     expected = {
-        "off": ["all_gather_into_tensor", "all_reduce_sum", "grad_scale"],
+        "off": ["_c10d_functional_autograd.all_gather_into_tensor", "all_reduce_sum", "grad_scale"],
         "s1": ["mp_split", "esp_dump", "esp_combine", "mp_all_gather", "mp_copy"],
         "s2": ["mp_split", "esp_dump", "esp_combine", "mp_all_gather"],
     }[case.expect]
     for name in expected:
         assert name in code, f"{case.name}: {name} missing from the graph after pause_mp"
     if case.expect != "off":
-        for name in ("all_gather_into_tensor", "all_reduce_sum", "grad_scale"):
+        for name in ("_c10d_functional_autograd.all_gather_into_tensor", "all_reduce_sum", "grad_scale"):
             assert name not in code, f"{case.name}: the baseline's {name} is still in the graph"
     if case.expect != "s1":
         assert "mp_copy" not in code
+    if case.expect == "s1":  # the batch's drop decisions exactly when the layer has a capacity
+        assert ("slice_kept" in code) == case.model.startswith("gshard"), case
     plans = json.loads(next((debug_dir / f"rank{rank}").glob("graph*/schedule.json")).read_text())["layers"]
     decision = plans[0]["pause_mp"]
     assert decision["choice"] == case.expect, decision
@@ -175,11 +177,12 @@ def _run_cases(rank: int, world_size: int, cases: list[Case], ep: int, debug_roo
 CASES_4 = [
     Case("gshard baseline", "gshard", "off", "off"),
     Case("gshard s2", "gshard", "s2", "s2"),
-    Case("gshard s1 falls back to s2 (fixed capacity)", "gshard", "s1", "s2"),
+    Case("gshard s1, fixed capacity: the batch's drops", "gshard", "s1", "s1"),
     Case("sort s1", "sort", "s1", "s1"),
     Case("loop s1", "loop", "s1", "s1"),
     Case("loop baseline", "loop", "off", "off"),
     Case("sort s2 chunked r=2 (SAA)", "sort", "s2", "s2", options=(("num_chunks", 2),)),
+    Case("gshard cf=0.5 s1 (overflow: the batch's drops)", "gshard_tight", "s1", "s1"),
     Case("gshard baseline chunked r=2", "gshard", "off", "off", options=(("num_chunks", 2),)),
     Case("sort s1 int8", "sort", "s1", "s1", options=(("compressor", "int8"),), tol=(5e-2, 5e-2)),
     Case("gshard s2 int8", "gshard", "s2", "s2", options=(("compressor", "int8"),), tol=(5e-2, 5e-2)),
