@@ -41,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tables import print_table as _print_table  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 from moe_compile.schedule.parm import ParmShape, choose_pause_mp, testbed  # noqa: E402
 
 GRID = {"B": (8, 16, 32), "L": (512, 1024, 2048), "M": (1024, 2048, 4096), "H": (1024, 2048, 4096),
@@ -56,9 +57,12 @@ def simulate_testbed(name: str, grid: dict) -> tuple[list[dict], list[dict]]:
     models = testbed(name)
     world = models.machine["world"]
     layers, summaries = [], []
+    configs = list(itertools.product(*(grid[key] for key in ("B", "L", "M", "H", "k", "f"))))
+    progress = tqdm(total=len(PARALLEL) ** 2 * len(configs), desc=f"testbed {name}", unit="layer", leave=False)
     for mp, esp in itertools.product(PARALLEL, PARALLEL):
         rows = []
-        for B, L, M, H, k, f in itertools.product(*(grid[key] for key in ("B", "L", "M", "H", "k", "f"))):
+        for B, L, M, H, k, f in configs:
+            progress.update()
             shape = ParmShape(tokens=B * L, model_dim=M, hidden_dim=H, num_experts=world, top_k=k,
                               capacity_factor=f, ep=world // esp, esp=esp, mp=mp)
             choice, seconds, _ = choose_pause_mp(shape, models)
@@ -75,6 +79,7 @@ def simulate_testbed(name: str, grid: dict) -> tuple[list[dict], list[dict]]:
             summary.update({f"{s}_mean": statistics.mean(values), f"{s}_min": min(values), f"{s}_max": max(values)})
         summaries.append(summary)
         layers += rows
+    progress.close()
     return layers, summaries
 
 

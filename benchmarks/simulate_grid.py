@@ -44,6 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tables import print_table as _print_table  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 from moe_compile.schedule import (  # noqa: E402
     FASTERMOE_CHUNKS,
     CostModels,
@@ -97,7 +98,7 @@ def run(models_name: str, models: CostModels, world: int, grid: dict, args) -> t
     for compressor, ratio in compressors:
         started = time.perf_counter()
         rows = []
-        for B, f, L, H, M in configs:
+        for B, f, L, H, M in tqdm(configs, desc=f"{models_name} / {compressor}", unit="layer", leave=False):
             rows_per_expert = math.ceil(f * args.top_k * B * L / world)
             shape = LayerShape(num_experts=world, world=world, rows=rows_per_expert, model_dim=M, hidden_dim=H,
                                payload_ratio=ratio)
