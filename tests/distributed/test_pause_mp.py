@@ -191,10 +191,12 @@ CASES_4 = [
 ]
 
 
-def test_pause_mp_4_ranks():
+@pytest.mark.parametrize("half", [0, 1], ids=["first_half", "second_half"])
+def test_pause_mp_4_ranks(half):
+    cases = CASES_4[half::2]  # two spawns of ~1 min each
     with tempfile.TemporaryDirectory() as root:
-        results = spawn(_run_cases, 4, CASES_4, 2, root)
-    for case, counters in zip(CASES_4, results[0]):
+        results = spawn(_run_cases, 4, cases, 2, root, timeout=540)
+    for case, counters in zip(cases, results[0]):
         if case.expect != "off":
             assert counters["counters"].get(f"regions_pause_mp_{case.expect}") == 1, (case, counters)
 
@@ -208,4 +210,4 @@ CASES_8 = [
 def test_pause_mp_8_ranks():
     """MP = 2 = ESP, EP = 4 (Parm's 8-GPU testbed shape)."""
     with tempfile.TemporaryDirectory() as root:
-        spawn(_run_cases, 8, CASES_8, 4, root)
+        spawn(_run_cases, 8, CASES_8, 4, root, timeout=540)
