@@ -18,13 +18,15 @@ example (Parm Fig. 2; the issue's test) is a 2 × 2 mesh with MP = ESP::
     options = {"ep_group": (mesh, "ep"), "esp_group": (mesh, "esp"), "mp_group": (mesh, "esp")}
     # ranks 0, 1 hold batch A and experts 0..E/2-1 (H-slices 0, 1); ranks 2, 3 batch B, the other experts
 
+Each rank of an MP group sends its block of the group's rows through its own G
+(an MP group may lie inside one G, as above, or across several Gs that each hold
+a replica of all experts: MP = 2, EP = 2 and no ESP on 4 ranks).
+
 G's process group is made at compile time, on every rank together (like the
 hierarchical all-to-all's sub-groups): the ranks exchange their EP and ESP
 members (``all_gather_object``) and create one group per distinct G. When G is
-the whole world, the default group is used. Requirements (a :class:`ConfigError`
-names the option otherwise): every EP × ESP pair (i, j) is exactly one rank of
-G, and the MP group lies inside G (each row of a batch is then sent by exactly
-one rank of G).
+the whole world, the default group is used. Requirement (a :class:`ConfigError`
+names the options otherwise): every EP × ESP pair (i, j) is exactly one rank of G.
 """
 from __future__ import annotations
 
@@ -160,11 +162,6 @@ def _expert_group(ep: EPGroup, esp: EPGroup | None, mp: EPGroup | None, key: tup
         raise ConfigError(
             f"options['ep_group'] / options['esp_group']: the expert group {list(mine)} holds some (expert owner, "
             f"shard) pair twice: {list(zip(owners, shards))}; use the two dimensions of one DeviceMesh"
-        )
-    if not set(me["mp"]) <= set(mine):
-        raise ConfigError(
-            f"options['mp_group'] {me['mp']} is not inside the expert group EP × ESP {list(mine)}; Parm's layout "
-            f"places each model-parallel group within the ranks that hold all shards of the experts"
         )
     expert = EPGroup(name=handle.group_name, size=len(mine), rank=mine.index(dist.get_rank()))
     _EXPERT_GROUPS[cache_key] = (expert, owners, shards)

@@ -69,8 +69,14 @@ def _is_expert(name: str) -> bool:
 
 
 def _groups(world_size: int, ep: int):
+    """MP = ESP (Parm Fig. 2) when ``ep`` > 0; MP = 2 with no ESP (two replicas of EP = world/2) when ``ep`` < 0.
+
+    Either way ``mesh.get_local_rank("ep")`` numbers the MP groups, i.e. the distinct batches."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    if ep < 0:
+        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("mp", "ep"))
+        return {"ep_group": (mesh, "ep"), "mp_group": (mesh, "mp")}, mesh
     mesh = init_device_mesh("cpu", (ep, world_size // ep), mesh_dim_names=("ep", "esp"))
     return {"ep_group": (mesh, "ep"), "esp_group": (mesh, "esp"), "mp_group": (mesh, "esp")}, mesh
 
@@ -102,7 +108,7 @@ def _run_case(rank: int, world_size: int, case: Case, ep: int, debug_root: str) 
 
     # eager gradients summed over the distinct batches (one per MP group)
     distinct = {name: torch.zeros_like(p) for name, p in eager.named_parameters()}
-    for index in range(ep):
+    for index in range(ep if ep > 0 else world_size // 2):
         reference = copy.deepcopy(_model(case.model))
         (reference(_batch(index)) ** 2).sum().backward()
         for name, p in reference.named_parameters():
@@ -127,6 +133,8 @@ def _run_case(rank: int, world_size: int, case: Case, ep: int, debug_root: str) 
         "s1": ["mp_split", "esp_dump", "esp_combine", "mp_all_gather", "mp_copy"],
         "s2": ["mp_split", "esp_dump", "esp_combine", "mp_all_gather"],
     }[case.expect]
+    if "esp_group" not in groups:  # s = 1: no ESP collectives, no dump / local combine
+        expected = [n for n in expected if "esp" not in n and "all_gather_into" not in n and "all_reduce" not in n]
     for name in expected:
         assert name in code, f"{case.name}: {name} missing from the graph after pause_mp"
     if case.expect != "off":
@@ -211,3 +219,17 @@ def test_pause_mp_8_ranks():
     """MP = 2 = ESP, EP = 4 (Parm's 8-GPU testbed shape)."""
     with tempfile.TemporaryDirectory() as root:
         spawn(_run_cases, 8, CASES_8, 4, root, timeout=540)
+
+
+CASES_NO_ESP = [
+    Case("no ESP: gshard baseline", "gshard", "off", "off"),
+    Case("no ESP: gshard s2", "gshard", "s2", "s2"),
+    Case("no ESP: sort s1", "sort", "s1", "s1"),
+]
+
+
+def test_pause_mp_mp_without_esp_4_ranks():
+    """MP = 2 across two expert groups (EP = 2 each, experts not sharded): each MP rank's rows go
+    through its own replica of the experts (Parm §IV-B with N_ESP = 1)."""
+    with tempfile.TemporaryDirectory() as root:
+        spawn(_run_cases, 4, CASES_NO_ESP, -1, root, timeout=540)
