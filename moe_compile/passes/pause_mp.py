@@ -37,9 +37,11 @@ copies count once.
 The EP&ESP-AlltoAll (Parm §III-C) is one all-to-all over G with Parm's local
 dump before it and local combine after the return (:mod:`moe_compile.ops.esp`).
 SAA (Parm §III-D): the MP-AllGather is issued without waiting
-(``moe.mp_all_gather`` + ``wait_tensor``), so with ``num_chunks >= 2`` chunk i's
-all-gather runs while chunk i+1's return all-to-all does; with one chunk the two
-run one after the other (Parm's AAS).
+(``moe.mp_all_gather`` + ``wait_tensor``). An unchunked S2 layer returns its rows in
+:data:`SAA_PIECES` pieces: piece i's all-gather is issued as soon as its
+all-to-all arrives, while piece i+1's all-to-all is still in flight (Parm splits the
+all-to-all by peer, Fig. 5; rows keep every collective an equal-split one). With
+``num_chunks >= 2`` the chunks are the pieces.
 
 Semantics, checked against the single-device model (tests/distributed/test_pause_mp.py):
 outputs and the gradients of everything outside the experts equal the eager
@@ -75,6 +77,10 @@ from .manager import PassResult
 __all__ = ["PauseMP", "emit_layout_exchange"]
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+#: S2 without chunks returns in this many pieces of rows, so that the MP-AllGather of one piece
+#: runs while the next piece's all-to-all does (Parm §III-D, SAA; Parm splits by peer, Fig. 5).
+SAA_PIECES = 2
 
 
 class PauseMP:
@@ -223,20 +229,36 @@ def _emit_fused(emit: Emitter, buffer: Node, split_rows: bool) -> Node:
                     method=True, task="D1")
     y = emit.experts(local_in)
     back = call("view", y, (local, groups, rows, model_dim), method=True, task="C2")
-    send_back = call("reshape", call("transpose", back, 0, 1, method=True, task="C2"), (-1, model_dim),
-                     method=True, task="C2")
-    returned = emit.exchange(send_back, per_peer, segment.expert_dtype, first=False, group=layout.expert)
-    returned = call("view", returned, (groups, local, rows, model_dim), method=True, task="D2")
-    if not trivial:
-        returned = call(torch.ops.moe.esp_combine.default, returned, owners, p, task="D2")
-    out = call("reshape", returned, (segment.num_experts, rows, model_dim), method=True, task="D2")
+    back = call("reshape", call("transpose", back, 0, 1, method=True, task="C2"), (groups * local, rows, model_dim),
+                method=True, task="C2")  # [G·El, R, M]: the block for peer g first
+    pieces = SAA_PIECES if split_rows and emit.chunk == 0 else 1
+    if pieces > 1:  # SAA: the return all-to-all in pieces of rows, each piece's MP-AllGather issued at once
+        parts = call(torch.ops.moe.chunk_rows.default, back, pieces, task="C2")
+        back_parts = [call(operator.getitem, parts, i, task="C2") for i in range(pieces)]
+    else:
+        back_parts = [back]
+    outputs = []
+    for part in back_parts:
+        part_rows = call(torch.ops.aten.sym_size.int, part, 1, task="C2") if pieces > 1 else rows
+        send_back = call("reshape", part, (-1, model_dim), method=True, task="C2")
+        per_part = call(operator.mul, part_rows, local, task="C2") if pieces > 1 else per_peer
+        returned = emit.exchange(send_back, per_part, segment.expert_dtype, first=False, group=layout.expert)
+        returned = call("view", returned, (groups, local, part_rows, model_dim), method=True, task="D2")
+        if not trivial:
+            returned = call(torch.ops.moe.esp_combine.default, returned, owners, p, task="D2")
+        out = call("reshape", returned, (segment.num_experts, part_rows, model_dim), method=True, task="D2")
+        if split_rows:
+            out = call(torch.ops.moe.mp_all_gather.default, out, layout.mp.name, task="D2")  # issued, not waited
+        outputs.append((out, part_rows))
     if not split_rows:
-        return out
+        return outputs[0][0]
     m = layout.replicas
-    issued = call(torch.ops.moe.mp_all_gather.default, out, layout.mp.name, task="D2")
-    gathered = call(_WAIT, issued, task="D2")
-    gathered = call("view", gathered, (m, segment.num_experts, rows, model_dim), method=True, task="D2")
-    return call("reshape", call("transpose", gathered, 0, 1, method=True, task="D2"),
+    gathered = []
+    for issued, part_rows in outputs:  # [m·E, R_p, M] → [m, E, R_p, M]: rank q's rows of this piece
+        waited = call(_WAIT, issued, task="D2")
+        gathered.append(call("view", waited, (m, segment.num_experts, part_rows, model_dim), method=True, task="D2"))
+    joined = gathered[0] if pieces == 1 else call(torch.cat, gathered, 2, task="D2")  # [m, E, R/m, M]
+    return call("reshape", call("transpose", joined, 0, 1, method=True, task="D2"),
                 (segment.num_experts, -1, model_dim), method=True, task="D2")
 
 
@@ -249,8 +271,8 @@ def _reemit(gm: GraphModule, segment: ExchangeSegment, cfg, mode: str) -> None:
     segment.pause = mode
     if mode == "s2":
         segment.round_rows(segment.layout.replicas)
-    with graph.inserting_before(old[0]):
-        output = emit_exchange(graph, segment.buffer, segment, cfg)
+    with graph.inserting_before(old[0]):  # chunk 0: the whole layer (S2 then returns in SAA pieces)
+        output = emit_exchange(graph, segment.buffer, segment, cfg, chunk=0)
     segment.output.replace_all_uses_with(output)
     for node in reversed(old):
         graph.erase_node(node)

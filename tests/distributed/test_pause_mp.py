@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import json
 import pathlib
+import re
 import tempfile
 
 import pytest
@@ -142,6 +143,12 @@ def _run_case(rank: int, world_size: int, case: Case, ep: int, debug_root: str) 
             assert name not in code, f"{case.name}: the baseline's {name} is still in the graph"
     if case.expect != "s1":
         assert "mp_copy" not in code
+    if case.expect == "s2" and "num_chunks" not in dict(case.options):
+        # SAA: piece 1's MP-AllGather is issued before piece 2's return all-to-all (final forward graph)
+        final = next((debug_dir / f"rank{rank}").glob("graph*/*fw_lower_after.py")).read_text()
+        ops = re.findall(r"torch\.ops\.(?:moe|_c10d_functional)\.(mp_all_gather|all_to_all_single)", final)
+        assert ops.count("mp_all_gather") == 2 and ops.index("mp_all_gather") < len(ops) - 1 - ops[::-1].index(
+            "all_to_all_single"), ops
     if case.expect == "s1":  # the batch's drop decisions exactly when the layer has a capacity
         assert ("slice_kept" in code) == case.model.startswith("gshard"), case
     plans = json.loads(next((debug_dir / f"rank{rank}").glob("graph*/schedule.json")).read_text())["layers"]
