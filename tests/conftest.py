@@ -16,3 +16,39 @@ def _fresh_state():
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def fake_world():
+    """A 2-rank fake process group (this process is rank 0): graph-shape tests without processes."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from moe_compile.collectives.algorithms import clear_topology_cache
+    from moe_compile.collectives.layout import clear_layout_cache
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()
+    clear_topology_cache()
+    clear_layout_cache()
+
+
+@pytest.fixture
+def aot_graphs(monkeypatch):
+    """The AOTAutograd forward / backward graphs (what the backend compiles), recorded by a last stage-2 pass."""
+    import moe_compile.backend
+    from moe_compile.passes import PassResult
+
+    graphs: list = []
+
+    class Record:
+        name = "record"
+
+        def __call__(self, gm):
+            graphs.append(gm)
+            return PassResult(gm, False)
+
+    stage2 = moe_compile.backend.stage2_passes
+    monkeypatch.setattr(moe_compile.backend, "stage2_passes", lambda cfg: [*stage2(cfg), Record()])
+    return graphs

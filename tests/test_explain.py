@@ -123,18 +123,6 @@ def test_empty_or_missing_directory_is_a_clear_error(tmp_path, capsys):
     assert "MOE_COMPILE_DEBUG_DIR" in capsys.readouterr().err
 
 
-@pytest.fixture
-def fake_world():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from moe_compile.collectives.algorithms import clear_topology_cache
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield
-    dist.destroy_process_group()
-    clear_topology_cache()
-
-
 def test_expert_parallel_plan_predicted_measured_and_png(fake_world, tmp_path):
     models = CostModels({
         task_key("all_to_all", "flat", 2): AlphaBeta(1e-4, 1e-9),

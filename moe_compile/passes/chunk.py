@@ -46,6 +46,7 @@ from ..config import MoECompileConfig
 from ..counters import counters
 from ..debug import log
 from .expert_parallel import ExchangeSegment, emit_exchange, live_segments
+from .graph_utils import between
 from .manager import PassResult
 
 __all__ = ["Chunk", "segment_nodes"]
@@ -115,21 +116,7 @@ class Chunk:
 def segment_nodes(segment: ExchangeSegment) -> list[Node]:
     """The nodes strictly after ``segment.buffer`` up to ``segment.output``: descendants of the
     buffer that are ancestors of (or are) the output, in graph order."""
-    ancestors, stack = set(), [segment.output]
-    while stack:
-        node = stack.pop()
-        if node in ancestors or node is segment.buffer:
-            continue
-        ancestors.add(node)
-        stack.extend(node.all_input_nodes)
-    descendants, stack = set(), list(segment.buffer.users)
-    while stack:
-        node = stack.pop()
-        if node in descendants:
-            continue
-        descendants.add(node)
-        stack.extend(node.users)
-    inside = ancestors & descendants
+    inside = between(segment.buffer, segment.output)
     return [n for n in segment.output.graph.nodes if n in inside]
 
 

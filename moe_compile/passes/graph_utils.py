@@ -9,6 +9,7 @@ import torch.fx
 from torch.fx import Node
 
 __all__ = [
+    "between",
     "example_value",
     "is_call",
     "is_inplace",
@@ -113,3 +114,23 @@ def region_boundary(region: list[Node]) -> tuple[list[Node], list[Node]]:
     order = {n: k for k, n in enumerate(region[0].graph.nodes)} if region else {}
     inputs.sort(key=lambda n: order[n])
     return inputs, outputs
+
+
+def between(start: Node, end: Node) -> set[Node]:
+    """The nodes computed from ``start`` that ``end`` depends on: descendants of ``start`` (not
+    ``start`` itself) that are ancestors of ``end`` or ``end`` itself."""
+    ancestors, stack = set(), [end]
+    while stack:
+        node = stack.pop()
+        if node in ancestors or node is start:
+            continue
+        ancestors.add(node)
+        stack.extend(node.all_input_nodes)
+    descendants, stack = set(), list(start.users)
+    while stack:
+        node = stack.pop()
+        if node in descendants:
+            continue
+        descendants.add(node)
+        stack.extend(node.users)
+    return ancestors & descendants

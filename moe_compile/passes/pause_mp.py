@@ -71,7 +71,7 @@ from ..config import MoECompileConfig
 from ..counters import counters
 from ..debug import log
 from .expert_parallel import Emitter, ExchangeSegment, _source_value, emit_exchange, live_segments
-from .graph_utils import example_value
+from .graph_utils import between, example_value
 from .manager import PassResult
 
 __all__ = ["PauseMP", "emit_layout_exchange"]
@@ -291,21 +291,7 @@ def _layer_nodes(segment: ExchangeSegment) -> tuple[Node, Node, Node, set[Node]]
     if len(combines) != 1:
         raise LookupError("its exchange does not end in one moe.combine")
     combine = combines[0]
-    ancestors, stack = set(), [combine]
-    while stack:
-        node = stack.pop()
-        if node in ancestors or node is x:
-            continue
-        ancestors.add(node)
-        stack.extend(node.all_input_nodes)
-    descendants, stack = set(), list(x.users)
-    while stack:
-        node = stack.pop()
-        if node in descendants:
-            continue
-        descendants.add(node)
-        stack.extend(node.users)
-    return x, dispatch, combine, ancestors & descendants
+    return x, dispatch, combine, between(x, combine)
 
 
 def _s1_blocker(segment: ExchangeSegment) -> str | None:

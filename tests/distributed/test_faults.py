@@ -122,38 +122,6 @@ class _Block(torch.nn.Module):
         return x + self.moe(x)
 
 
-@pytest.fixture
-def fake_world():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from moe_compile.collectives.algorithms import clear_topology_cache
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield
-    dist.destroy_process_group()
-    clear_topology_cache()
-
-
-@pytest.fixture
-def aot_graphs(monkeypatch):
-    """The AOTAutograd forward / backward graphs (the objects the backend wraps)."""
-    import moe_compile.backend
-    from moe_compile.passes import PassResult
-
-    graphs: list[torch.fx.GraphModule] = []
-
-    class Record:
-        name = "record"
-
-        def __call__(self, gm):
-            graphs.append(gm)
-            return PassResult(gm, False)
-
-    stage2 = moe_compile.backend.stage2_passes
-    monkeypatch.setattr(moe_compile.backend, "stage2_passes", lambda cfg: [*stage2(cfg), Record()])
-    return graphs
-
-
 def test_collectives_are_attributed_to_layer_task_and_chunk(fake_world, aot_graphs):
     from moe_compile.faults import describe_failure
 

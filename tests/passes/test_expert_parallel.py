@@ -16,7 +16,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import moe_compile
 import moe_compile.backend
 from moe_compile import ConfigError
-from moe_compile.passes import PassResult
 from tests.models.gshard import GShardMoE
 from tests.models.loop import LoopMoE
 from tests.models.sort import SortMoE
@@ -35,23 +34,6 @@ def fake_group():
     yield init
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-@pytest.fixture
-def aot_graphs(monkeypatch):
-    """The AOTAutograd forward / backward graphs, recorded by a stage-2 pass."""
-    graphs: list[torch.fx.GraphModule] = []
-
-    class Record:
-        name = "record"
-
-        def __call__(self, gm):
-            graphs.append(gm)
-            return PassResult(gm, False)
-
-    stage2 = moe_compile.backend.stage2_passes
-    monkeypatch.setattr(moe_compile.backend, "stage2_passes", lambda cfg: [*stage2(cfg), Record()])
-    return graphs
 
 
 def _count(gm, targets) -> int:
