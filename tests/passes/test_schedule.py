@@ -32,7 +32,7 @@ from moe_compile import ConfigError
 from moe_compile.passes.schedule import Schedule
 from tests.models.gshard import GShardMoE
 from tests.passes.chunked import A2A, COMPRESS, DECOMPRESS, WAIT, ancestors, calls, record_after, train_step
-from tests.passes.test_expert_parallel import aot_graphs, fake_group  # noqa: F401  (fixtures)
+from tests.passes.test_expert_parallel import fake_group  # noqa: F401  (fixture; aot_graphs is in tests/conftest.py)
 
 MATMULS = {torch.ops.aten.bmm.default, torch.ops.aten.mm.default, torch.ops.aten.baddbmm.default}
 CHUNK_SOURCES = {torch.ops.moe.chunk_rows.default, torch.ops.moe.split_rows.default}
