@@ -32,13 +32,14 @@ class EPGroup:
         return range(self.rank * per_rank, (self.rank + 1) * per_rank)
 
 
-def resolve_group(spec: Any) -> EPGroup | None:
-    """``options["ep_group"]`` → :class:`EPGroup`, or None when expert parallelism is off."""
+def resolve_group(spec: Any, option: str = "ep_group") -> EPGroup | None:
+    """``options[option]`` (``ep_group``, or ``esp_group`` / ``mp_group`` in the same forms) → :class:`EPGroup`,
+    or None when the option is unset; errors name ``option``."""
     if spec is None:
         return None
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError(
-            f"options['ep_group']={spec!r}: torch.distributed is not initialized; call "
+            f"options[{option!r}]={spec!r}: torch.distributed is not initialized; call "
             f"dist.init_process_group(...) before compiling, or leave ep_group unset"
         )
     if isinstance(spec, str) and spec == "world":
@@ -52,5 +53,5 @@ def resolve_group(spec: Any) -> EPGroup | None:
         group = spec.get_group()
     rank = dist.get_rank(group)
     if rank < 0:
-        raise ConfigError(f"options['ep_group']: this process (global rank {dist.get_rank()}) is not in the group")
+        raise ConfigError(f"options[{option!r}]: this process (global rank {dist.get_rank()}) is not in the group")
     return EPGroup(name=group.group_name, size=dist.get_world_size(group), rank=rank)

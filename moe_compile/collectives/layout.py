@@ -107,10 +107,7 @@ def clear_layout_cache() -> None:
 
 
 def _resolve(spec: Any, option: str) -> EPGroup | None:
-    try:
-        group = resolve_group(spec)
-    except ConfigError as e:
-        raise ConfigError(str(e).replace("options['ep_group']", f"options[{option!r}]")) from None
+    group = resolve_group(spec, option)
     return group if group is not None and group.size > 1 else None
 
 

@@ -474,15 +474,13 @@ class _LocalWeights:
 
 def _hidden_shard(graph, weights: tuple, layout, model_dim: int) -> tuple:
     """This ESP rank's H-slice of the local experts' weights (``w1, w3: [El, H, M]``, ``w2: [El, M, H]``)."""
-    w1, w2, w3 = weights
-    hidden = _hidden_dim(w1, model_dim)
-    cols = layout.hidden_slice(hidden)
     if layout.shards == 1:
         return weights
+    w1, w2, w3 = weights
+    cols = layout.hidden_slice(_hidden_dim(w1, model_dim))
 
     def rows(w):
-        node = graph.call_function(operator.getitem, (w, (slice(None), cols)))
-        return node
+        return graph.call_function(operator.getitem, (w, (slice(None), cols)))
 
     def columns(w):
         return graph.call_function(operator.getitem, (w, (slice(None), slice(None), cols)))
