@@ -14,6 +14,7 @@ from .counters import counters
 from .faults import MoECollectiveError
 from .passes import PassResult
 from .passes.registry import register_pass, unregister_pass
+from .schedule.measure import measure_tasks
 from .sharding import shard_experts
 
 __version__ = "0.1.0"
@@ -26,6 +27,7 @@ __all__ = [
     "MoECompileConfig",
     "config",
     "counters",
+    "measure_tasks",
     "ops",
     "PassResult",
     "register_all_to_all",

@@ -80,8 +80,13 @@ def moe_backend(
         return compile_fx(gm, list(example_inputs), inner_compile=inductor_inner)
 
     def eager_inner(graph, inputs, prefix):
+        from .schedule.measure import timed_graph
+
         graph = PassManager(stage2_passes(cfg), dumper, prefix=prefix)(graph)
-        return make_boxed_func(name_collective_faults(graph))  # names the MoE layer of a failed collective
+        run = name_collective_faults(graph)  # names the MoE layer of a failed collective
+        # moe_compile.measure_tasks(): per-task timing while a measurement is active, else `run` itself
+        return make_boxed_func(timed_graph(graph, run, backward=prefix == "bw_", graph_id=dumper.graph_id,
+                                           plans=plans))
 
     return aot_autograd(
         fw_compiler=functools.partial(eager_inner, prefix="fw_"),

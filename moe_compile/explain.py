@@ -6,6 +6,9 @@ Reads the debug dumps (``options={"debug_dir": dir}`` or ``MOE_COMPILE_DEBUG_DIR
     <dir>/rank<r>/graph<id>/schedule.json   per layer: r, order, predicted times and timelines
     <dir>/rank<r>/measured.json             measured seconds (moe_compile.debug.record_measured)
 
+and the measured timelines that ``moe_compile.measure_tasks().write(dir)`` adds to
+schedule.json (their makespan, and its error against the predicted one).
+
 and prints, per rank and graph, rich tables::
 
     rank 0 · graph 0   ep_size=2 compressor=none all_to_all=flat schedule=optimal num_chunks=2 ...
@@ -93,9 +96,16 @@ def _options_line(options: dict) -> str:
 
 
 def _measured(dump: GraphDump, layer: str, plan: dict) -> str:
-    """Measured times of ``layer``: measured.json (record_measured), else the plan's own record."""
-    runs = dump.measured.get(layer) or plan.get("measured") or {}
+    """Measured times of ``layer``: measured.json (record_measured) and the measured timelines' makespans
+    (``measure_tasks().write``, the plan's ``measured``) with their error against the prediction."""
+    runs = dump.measured.get(layer) or {}
+    timeline = {phase: v for phase, v in (plan.get("measured") or {}).items()
+                if not phase.endswith("_events") and isinstance(v, (int, float))}
     parts = []
+    for phase, seconds in timeline.items():
+        predicted = ((plan.get("predicted_seconds") or {}).get(phase) or {}).get(plan.get("schedule"))
+        versus = f", {100 * (seconds - predicted) / predicted:+.0f}% vs predicted" if predicted else ""
+        parts.append(f"{phase} {_ms(seconds)} (timeline makespan{versus})")
     for phase, values in runs.items():
         values = values if isinstance(values, list) else [values]
         numbers = sorted(float(v) for v in values if isinstance(v, (int, float)))

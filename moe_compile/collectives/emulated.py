@@ -65,7 +65,10 @@ from torch.fx import Graph, Node
 from ..config import ConfigError
 from .group import EPGroup
 
-__all__ = ["Link", "completed_exchanges", "emit_emulated_all_to_all", "emulated_all_to_all", "link_seconds"]
+__all__ = [
+    "BookedExchange", "Link", "completed_exchanges", "emit_emulated_all_to_all", "emulated_all_to_all",
+    "link_seconds", "record_bookings",
+]
 
 _OPTION_FORM = '{"alpha_us": 10, "gbps": 25}'
 
@@ -114,6 +117,25 @@ def link_seconds(nbytes: float, alpha_us: float, gbps: float) -> float:
 # --------------------------------------------------------------------------- the link (one per process)
 
 
+#: ``time.perf_counter() - time.monotonic()``, read once: bookings (monotonic) convert to perf_counter alike
+_PERF_SHIFT = time.perf_counter() - time.monotonic()
+
+
+@dataclasses.dataclass
+class BookedExchange:
+    """One exchange as the link ran it, in ``time.perf_counter()`` seconds: the booked ``start`` (the link
+    free and the exchange issued) and ``finish`` (``start`` + α-β time), and ``transferred``, when the real
+    bytes had arrived (None until then). The exchange is over at ``end``: both have happened."""
+
+    start: float
+    finish: float
+    transferred: float | None = None
+
+    @property
+    def end(self) -> float:
+        return self.finish if self.transferred is None else max(self.finish, self.transferred)
+
+
 class _LinkThread:
     """The process's link: a virtual clock (when the link is next free) and the thread that completes exchanges.
 
@@ -129,23 +151,32 @@ class _LinkThread:
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self.completed = 0  # exchanges completed so far (for tests and reports)
+        self.bookings: list[BookedExchange] | None = None  # appended to by submit while a list is set
 
     def submit(self, work: Any, out: Tensor, seconds: float) -> Future:
         fut: Future = Future()
         with self._lock:
-            self._free_at = max(self._free_at, time.monotonic()) + seconds
+            now = time.monotonic()
+            start = max(self._free_at, now)
+            self._free_at = start + seconds
             finish = self._free_at
+            booking = None
+            if self.bookings is not None:   # a measurement is active (moe_compile.schedule.measure)
+                booking = BookedExchange(start + _PERF_SHIFT, finish + _PERF_SHIFT)
+                self.bookings.append(booking)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="moe_compile-emulated-link", daemon=True)
                 self._thread.start()
-            self._queue.put((work, out, finish, fut))
+            self._queue.put((work, out, finish, fut, booking))
         return fut
 
     def _run(self) -> None:
         while True:
-            work, out, finish, fut = self._queue.get()
+            work, out, finish, fut, booking = self._queue.get()
             try:
                 _wait_transfer(work, out)
+                if booking is not None:
+                    booking.transferred = time.perf_counter()
                 while (left := finish - time.monotonic()) > 0:
                     time.sleep(left)
             except BaseException as err:  # noqa: BLE001 - the waiter re-raises it
@@ -169,6 +200,12 @@ _LINK = _LinkThread()
 def completed_exchanges() -> int:
     """How many emulated exchanges this process's link has completed."""
     return _LINK.completed
+
+
+def record_bookings(bookings: list[BookedExchange] | None) -> None:
+    """While ``bookings`` is a list, every exchange issued appends its :class:`BookedExchange` to it
+    (``None`` stops recording). Used by :func:`moe_compile.schedule.measure.measure_tasks`."""
+    _LINK.bookings = bookings
 
 
 # --------------------------------------------------------------------------- the op

@@ -53,12 +53,26 @@ Baselines (``config.schedule``), as the simulator models them
 
 A graph without chains is left unchanged. A graph whose chains cannot be
 attributed to a layer is left unchanged and the reason logged.
+
+Task labels (for measured timelines, :mod:`moe_compile.schedule.measure`): the
+pass also tags every node of every chain with ``node.meta[TASK_META] =
+TaskLabel(layer, chunk, task)`` — ``layer`` the 0-based index of the layer in
+this graph (graph order of its first exchange; an un-chunked chain is a layer of
+its own), ``chunk`` the 1-based chunk (the *forward* chunk index in both graphs),
+``task`` one of ScheMoE's C1 A1 D1 E C2 A2 D2: pre → C1, first issue → A1, mid
+split at the expert matmuls into D1 (before) / E (the matmuls and what lies
+between them) / C2 (after), second issue → A2, post → D2. Backward: the mirror
+chain gets the same positional names (its first exchange, the gradient of A2, is
+``A1``; the gradient of D2 is ``C1``, ..., the gradient of C1 is ``D2``), which is
+how the simulator's backward prediction names the tasks, so the two timelines
+line up. Labelling changes no order and runs for every schedule.
 """
 from __future__ import annotations
 
 import dataclasses
 import heapq
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from torch.fx import GraphModule, Node
@@ -68,9 +82,11 @@ from ..counters import counters
 from ..debug import log
 from .manager import PassResult
 
-__all__ = ["Chain", "Schedule", "find_chains", "is_all_to_all", "is_wait"]
+__all__ = ["TASK_META", "Chain", "Schedule", "TaskLabel", "find_chains", "is_all_to_all", "is_wait", "label_tasks"]
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
+#: ``node.meta`` key of a chain node's :class:`TaskLabel` (stage 1's ``moe_task`` is a plain task name)
+TASK_META = "moe_schedule_task"
 
 
 def _all_to_all_targets() -> set:
@@ -193,6 +209,65 @@ def _attribute(chain: Chain) -> None:
     chain.post = [n for n in _reach(w2.users, True, _is_join_or_barrier) if not _is_join_or_barrier(n)]
 
 
+class TaskLabel(NamedTuple):
+    """Which ScheMoE task a node of a scheduled graph belongs to (see the module docstring)."""
+
+    layer: int   # 0-based index of the layer in this graph
+    chunk: int   # 1-based (forward) chunk index
+    task: str    # C1 A1 D1 E C2 A2 D2
+
+
+_EXPERT_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default,
+                   torch.ops.aten.addmm.default}
+if hasattr(torch.ops.aten, "_grouped_mm"):
+    _EXPERT_MATMULS.add(torch.ops.aten._grouped_mm.default)
+
+
+def label_tasks(chains: list[Chain]) -> int:
+    """Tag the nodes of ``chains`` with ``meta[TASK_META]``; the number of layers labelled."""
+    layers: dict[object, int] = {}
+    for chain in chains:
+        index = layers.setdefault(chain.layer if chain.layer is not None else id(chain), len(layers))
+        pre = chain.pre or _compress_of(chain.first)
+        d1, e, c2 = _split_mid(chain.mid)
+        for task, nodes in (("C1", pre), ("A1", [chain.first]), ("D1", d1), ("E", e), ("C2", c2),
+                            ("A2", [chain.second]), ("D2", chain.post)):
+            for node in nodes:
+                node.meta[TASK_META] = TaskLabel(index, chain.chunk, task)
+    return len(layers)
+
+
+def _compress_of(issue: Node) -> list[Node]:
+    """C1 of an un-chunked chain (no chunk output bounds it): the single-use ops feeding the issue, up to
+    and including a ``moe.compress`` (only layout ops without a compressor)."""
+    found, node = [], issue.args[0] if issue.args else None
+    while isinstance(node, Node) and node.op == "call_function" and len(node.users) == 1 and not is_wait(node):
+        if node.target is torch.ops.moe.compress.default:
+            return [*found, node]
+        if not isinstance(node.target, torch._ops.OpOverload) or not node.target.is_view:
+            break
+        found.append(node)
+        node = node.args[0] if node.args else None
+    return found
+
+
+def _split_mid(mid: list[Node]) -> tuple[list[Node], list[Node], list[Node]]:
+    """D1 / E / C2 of a chain's middle: E is the expert matmuls and every node on a path between two of
+    them; D1 what comes before E, C2 what comes after (all of it is E when there is no matmul)."""
+    inside = set(mid)
+    matmuls = {n for n in mid if n.op == "call_function" and n.target in _EXPERT_MATMULS}
+    if not matmuls:
+        return [], list(mid), []
+    after = _reach([u for m in matmuls for u in m.users if u in inside], True, lambda n: n not in inside) & inside
+    before = _reach([a for m in matmuls for a in m.all_input_nodes if a in inside], False,
+                    lambda n: n not in inside) & inside
+    experts = matmuls | (after & before)
+    downstream = _reach([u for n in experts for u in n.users if u in inside], True, lambda n: n not in inside)
+    d1 = [n for n in mid if n not in experts and n not in downstream]
+    c2 = [n for n in mid if n not in experts and n in downstream]
+    return d1, [n for n in mid if n in experts], c2
+
+
 def _is_join_or_barrier(node: Node) -> bool:
     return is_wait(node) or is_all_to_all(node) or node.op == "output" or (
         node.op == "call_function" and node.target in (torch.ops.moe.cat_rows.default,)
@@ -215,6 +290,8 @@ class Schedule:
         chains = find_chains(gm)
         if not chains:
             return PassResult(gm, False)
+        label_tasks(chains)
+        gm.meta["moe_schedule"] = self.schedule
         layers: dict[Node | None, list[Chain]] = {}
         for chain in chains:
             layers.setdefault(chain.layer, []).append(chain)
