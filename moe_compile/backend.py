@@ -26,6 +26,7 @@ from .collectives import resolve_group
 from .collectives.layout import resolve_layout
 from .passes import Canonicalize, Chunk, Detect, DropDeadCollectives, ExpertParallel, Lower, PassManager, Schedule
 from .passes.pause_mp import PauseMP
+from .passes.streams import Streams
 from .passes.registry import with_user_passes
 
 __all__ = ["moe_backend", "stage1_passes", "stage2_passes"]
@@ -44,7 +45,7 @@ def stage1_passes(cfg: MoECompileConfig) -> list:
 
 def stage2_passes(cfg: MoECompileConfig) -> list:
     """Passes on the AOTAutograd forward / backward graphs: order only, semantics unchanged."""
-    return with_user_passes([DropDeadCollectives(), Schedule(cfg.schedule), Lower(cfg)])
+    return with_user_passes([DropDeadCollectives(), Schedule(cfg.schedule), Lower(cfg), Streams()])
 
 
 def moe_backend(

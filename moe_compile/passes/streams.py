@@ -1,0 +1,249 @@
+"""Streams: each exchange's compression, issue and decompression on a dedicated side stream (ScheMoE §4).
+
+Stage-2 pass, forward and backward graphs. ScheMoE's schedule (Theorem 1,
+eqs 12-14) assumes the communication side of chunk i (C1^i A1^i ... D2^i) runs
+beside the experts E^{i-1} of the previous chunk. On a GPU kernels queued on one
+stream run in order, so the compression of chunk i, queued behind E^{i-1}, would
+wait for it, and so would the all-to-all: NCCL makes its own stream wait for the
+*current* stream at issue. This pass puts each exchange's comm-side work on the
+side stream ``"comm"`` (DESIGN.md "Streams"): issued there, A1^i waits only for
+C1^i.
+
+Before (forward, one exchange; :mod:`.schedule` already placed the nodes)::
+
+    c  = moe.compress(rows, "int8")
+    a  = _c10d_functional.all_to_all_single(c, out_splits, in_splits, group)
+    ...                                        # other chunks' compute
+    w  = _c10d_functional.wait_tensor(a)
+    d  = moe.decompress(w, "int8", M, float32)
+    e  = view(d, ...)                          # the experts read it
+
+After::
+
+    s  = moe.on_stream([rows], [splits...], "issue_<hash>", "comm", False);  a = s[0]
+    ...
+    r  = moe.on_stream([a], [], "receive_<hash>", "comm", True);             d = r[0]
+    e  = view(d, ...)
+
+Each group is ONE opaque op, so the inner compiler cannot move another kernel
+into a stream bracket. ``program`` names a sub-GraphModule (the group's original
+nodes, unchanged) in a process-level registry, content-addressed, so equal
+programs share a name and a cached compiled graph never names a different one.
+At run time (:func:`on_stream`)::
+
+    side.wait(current)                  # the inputs, produced on the compute stream, are ready
+    with use(side): outs = program(*inputs, *sizes)
+    record(x, side) for every input     # their memory is in use by "comm"
+    record(y, current) for every output # "comm" allocated it, compute reads it
+    if join: current.wait(side)         # the receive group: the consumer sees finished data
+
+Its fake implementation runs the program on the fake inputs, so shapes trace.
+
+Groups, per exchange of every chain (:func:`.schedule.find_chains`):
+
+- issue: the ``moe.compress`` feeding the all-to-all (when there is one) and the issue;
+- receive: the ``wait_tensor`` and the ``moe.decompress`` reading it, when the
+  decompress is the wait's only user. A bare wait (no compressor, or a decompress
+  fused into ``decode_int8_triton`` by ``lower``) stays on the compute stream,
+  where ``wait_tensor`` makes compute wait for the collective.
+
+Contract: the same ops run with the same arguments (results are bitwise equal);
+the schedule's order is kept (a group's call takes its first node's place); a
+graph without chains, or whose comm side holds a node this pass does not know, is
+left unchanged with one log line. On a device without side streams
+(``streams_for(device).side_streams`` is False: CPU, where gloo's async work
+already overlaps the compute thread) the graph is left unchanged, logged.
+
+Deviation from DESIGN.md's pipeline listing (streams before lower): this pass
+runs after :mod:`.lower`, so it wraps the lowered kernels (``impl="triton"``
+compress, fused decodes); before it, lower would have to look inside opaque
+programs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import operator
+
+import torch
+from torch import Tensor
+from torch.fx import Graph, GraphModule, Node
+
+from .. import streams as backends
+from ..counters import counters
+from ..debug import log
+from .graph_utils import example_value
+from .manager import PassResult
+from .schedule import find_chains, is_wait
+
+__all__ = ["COMM", "Streams", "on_stream", "program"]
+
+COMM = "comm"
+_COMPRESS = torch.ops.moe.compress.default
+_DECOMPRESS = torch.ops.moe.decompress.default
+_SYM_SIZE = torch.ops.aten.sym_size.int
+
+#: name -> sub-GraphModule run by ``moe.on_stream``
+_PROGRAMS: dict[str, GraphModule] = {}
+
+
+def program(name: str) -> GraphModule:
+    """The registered program ``name`` (an error naming the pass if it is not in this process)."""
+    if name not in _PROGRAMS:
+        raise KeyError(f"moe.on_stream: no program {name!r} in this process (the streams pass registers it)")
+    return _PROGRAMS[name]
+
+
+@torch.library.custom_op("moe::on_stream", mutates_args=())
+def on_stream(inputs: list[Tensor], sizes: list[int], program_name: str, stream: str, join: bool) -> list[Tensor]:
+    """Run program ``program_name`` on the side stream ``stream`` (see the module docstring)."""
+    streams = backends.streams_for(inputs[0].device)
+    current, side = streams.current(), streams.side(stream)
+    streams.wait(side, current)
+    with streams.use(side):
+        outputs = list(streams.run(program(program_name), [*inputs, *sizes]))
+    for tensor in inputs:
+        streams.record(tensor, side)
+    for tensor in outputs:
+        streams.record(tensor, current)
+    if join:
+        streams.wait(current, side)
+    return outputs
+
+
+@on_stream.register_fake
+def _on_stream_fake(inputs, sizes, program_name, stream, join):
+    return list(program(program_name)(*inputs, *sizes))
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Nodes of one exchange that run as one ``moe.on_stream`` call."""
+
+    role: str                 # "issue" or "receive"
+    nodes: tuple[Node, ...]   # in graph order
+    output: Node              # the one node read outside the group
+    join: bool                # compute waits for the side stream after it
+
+
+class Streams:
+    """Stage-2 pass: see the module docstring."""
+
+    name = "streams"
+
+    def __init__(self, stream: str = COMM):
+        self.stream = stream
+
+    def __call__(self, gm: GraphModule) -> PassResult:
+        chains = find_chains(gm)
+        if not chains:
+            log.info("moe_compile: streams: no expert-parallel exchanges in this graph; unchanged")
+            return PassResult(gm, False)
+        device = _device(chains[0].first)
+        if device is None or not backends.streams_for(device).side_streams:
+            log.info("moe_compile: streams: %s has no side streams (gloo's async collectives already overlap the "
+                     "compute thread); graph unchanged", device)
+            return PassResult(gm, False)
+        issues = [issue for chain in chains for issue in (chain.first, chain.second)]
+        problems = [p for p in map(_unexpected, issues) if p]
+        if problems:
+            log.info("moe_compile: streams: comm side not understood (%s); graph unchanged", problems[0])
+            return PassResult(gm, False)
+        receives = 0
+        for issue in issues:   # an issue's group first: its wait then reads the new output
+            wait = _wait(issue)
+            _rewrite(gm.graph, _issue_group(issue), self.stream)
+            receive = _receive_group(wait)
+            if receive is not None:
+                _rewrite(gm.graph, receive, self.stream)
+                receives += 1
+        counters["stream_groups"] += len(issues) + receives
+        log.info("moe_compile: streams: %d issue and %d receive groups on side stream %r", len(issues), receives,
+                 self.stream)
+        return PassResult(gm, True)
+
+
+def _device(node: Node) -> torch.device | None:
+    value = example_value(node)
+    return value.device if isinstance(value, Tensor) else None
+
+
+def _wait(issue: Node) -> Node:
+    (wait,) = [u for u in issue.users if is_wait(u)]
+    return wait
+
+
+def _issue_group(issue: Node) -> Group:
+    producer = issue.args[0]
+    if _is(producer, _COMPRESS) and len(producer.users) == 1:
+        return Group("issue", (producer, issue), issue, join=False)
+    return Group("issue", (issue,), issue, join=False)
+
+
+def _receive_group(wait: Node) -> Group | None:
+    users = list(wait.users)
+    if len(users) == 1 and _is(users[0], _DECOMPRESS):
+        return Group("receive", (wait, users[0]), users[0], join=True)
+    return None
+
+
+def _is(node: object, target) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target is target
+
+
+def _unexpected(issue: Node) -> str | None:
+    """Why ``issue``'s groups cannot be wrapped, or None."""
+    for group in filter(None, (_issue_group(issue), _receive_group(_wait(issue)))):
+        for node in group.nodes:
+            for inp in node.all_input_nodes:
+                if inp in group.nodes:
+                    continue
+                value = example_value(inp)
+                if not isinstance(value, (Tensor, torch.SymInt, int)) or isinstance(value, bool):
+                    return f"{node.name} reads {inp.name}, neither a tensor nor a size"
+            if node is not group.output and any(u not in group.nodes for u in node.users):
+                return f"{node.name} is read outside its {group.role} group"
+        if not isinstance(example_value(group.output), Tensor):
+            return f"{group.output.name} has no tensor value"
+    others = [u for u in issue.users if not is_wait(u) and not _is(u, _SYM_SIZE)]
+    if others:
+        return f"{issue.name} is read by {others[0].name} before its wait"
+    return None
+
+
+def _rewrite(graph: Graph, group: Group, stream: str) -> Node:
+    """Replace ``group`` by ``moe.on_stream`` + ``getitem`` at the group's first node."""
+    members = set(group.nodes)
+    external = list(dict.fromkeys(i for n in group.nodes for i in n.all_input_nodes if i not in members))
+    tensors = [n for n in external if isinstance(example_value(n), Tensor)]
+    sizes = [n for n in external if n not in tensors]
+    sub = Graph()
+    env = {n: sub.placeholder(n.name) for n in (*tensors, *sizes)}
+    for n, placeholder in env.items():
+        placeholder.meta["val"] = example_value(n)
+    for n in group.nodes:
+        env[n] = sub.node_copy(n, lambda x: env[x])
+    sub.output([env[group.output]])
+    name = _register(GraphModule(torch.nn.Module(), sub), group.role, stream, group.join)
+
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    anchor = group.nodes[0]
+    latest = max(external, key=order.__getitem__, default=None)
+    if latest is not None and order[latest] > order[anchor]:
+        anchor = latest.next   # a size computed between the group's nodes: right after it
+    with graph.inserting_before(anchor):
+        call = graph.call_function(torch.ops.moe.on_stream.default, (tensors, sizes, name, stream, group.join))
+        out = graph.call_function(operator.getitem, (call, 0))
+    call.meta["val"] = [example_value(group.output)]
+    out.meta.update(group.output.meta)
+    group.output.replace_all_uses_with(out, delete_user_cb=lambda user: user not in members)
+    for n in reversed(group.nodes):
+        graph.erase_node(n)
+    return call
+
+
+def _register(gm: GraphModule, role: str, stream: str, join: bool) -> str:
+    digest = hashlib.sha1(f"{gm.code}|{stream}|{join}".encode()).hexdigest()[:12]
+    name = f"{role}_{digest}"
+    _PROGRAMS.setdefault(name, gm)
+    return name

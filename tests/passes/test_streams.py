@@ -1,0 +1,339 @@
+"""The ``streams`` pass and the stream abstraction (DESIGN.md "Streams", ScheMoE §4).
+
+There is no GPU here: the CUDA synchronisation is checked through
+``CheckedStreams``, logical streams that raise ``StreamRaceError`` on a read
+without a wait after the write, or a cross-stream use without ``record``. A
+``track_streams`` pass registered after ``streams`` runs each compiled graph under
+``CheckedStreams.tracking()``, so every op of the graph (not only those the pass
+wrapped) is checked on the stream it ran on.
+
+Tokens of the rewritten graphs: ``I{s}^c`` an issue group (compress + all-to-all of
+exchange s, chunk c), ``R{s}^c`` a receive group (wait + decompress).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+
+import pytest
+import torch
+from torch.fx import GraphModule, Node
+
+import moe_compile
+from moe_compile.passes import PassResult
+from moe_compile.passes.streams import Streams, program
+from moe_compile.streams import CheckedStreams, CpuStreams, StreamRaceError, streams_for, use_streams
+from moe_compile.testing import spawn
+from tests.models.gshard import GShardMoE
+from tests.passes.chunked import A2A, COMPRESS, DECOMPRESS, WAIT, ancestors, calls, record_after, train_step
+from tests.passes.test_expert_parallel import fake_group  # noqa: F401  (fixture)
+
+ON_STREAM = torch.ops.moe.on_stream.default
+CHUNK_SOURCES = {torch.ops.moe.chunk_rows.default, torch.ops.moe.split_rows.default}
+
+
+@contextlib.contextmanager
+def tracked(checked: CheckedStreams):
+    """Compile with ``checked`` as every device's streams; each compiled graph runs under ``checked.tracking()``."""
+
+    class Track:
+        name = "track_streams"
+
+        def __call__(self, gm):
+            if getattr(gm, "_needs_recompile", lambda: False)():
+                gm.real_recompile()   # a lazy GraphModule's forward would call gm(...) again
+            forward = gm.forward
+
+            def run(*args):
+                with checked.tracking():
+                    return forward(*args)
+
+            gm.forward = run
+            return PassResult(gm, False)
+
+    moe_compile.register_pass(Track(), after="streams")
+    try:
+        with use_streams(checked):
+            yield checked
+    finally:
+        moe_compile.unregister_pass("track_streams")
+
+
+def _model():
+    return GShardMoE(8, 16, 4, top_k=2)
+
+
+def _options(compressor, chunks):
+    return {"ep_group": "world", "num_chunks": chunks, "compressor": compressor}
+
+
+# --------------------------------------------------------------------------- labelling
+
+
+def _chunk_of(node: Node) -> int:
+    found = {a.args[1] for a in ancestors(node) | {node}
+             if a.target is operator.getitem and getattr(a.args[0], "target", None) in CHUNK_SOURCES}
+    assert len(found) <= 1
+    return found.pop() + 1 if found else 1
+
+
+def tokens(gm: GraphModule) -> list[str]:
+    """``I{s}^c`` / ``R{s}^c`` of the on_stream calls, in graph order."""
+    nodes = calls(gm, ON_STREAM)
+    issues = [n for n in nodes if n.args[2].startswith("issue_")]
+    out = []
+    for n in nodes:
+        issue = n if n in issues else n.args[0][0].args[0]   # a receive reads getitem(issue call, 0)
+        stage = 2 if any(a in issues for a in ancestors(issue)) else 1
+        out.append(f"{'I' if n is issue else 'R'}{stage}^{_chunk_of(issue)}")
+    return out
+
+
+def optimal(order: list[int], compressed: bool = True) -> list[str]:
+    """ScheMoE eqs 12-14 in groups: (I1^c)_c (R1^c I2^c)_c (R2^c)_c; without compression no receive groups."""
+    seq = [f"I1^{c}" for c in order] + [x for c in order for x in (f"R1^{c}", f"I2^{c}")] + [f"R2^{c}" for c in order]
+    return seq if compressed else [x for x in seq if x[0] == "I"]
+
+
+def _program_targets(node: Node) -> list:
+    return [n.target for n in program(node.args[2]).graph.nodes if n.op == "call_function"]
+
+
+# --------------------------------------------------------------------------- CPU: unchanged
+
+
+def test_streams_for_cpu_has_no_side_streams():
+    assert isinstance(streams_for("cpu"), CpuStreams) and not streams_for("cpu").side_streams
+    checked = CheckedStreams()
+    with use_streams(checked):
+        assert streams_for("cpu") is checked and streams_for("cuda:0") is checked
+    assert isinstance(streams_for("cpu"), CpuStreams)
+
+
+def test_cpu_default_leaves_the_graph_unchanged(fake_group, caplog):
+    fake_group(2)
+    with caplog.at_level(logging.INFO, logger="moe_compile"), \
+            record_after("streams", "before_streams", before=True) as before, \
+            record_after("streams", "after_streams") as after:
+        train_step(_model(), torch.randn(12, 8, requires_grad=True), _options("int8", 2))
+    assert len(after.names) == 2 and after.names == before.names   # forward and backward
+    assert all(calls(gm, ON_STREAM) == [] and calls(gm, A2A) for gm in after.graphs)
+    assert sum("has no side streams" in r.getMessage() for r in caplog.records) == 2
+    assert moe_compile.counters["stream_groups"] == 0
+
+
+def test_graph_without_exchanges_is_unchanged_and_logged(caplog):
+    gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+    names = [n.name for n in gm.graph.nodes]
+    with use_streams(CheckedStreams()), caplog.at_level(logging.INFO, logger="moe_compile"):
+        result = Streams()(gm)
+    assert not result.modified and [n.name for n in gm.graph.nodes] == names
+    assert "no expert-parallel exchanges" in caplog.text
+
+
+# --------------------------------------------------------------------------- graph shape, checked streams
+
+
+@pytest.mark.parametrize("compressor", ["int8", "none"])
+def test_rewritten_graphs_keep_the_schedule_order(fake_group, aot_graphs, compressor):
+    fake_group(2)
+    with tracked(CheckedStreams()) as checked:
+        train_step(_model(), torch.randn(12, 8, requires_grad=True), _options(compressor, 2))
+    forward, backward = aot_graphs
+    compressed = compressor != "none"
+    for gm, order in ((forward, [1, 2]), (backward, [2, 1])):
+        assert tokens(gm) == optimal(order, compressed)
+        assert calls(gm, A2A | {COMPRESS, DECOMPRESS}) == [], "the comm side is inside the on_stream calls"
+        waits = [w for w in calls(gm, WAIT) if w.args[0].target is operator.getitem]
+        assert len(waits) == (0 if compressed else 4), "a bare wait stays on the compute stream"
+        for node in calls(gm, ON_STREAM):
+            targets = _program_targets(node)
+            assert node.args[3] == "comm"
+            if node.args[2].startswith("issue_"):
+                assert targets == ([COMPRESS] if compressed else []) + [torch.ops._c10d_functional.all_to_all_single.default]
+                assert node.args[4] is False
+            else:
+                assert targets == [WAIT, DECOMPRESS] and node.args[4] is True
+    ran = checked.log
+    assert {s for op, s in ran if op in ("moe.compress.default", "moe.decompress.default")} == (
+        {"comm"} if compressed else set())
+    assert {s for op, s in ran if "all_to_all" in op} == {"comm"}
+    assert {s for op, s in ran if op == "aten.bmm.default"} == {"compute"}, "experts on the compute stream"
+    assert ("moe.compress.default", "comm") in ran or not compressed
+
+
+def test_fake_implementation_runs_the_program(fake_group, aot_graphs):
+    """``register_fake``: each on_stream call, re-run on the fake values of its inputs, has its node's shape/dtype."""
+    fake_group(2)
+    with use_streams(CheckedStreams()):
+        train_step(_model(), torch.randn(12, 8, requires_grad=True), _options("int8", 2))
+    for gm in aot_graphs:
+        nodes = calls(gm, ON_STREAM)
+        assert nodes
+        values = [n.meta["val"][0] for n in nodes]
+        fake_mode = torch._guards.detect_fake_mode(values)
+        for node, expected in zip(nodes, values):
+            inputs, sizes, name, stream, join = node.args
+            with fake_mode:
+                (out,) = ON_STREAM([i.meta["val"] for i in inputs], [s.meta["val"] for s in sizes], name, stream, join)
+            assert out.shape == expected.shape and out.dtype == expected.dtype
+
+
+def test_unknown_comm_side_is_left_unchanged_and_logged(fake_group, caplog):
+    fake_group(2)
+    with record_after("streams", "before_streams", before=True) as before:
+        train_step(_model(), torch.randn(12, 8, requires_grad=True), _options("int8", 2))
+    gm = before.graphs[0]
+    issue = calls(gm, A2A)[0]
+    size = next(a for a in issue.all_input_nodes if a is not issue.args[0])
+    del size.meta["val"]                       # a split size the pass cannot type
+    names = [n.name for n in gm.graph.nodes]
+    with use_streams(CheckedStreams()), caplog.at_level(logging.INFO, logger="moe_compile"):
+        result = Streams()(gm)
+    assert not result.modified and [n.name for n in gm.graph.nodes] == names
+    assert f"comm side not understood ({issue.name} reads {size.name}, neither a tensor nor a size)" in caplog.text
+
+
+@pytest.mark.slow
+def test_inductor_keeps_the_on_stream_calls_in_order(fake_group, aot_graphs):
+    """With inner="inductor" the generated code calls the programs in the rewritten graph's order."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    fake_group(2)
+    with use_streams(CheckedStreams()) as checked:
+        compiled = torch.compile(_model(), backend="moe", fullgraph=True,
+                                 options={"inner": "inductor", **_options("int8", 2)})
+        _, codes = run_and_get_code(compiled, torch.randn(12, 8, requires_grad=True))
+    forward = aot_graphs[0]
+    (code,) = [c for c in codes if "moe.dispatch.default" in c]
+    in_code = re.findall(r"'((?:issue|receive)_[0-9a-f]{12})'", code)
+    assert in_code == [n.args[2] for n in calls(forward, ON_STREAM)]
+    assert tokens(forward) == optimal([1, 2])
+    assert {s for op, s in checked.log if op == "moe.compress.default"} == {"comm"}
+
+
+# --------------------------------------------------------------------------- the checker catches broken programs
+
+
+class _SkipJoin(CheckedStreams):
+    """Broken: the compute stream never waits for the side stream (the receive group's ``current.wait(side)``)."""
+
+    def wait(self, waiter, producer):
+        if waiter is not self.compute:
+            super().wait(waiter, producer)
+
+
+class _SkipSideWait(CheckedStreams):
+    """Broken: the side stream starts without waiting for the compute stream that produced its inputs."""
+
+    def wait(self, waiter, producer):
+        if waiter is self.compute:
+            super().wait(waiter, producer)
+
+
+class _SkipRecord(CheckedStreams):
+    """Broken: no ``record_stream``."""
+
+    def record(self, tensor, stream):
+        pass
+
+
+@pytest.mark.parametrize("broken, message", [
+    (_SkipJoin, r"on stream 'compute' reads .* \(written on stream 'comm'\) without waiting"),
+    (_SkipSideWait, r"on stream 'comm' reads .* \(written on stream 'compute'\) without waiting"),
+    (_SkipRecord, r"never record\(\)ed|without record\(\)"),
+])
+def test_checker_catches_a_broken_program(fake_group, broken, message):
+    fake_group(2)
+    with pytest.raises(StreamRaceError, match=message), tracked(broken()):
+        train_step(_model(), torch.randn(12, 8, requires_grad=True), _options("int8", 2))
+
+
+def test_checker_rules_on_plain_tensors():
+    checked = CheckedStreams()
+    side = checked.side("comm")
+    with checked.tracking():
+        x = torch.randn(4) + 1                         # written on compute
+        checked.wait(side, checked.compute)
+        with checked.use(side):
+            y = x * 2                                  # read on comm after the wait: fine
+        checked.record(x, side)
+        checked.wait(checked.compute, side)
+        z = y + 1                                      # compute waited for comm: fine
+        checked.record(y, checked.compute)
+    assert [s for _, s in checked.log] == ["compute", "compute", "comm", "compute"] and torch.equal(z, x * 2 + 1)
+
+    with pytest.raises(StreamRaceError, match="wait\\(comm, compute\\) is missing"), checked.tracking():
+        x = torch.randn(4) + 1
+        with checked.use(side):
+            x * 2
+    with pytest.raises(StreamRaceError, match="overwrites .* while stream 'comm' may still read it"), \
+            checked.tracking():
+        x = torch.randn(4) + 1
+        checked.wait(side, checked.compute)
+        with checked.use(side):
+            x * 2
+        checked.record(x, side)
+        x.add_(1)                                      # compute writes what comm reads, without waiting
+    with pytest.raises(StreamRaceError, match="never record"), checked.tracking():
+        x = torch.randn(4) + 1
+        checked.wait(side, checked.compute)
+        with checked.use(side):
+            x * 2
+
+
+# --------------------------------------------------------------------------- 2 gloo ranks: numerics
+
+
+def _grads(model, x, options, checked=None):
+    torch._dynamo.reset()
+    x = x.clone().requires_grad_(True)
+    model.zero_grad(set_to_none=True)
+    with tracked(checked) if checked is not None else contextlib.nullcontext():
+        out = train_step(model, x, options)
+    return [out.detach(), x.grad, *(p.grad for p in model.parameters())]
+
+
+def _check_ranks(rank, world_size, cases):
+    torch.manual_seed(0)
+    model = _model()
+    torch.manual_seed(1 + rank)
+    x = torch.randn(12, 8)
+    ran = []
+    for compressor, chunks in cases:
+        options = _options(compressor, chunks)
+        expected = _grads(model, x, options)
+        checked = CheckedStreams()
+        got = _grads(model, x, options, checked)
+        for e, g in zip(expected, got):
+            assert torch.equal(e, g), (compressor, chunks, (e - g).abs().max())
+        assert moe_compile.counters["stream_groups"] > 0
+        ran.append(sorted({(op, s) for op, s in checked.log
+                           if op in ("moe.compress.default", "aten.bmm.default") or "all_to_all" in op}))
+    return ran
+
+
+def _check_results(cases, results):
+    for ran in results:
+        for (compressor, _), seen in zip(cases, ran):
+            a2a = ("_c10d_functional.all_to_all_single.default", "comm")
+            assert a2a in seen and ("aten.bmm.default", "compute") in seen
+            assert (("moe.compress.default", "comm") in seen) == (compressor == "int8")
+            assert all(s == "comm" for op, s in seen if op != "aten.bmm.default")
+
+
+@pytest.mark.distributed
+def test_two_ranks_outputs_and_grads_bitwise_equal():
+    """int8, r = 2: output and every gradient equal the run without the pass (the other cases: below, slow)."""
+    cases = [("int8", 2)]
+    _check_results(cases, spawn(_check_ranks, 2, cases, timeout=120))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ranks_other_cases_bitwise_equal():
+    cases = [("int8", 1), ("none", 1), ("none", 2)]
+    _check_results(cases, spawn(_check_ranks, 2, cases, timeout=120))
