@@ -11,7 +11,7 @@ gradients are exactly flat's) and then holds its completion back until the
 
     start   = max(link free, issue time)          # the link serialises exchanges (one comm stream, eqs 13-14)
     finish  = start + alpha + bytes_sent / bandwidth
-    bytes_sent = the bytes this rank sends to the other P - 1 ranks
+    bytes_sent = the bytes this rank sends to the other P - 1 ranks (P = 1: the whole buffer)
 
 The delay occupies the LINK only: the calling (compute) thread issues the
 exchange and returns at once; one daemon thread per process (the "link") waits
@@ -67,7 +67,7 @@ from .group import EPGroup
 
 __all__ = [
     "BookedExchange", "Link", "completed_exchanges", "emit_emulated_all_to_all", "emulated_all_to_all",
-    "link_seconds", "record_bookings",
+    "link_seconds", "record_bookings", "sent_bytes",
 ]
 
 _OPTION_FORM = '{"alpha_us": 10, "gbps": 25}'
@@ -112,6 +112,16 @@ class Link:
 
 def link_seconds(nbytes: float, alpha_us: float, gbps: float) -> float:
     return alpha_us * 1e-6 + nbytes / (gbps * 1e9)
+
+
+def sent_bytes(nbytes: float, world: int) -> float:
+    """Bytes of an ``nbytes`` all-to-all buffer that cross the link: the ``(P - 1) / P`` sent to the other ranks.
+
+    On one rank (P = 1: one device emulating a network, DESIGN.md "Measuring
+    schedules on small machines") the whole buffer is charged, as if every row
+    went to another rank.
+    """
+    return nbytes * (world - 1) / world if world > 1 else float(nbytes)
 
 
 # --------------------------------------------------------------------------- the link (one per process)
@@ -230,8 +240,7 @@ def emulated_all_to_all(x: Tensor, rows_per_peer: int, group_name: str, alpha_us
     send = x.contiguous().clone()  # Inductor may reuse x's buffer while the transfer reads it
     out = torch.empty_like(send)
     work = dist.all_to_all_single(out, send, group=group, async_op=True)
-    sent_bytes = send.numel() * send.element_size() * (size - 1) / size
-    fut = _LINK.submit(work, out, link_seconds(sent_bytes, alpha_us, gbps))
+    fut = _LINK.submit(work, out, link_seconds(sent_bytes(send.numel() * send.element_size(), size), alpha_us, gbps))
     _register_work(out, _create_work_from_future(fut))
     return out
 

@@ -36,7 +36,10 @@ blocks (dropless and adaptive capacities are rounded up to a multiple of
 receive no token. Expert weights are either replicated (each rank slices its El
 experts; the others get zero gradient, so a data-parallel all-reduce gives the
 eager gradients) or sharded by :func:`moe_compile.shard_experts` (the graph
-reads the local shard, a parameter lifted into the graph). P = 1 inserts nothing.
+reads the local shard, a parameter lifted into the graph). P = 1 inserts nothing,
+unless ``config.emulate_link`` is set: then one device emulates the network (DESIGN.md
+"Measuring schedules on small machines"), the layer gets the full exchange segment
+and each all-to-all costs the link's time for the whole buffer.
 A layer left unrewritten by ``canonicalize`` runs all its experts locally, which
 is still correct (data parallel) and logged; with sharded weights it is an error.
 
@@ -135,7 +138,7 @@ class ExpertParallel:
                     f"{placeholder.name} was sharded for rank {shard.rank} of {shard.world_size} but options['ep_group'] "
                     f"is rank {self.group.rank} of {self.group.size}; shard and compile with the same group"
                 )
-        if self.group.size == 1:
+        if self.group.size == 1 and self.cfg.emulate_link is None:
             log.info("moe_compile: expert-parallel group of size 1; no collectives inserted")
             return PassResult(gm, False)
         matches, skips = match_layers(gm)

@@ -148,3 +148,45 @@ def test_link_validation():
     for option in ({"alpha_us": 10}, {"alpha_us": 10, "gbps": 25, "beta": 1}, "fast", (10, 25)):
         with pytest.raises(ConfigError, match=r"options\['emulate_link'\]=.*'alpha_us' and 'gbps'"):
             Link.from_option(option)
+
+
+def _single_device_checks(rank: int, world: int) -> dict:
+    """One rank emulating a network: the layer gets the exchange, the link overlaps the compute, values as eager."""
+    import copy
+
+    import moe_compile
+    from moe_compile.collectives.emulated import completed_exchanges
+    from tests.models.gshard import GShardMoE
+
+    torch.manual_seed(0)
+    dense = GShardMoE(32, 64, 4, top_k=2)
+    x = torch.randn(64, 32)
+    # C = 32 rows per expert, buffer 4·32·32·4 B = 16 KiB, charged whole on one rank: 20 ms per exchange
+    link = {"alpha_us": 0.0, "gbps": 16384 / 20e-3 / 1e9}
+    layer = torch.compile(copy.deepcopy(dense), backend="moe", fullgraph=True,
+                          options={"ep_group": "world", "emulate_link": link, "schedule": "optimal", "num_chunks": 2})
+    xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    before = completed_exchanges()
+    start = time.monotonic()
+    with moe_compile.measure_tasks() as m:
+        out = layer(xc)
+        out.square().mean().backward()
+    result = {"step": time.monotonic() - start, "exchanges": completed_exchanges() - before}
+    ref = dense(xe)
+    ref.square().mean().backward()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-5, atol=1e-6)
+    events = {e.name: e for e in next(sim for (_, phase), sim in m.timelines.items() if phase == "forward").events}
+    result["a1_2"] = (events["A1^2"].start, events["A1^2"].end)
+    result["e_1"] = (events["E^1"].start, events["E^1"].end)
+    return result
+
+
+@pytest.mark.distributed
+def test_emulated_link_on_one_rank():
+    """P = 1 with ``emulate_link``: the layer is rewritten, and A1^2 runs on the link while E^1 computes."""
+    (r,) = spawn(_single_device_checks, 1, timeout=120)
+    assert r["exchanges"] == 8, r                      # 2 chunks × (A1, A2) × (forward, backward)
+    assert r["step"] >= 8 * 20e-3, r                    # every exchange holds the link 20 ms
+    (a_start, a_end), (e_start, e_end) = r["a1_2"], r["e_1"]
+    assert e_start < a_end and a_start < e_end, r       # overlap: E^1 computes while A1^2 is on the link
