@@ -37,6 +37,7 @@ import copy
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -51,76 +52,128 @@ sys.path.insert(0, str(ROOT))
 from tables import print_table as _print_table  # noqa: E402
 from moe_compile.testing import spawn  # noqa: E402
 
-HEADER = ["P", "compressor", "variant", "r", "median ms", "p90 ms", "predicted MoE ms", "vs bound", "speedup vs seq"]
+HEADER = ["P", "compressor", "variant", "r", "step ms", "fwd ms", "bwd ms", "predicted MoE ms", "sim err fwd/bwd",
+          "vs bound", "vs phase bound", "speedup vs seq"]
 
 
 def _step(layer, x):
+    """One training step; (forward s, backward s, output, input grad)."""
     layer.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
     start = time.perf_counter()
     y = layer(x)
+    mid = time.perf_counter()
     (y ** 2).mean().backward()
-    return time.perf_counter() - start, y.detach(), x.grad
+    return mid - start, time.perf_counter() - mid, y.detach(), x.grad
 
 
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
+def _slowest(*seconds: float) -> list[float]:
+    t = torch.tensor(seconds, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    return t.tolist()
 
 
-def _time(layer, x, steps: int) -> list[float]:
+def _time(layer, x, steps: int) -> list[tuple[float, float]]:
+    """(forward, backward) of ``steps`` steps, each phase the slowest rank's, a barrier before each step."""
     times = []
     for _ in range(steps):
         dist.barrier()
-        times.append(_slowest(_step(layer, x)[0]))
+        fwd, bwd = _step(layer, x)[:2]
+        times.append(tuple(_slowest(fwd, bwd)))
     return times
 
 
-def _fit_local_models(args, world_size: int, rows: int, compressor: str):
-    """α-β of the experts (per MAC) and of the compressor (per raw byte), timed on this rank."""
+def _median(times: list[tuple[float, float]], phase: int | None = None) -> float:
+    return statistics.median(t[phase] if phase is not None else t[0] + t[1] for t in times)
+
+
+def _timed(fn, repeats: int = 5) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _fit_local_models(args, world_size: int, rows: int, compressor: str, chunk_counts) -> dict:
+    """α-β of the experts (per MAC) and of the compressor (per raw byte), timed on every rank at once.
+
+    All ranks time together so that the fit sees the same contention for the cores
+    as the step (P ranks on this machine's CPUs); each rank's fit is its own, and
+    rank 0's is used.
+    """
     from moe_compile.schedule.cost_model import AlphaBeta
 
     local = args.experts // world_size
     w1 = torch.randn(local, args.hidden_dim, args.model_dim)   # moe.experts layout: x @ w1ᵀ, h @ w2ᵀ
     w2 = torch.randn(local, args.model_dim, args.hidden_dim)
     sizes, seconds = [], []
-    for r in (1, 2, 4, 8):
+    for r in chunk_counts:
         n = max(1, world_size * rows // r)
         x = torch.randn(local, n, args.model_dim)
-        torch.ops.moe.experts(x, w1, w2, None, "relu")
-        t = []
-        for _ in range(5):
-            start = time.perf_counter()
-            torch.ops.moe.experts(x, w1, w2, None, "relu")
-            t.append(time.perf_counter() - start)
+        dist.barrier()
+        seconds.append(_timed(lambda: torch.ops.moe.experts(x, w1, w2, None, "relu")))
         sizes.append(local * n * args.model_dim * args.hidden_dim * 2)
-        seconds.append(statistics.median(t))
     models = {"experts": AlphaBeta.fit(sizes, seconds)}
     if compressor != "none":
         for kind in ("compress", "decompress"):
             sizes, seconds = [], []
-            for r in (1, 2, 4, 8):
-                rows_total = max(1, args.experts * rows // r)
-                x = torch.randn(rows_total, args.model_dim)
+            for r in chunk_counts:
+                x = torch.randn(max(1, args.experts * rows // r), args.model_dim)
                 payload = torch.ops.moe.compress(x, compressor, "torch", False)
-                t = []
-                for _ in range(5):
-                    start = time.perf_counter()
-                    if kind == "compress":
-                        torch.ops.moe.compress(x, compressor, "torch", False)
-                    else:
-                        torch.ops.moe.decompress(payload, compressor, args.model_dim, torch.float32, "torch")
-                    t.append(time.perf_counter() - start)
+                if kind == "compress":
+                    fn = lambda: torch.ops.moe.compress(x, compressor, "torch", False)  # noqa: E731
+                else:
+                    fn = lambda: torch.ops.moe.decompress(payload, compressor, args.model_dim,  # noqa: E731
+                                                          torch.float32, "torch")
+                dist.barrier()
+                seconds.append(_timed(fn))
                 sizes.append(x.numel() * 4)
-                seconds.append(statistics.median(t))
             models[f"{kind}:{compressor}"] = AlphaBeta.fit(sizes, seconds)
     return models
+
+
+def _fit_exchange(world_size: int, payload_bytes: float, link: dict, chunk_counts):
+    """α-β of the emulated all-to-all *as the graph issues it*: issue, then wait, per payload byte.
+
+    Besides the link's own α and β this includes what a real exchange adds on this
+    machine (gloo's loopback transfer, the op's send copy, the hand-off to the link
+    thread): the per-chunk overhead that decides whether more chunks pay off.
+    """
+    from moe_compile.collectives.group import resolve_group
+    from moe_compile.schedule.cost_model import AlphaBeta
+
+    name = resolve_group("world").name
+    sizes, seconds = [], []
+    for r in chunk_counts:
+        rows = max(1, int(payload_bytes // (4 * world_size * r)))
+        x = torch.randn(world_size * rows)
+
+        def exchange():
+            out = torch.ops.moe.emulated_all_to_all(x, rows, name, link["alpha_us"], link["gbps"])
+            torch.ops._c10d_functional.wait_tensor(out)
+
+        dist.barrier()
+        seconds.append(_timed(exchange))
+        sizes.append(x.numel() * 4)
+    return AlphaBeta.fit(sizes, seconds)
+
+
+def _plan_chunks(debug_dir: Path, rank: int) -> int:
+    """r the chunk pass chose, read from the compiled variant's ``schedule.json`` dump."""
+    plans = sorted(debug_dir.glob(f"rank{rank}/graph*/schedule.json"))
+    if not plans:
+        raise RuntimeError(f"no schedule.json under {debug_dir}/rank{rank}: was the layer rewritten?")
+    layers = json.loads(plans[-1].read_text())["layers"]
+    return int(layers[0]["chunks"])
 
 
 def _run_rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
     import moe_compile
     from moe_compile.schedule.cost_model import AlphaBeta, CostModels, LayerShape, chunk_times, task_key
+    from moe_compile.collectives.emulated import sent_bytes
     from moe_compile.schedule.simulator import simulate
     from tests.models.gshard import GShardMoE
 
@@ -130,84 +183,104 @@ def _run_rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict
     x = torch.randn(args.tokens, args.model_dim, generator=torch.Generator().manual_seed(args.seed + 1 + rank))
     rows = -(-args.top_k * int(args.capacity_factor * args.tokens) // args.experts)  # GShard's fixed capacity
     raw_bytes = args.experts * rows * args.model_dim * 4
+    chunk_counts = (1, 2, 4, 8, 16)
+    work = Path(tempfile.mkdtemp(prefix="schedule_step_")) if rank == 0 else None
+    shared = [str(work) if work else None]
+    dist.broadcast_object_list(shared, src=0)
+    work = Path(shared[0])
     results = []
     for compressor in args.compressors:
         base = {"ep_group": "world", "inner": args.inner, "compressor": compressor}
 
-        def compile_variant(schedule, chunks, link, models_path=None):
+        def compile_variant(schedule, chunks, link, models_path=None, tag=None):
             torch._dynamo.reset()
             options = {**base, "schedule": schedule, "num_chunks": chunks, "emulate_link": link}
             if models_path:
                 options["cost_models"] = models_path
+            if tag:
+                options["debug_dir"] = str(work / compressor / tag)
             return torch.compile(copy.deepcopy(dense), backend="moe", fullgraph=True, options=options)
 
-        # 1. calibration: Σ compute with a practically free link
+        # 1. calibration: Σ compute per phase with a practically free link
         free_link = {"alpha_us": 0.0, "gbps": 1e6}
         seq_free = compile_variant("sequential", 1, free_link)
         for _ in range(args.warmup + 1):
             _step(seq_free, x)
-        compute_s = statistics.median(_time(seq_free, x, args.steps))
+        calib = _time(seq_free, x, args.steps)
+        compute = {"forward": _median(calib, 0), "backward": _median(calib, 1)}
+        compute_s = _median(calib)
         ratio = 1.0 if compressor == "none" else moe_compile.collectives.compressors.payload_ratio(
             compressor, args.model_dim)
-        sent = raw_bytes * ratio * (world_size - 1) / world_size          # bytes to the other ranks, per exchange
+        payload = raw_bytes * ratio
+        sent = sent_bytes(payload, world_size)                   # bytes that cross the link, per exchange
         gbps = 4 * sent / (compute_s * args.comm_ratio - 4 * args.alpha_us * 1e-6) / 1e9
         link = {"alpha_us": args.alpha_us, "gbps": gbps}
-        comm_s = 4 * (args.alpha_us * 1e-6 + sent / (gbps * 1e9))
-        bound = max(compute_s, comm_s)
+        exchange_s = args.alpha_us * 1e-6 + sent / (gbps * 1e9)
+        comm = {"forward": 2 * exchange_s, "backward": 2 * exchange_s}   # A1, A2 (forward); their gradients
+        comm_s = comm["forward"] + comm["backward"]
+        bound = max(compute_s, comm_s)                                    # the issue's max(Σcomp, Σcomm)
+        phase_bound = sum(max(compute[p], comm[p]) for p in compute)      # the backward starts after the forward
 
-        # 2. cost models: the emulated link's α-β, the experts / compressor fitted on rank 0 (every rank
-        #    must choose the same r, so all read rank 0's file)
-        shared = [None]
+        # 2. cost models: the exchange as issued on the emulated link, the experts and compressor, all
+        #    timed on every rank at once; rank 0's file is used by every rank (all must choose the same r)
+        models = {task_key("all_to_all", "flat", world_size): _fit_exchange(world_size, payload, link, chunk_counts),
+                  **_fit_local_models(args, world_size, rows, compressor, chunk_counts)}
+        path = str(work / compressor / "cost_models.json")
         if rank == 0:
-            models = CostModels(models={
-                task_key("all_to_all", "flat", world_size): AlphaBeta(args.alpha_us * 1e-6,
-                                                                      (world_size - 1) / world_size / (gbps * 1e9)),
-                **_fit_local_models(args, world_size, rows, compressor),
-            }, machine={"note": "benchmarks/schedule_step.py: emulated link; experts / compressor fitted on rank 0"})
-            shared[0] = str(Path(tempfile.mkdtemp()) / "cost_models.json")
-            models.save(shared[0])
-        dist.broadcast_object_list(shared, src=0)
-        path = shared[0]
+            CostModels(models=models, machine={
+                "note": "benchmarks/schedule_step.py: the emulated exchange as issued, experts and compressor, "
+                        "timed on rank 0 with all ranks running"}).save(path)
+        dist.barrier()
+        fitted_models = CostModels.load(path)
 
         shape = LayerShape(num_experts=args.experts, world=world_size, rows=rows, model_dim=args.model_dim,
                            hidden_dim=args.hidden_dim, num_matrices=2, payload_ratio=min(1.0, ratio))
-        variants = [("sequential", 1), ("tutel", "auto"), ("optimal", "auto")]
+        variants = [("sequential", "sequential", 1), ("tutel", "tutel", "auto"), ("optimal", "optimal", "auto")]
+        variants += [(f"optimal r={r}", "optimal", r) for r in args.fixed_chunks]
         layers, chunks = {}, {}
-        for schedule, r in variants:
-            layer = compile_variant(schedule, r, link, path)
-            layers[schedule] = (layer, _step(layer, x))  # the first step compiles
-        # r chosen: from the plan the chunk pass recorded (re-plan here the same way, same models)
-        from moe_compile.schedule.plan import plan_layer
-
-        for schedule, r in variants:
-            plan = plan_layer("layer", shape, schedule=schedule, compressor=compressor, algorithm="flat",
-                              models=CostModels.load(path), models_source=path, chunks=r)
-            chunks[schedule] = plan.chunks
+        for i, (label, schedule, r) in enumerate(variants):
+            layer = compile_variant(schedule, r, link, path, tag=f"v{i}")
+            layers[label] = (layer, _step(layer, x))  # the first step compiles
+            chunks[label] = _plan_chunks(work / compressor / f"v{i}", rank)
         ref = layers["sequential"][1]
-        for schedule, (layer, out) in layers.items():
-            torch.testing.assert_close(out[1], ref[1], rtol=args.rtol, atol=args.atol)
+        for label, (layer, out) in layers.items():
             torch.testing.assert_close(out[2], ref[2], rtol=args.rtol, atol=args.atol)
+            torch.testing.assert_close(out[3], ref[3], rtol=args.rtol, atol=args.atol)
         for _ in range(args.warmup):
             for layer, _ in layers.values():
                 _step(layer, x)
-        times = {s: [] for s in layers}
+        times = {label: [] for label in layers}
         names = list(layers)
         for i in range(args.steps):
-            for s in names[i % len(names):] + names[:i % len(names)]:
-                times[s].extend(_time(layers[s][0], x, 1))
-        fitted_models = CostModels.load(path)
-        for schedule, _ in variants:
-            r = chunks[schedule]
-            predicted = sum(
-                simulate(chunk_times(shape, fitted_models, r, compressor=compressor, backward=b), schedule).makespan
-                for b in (False, True))
-            med = statistics.median(times[schedule])
+            for label in names[i % len(names):] + names[:i % len(names)]:
+                times[label].extend(_time(layers[label][0], x, 1))
+        errors = {}
+        for i, (label, _, _) in enumerate(variants):   # one more step per variant, its tasks measured
+            with moe_compile.measure_tasks() as m:
+                _step(layers[label][0], x)
+            errors[label] = {phase: e.relative for (_, phase), e in m.error().items()}
+            m.write(work / compressor / f"v{i}")
+            if rank == 0 and args.timelines is not None and label == "optimal":
+                args.timelines.mkdir(parents=True, exist_ok=True)
+                for png in (work / compressor / f"v{i}").glob("rank0/graph*/timeline_layer0_*.png"):
+                    shutil.copy(png, args.timelines / f"P{world_size}_{compressor}_{png.name}")
+        for label, schedule, _ in variants:
+            r = chunks[label]
+            predicted = {phase: simulate(chunk_times(shape, fitted_models, r, compressor=compressor, backward=b),
+                                         schedule).makespan for phase, b in (("forward", False), ("backward", True))}
+            med = _median(times[label])
             results.append({
-                "P": world_size, "compressor": compressor, "variant": schedule, "r": r,
-                "median_ms": med * 1e3, "p90_ms": sorted(times[schedule])[int(0.9 * (len(times[schedule]) - 1))] * 1e3,
-                "predicted_moe_ms": predicted * 1e3, "bound_ms": bound * 1e3,
-                "compute_ms": compute_s * 1e3, "comm_ms": comm_s * 1e3, "link_gbps": gbps,
-                "vs_bound": med / bound,
+                "P": world_size, "compressor": compressor, "variant": label, "schedule": schedule, "r": r,
+                "median_ms": med * 1e3, "forward_ms": _median(times[label], 0) * 1e3,
+                "backward_ms": _median(times[label], 1) * 1e3,
+                "p90_ms": sorted(a + b for a, b in times[label])[int(0.9 * (len(times[label]) - 1))] * 1e3,
+                "predicted_moe_ms": sum(predicted.values()) * 1e3,
+                "bound_ms": bound * 1e3, "phase_bound_ms": phase_bound * 1e3,
+                "compute_ms": compute_s * 1e3, "compute_forward_ms": compute["forward"] * 1e3,
+                "compute_backward_ms": compute["backward"] * 1e3, "comm_ms": comm_s * 1e3, "link_gbps": gbps,
+                "vs_bound": med / bound, "vs_phase_bound": med / phase_bound,
+                "simulator_error": errors[label],   # (measured - predicted) / predicted layer makespan, per phase
+                "models": {k: v.to_dict() for k, v in fitted_models.models.items()},
             })
         seq = next(r["median_ms"] for r in results if r["P"] == world_size and r["compressor"] == compressor
                    and r["variant"] == "sequential")
@@ -217,9 +290,15 @@ def _run_rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict
     return results
 
 
+def _errors(errors: dict) -> str:
+    return "/".join("n/a" if errors.get(p) is None else f"{errors[p]:+.0%}" for p in ("forward", "backward"))
+
+
 def print_table(rows, title):
-    body = [[str(r["P"]), r["compressor"], r["variant"], str(r["r"]), f"{r['median_ms']:.1f}", f"{r['p90_ms']:.1f}",
-             f"{r['predicted_moe_ms']:.1f}", f"{r['vs_bound']:.2f}x", f"{r['speedup_vs_sequential']:.2f}x"]
+    body = [[str(r["P"]), r["compressor"], r["variant"], str(r["r"]), f"{r['median_ms']:.1f}", f"{r['forward_ms']:.1f}",
+             f"{r['backward_ms']:.1f}", f"{r['predicted_moe_ms']:.1f}", _errors(r["simulator_error"]),
+             f"{r['vs_bound']:.2f}x",
+             f"{r['vs_phase_bound']:.2f}x", f"{r['speedup_vs_sequential']:.2f}x"]
             for r in rows]
     _print_table(title, HEADER, body)
 
@@ -237,6 +316,8 @@ def parse_args(argv=None):
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
     parser.add_argument("--alpha-us", type=float, default=10.0, help="link latency α (µs)")
     parser.add_argument("--comm-ratio", type=float, default=1.0, help="Σ comm / Σ compute the link is set to")
+    parser.add_argument("--fixed-chunks", type=int, nargs="*", default=[4, 8],
+                        help="extra 'optimal' variants with this r (to compare the solver's r with measured ones)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--inner", default="eager")
@@ -245,15 +326,19 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/schedule_step.json"))
+    parser.add_argument("--timelines", type=Path, default=Path("benchmarks/results/schedule_step"),
+                        help="where rank 0's predicted-vs-measured PNGs of the 'optimal' variant are copied")
     parser.add_argument("--quick", action="store_true", help="small sizes, 3 steps, P = 2: checks the script runs")
     args = parser.parse_args(argv)
     if args.quick:
         args.model_dim, args.hidden_dim, args.tokens, args.steps, args.warmup = 64, 128, 128, 3, 1
+        args.fixed_chunks = [4]
     if args.world_sizes is None:
         args.world_sizes = [2] if args.quick else [2, 4]
     for p in args.world_sizes:
-        if p < 2 or args.experts % p:
-            parser.error(f"--world-sizes {p}: need 2 <= P and P dividing --experts {args.experts}")
+        if p < 1 or args.experts % p:
+            parser.error(f"--world-sizes {p}: need 1 <= P and P dividing --experts {args.experts} (P = 1: one "
+                         f"rank emulating the network)")
     return args
 
 
@@ -273,9 +358,12 @@ def main(argv=None):
         for compressor in args.compressors:
             sub = [r for r in rows if r["P"] == world_size and r["compressor"] == compressor]
             if sub:
-                print(f"P={world_size} {compressor}: Σcompute {sub[0]['compute_ms']:.1f} ms, Σcomm {sub[0]['comm_ms']:.1f}"
-                      f" ms (link {sub[0]['link_gbps'] * 1e3:.1f} MB/s, α {args.alpha_us} µs), bound "
-                      f"{sub[0]['bound_ms']:.1f} ms")
+                row = sub[0]
+                print(f"P={world_size} {compressor}: Σcompute {row['compute_ms']:.1f} ms (forward "
+                      f"{row['compute_forward_ms']:.1f}, backward {row['compute_backward_ms']:.1f}), Σcomm "
+                      f"{row['comm_ms']:.1f} ms (link {row['link_gbps'] * 1e3:.1f} MB/s, α {args.alpha_us} µs); "
+                      f"bound max(Σcomp, Σcomm) {row['bound_ms']:.1f} ms, phase bound "
+                      f"Σ_phase max(comp, comm) {row['phase_bound_ms']:.1f} ms")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
         "question": "with comm ≈ compute on an emulated link, how close do the schedules get to max(Σcomp, Σcomm)?",
