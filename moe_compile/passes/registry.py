@@ -7,7 +7,7 @@ built-ins, and appears in the debug dumps as ``<NN>_<name>_{before,after}.py``
 (stage 2: ``fw_<name>`` / ``bw_<name>``, run once on each of the two graphs).
 
 Stage 1 (Dynamo graph, torch IR, before AOTAutograd): ``detect``,
-``canonicalize``, ``expert_parallel``, ``chunk``. Stage 2 (AOTAutograd forward and
+``canonicalize``, ``expert_parallel``, ``pause_mp``, ``chunk``. Stage 2 (AOTAutograd forward and
 backward graphs, aten IR): ``drop_dead_collectives``, ``schedule``, ``lower``, ``streams``. Passes registered on the
 same anchor and side run in registration order.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 __all__ = ["STAGE1", "STAGE2", "register_pass", "registered_passes", "unregister_pass", "with_user_passes"]
 
-STAGE1 = ("detect", "canonicalize", "expert_parallel", "chunk")
+STAGE1 = ("detect", "canonicalize", "expert_parallel", "pause_mp", "chunk")
 STAGE2 = ("drop_dead_collectives", "schedule", "lower", "streams")
 
 
