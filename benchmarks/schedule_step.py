@@ -19,8 +19,9 @@ compiled from the same seeded ``GShardMoE`` layer:
    ``--comm-ratio`` × Σ compute: **Σ comm**.
 2. cost models for ``num_chunks="auto"``: the all-to-all fitted on the emulated
    exchange *as the graph issues it* (so α holds the real per-exchange overhead), the
-   experts and the compressor, all timed on every rank at once (the same contention
-   for the cores as the step); rank 0's file is used by every rank.
+   issue alone (the compute thread's share, priced inside C1 / C2), the experts and
+   the compressor, all timed on every rank at once (the same contention for the cores
+   as the step); rank 0's file is used by every rank.
 3. the variants on that link: ``sequential`` (r = 1), ``tutel`` and ``optimal``
    (r = auto from the solver, read back from the compiled plan's ``schedule.json``),
    and ``optimal`` at the fixed r of ``--fixed-chunks``; timed in rounds (order
@@ -154,30 +155,42 @@ def _fit_local_models(args, world_size: int, rows: int, compressor: str, chunk_c
     return models
 
 
-def _fit_exchange(world_size: int, payload_bytes: float, link: dict, chunk_counts):
-    """α-β of the emulated all-to-all *as the graph issues it*: issue, then wait, per payload byte.
+def _fit_exchange(world_size: int, payload_bytes: float, link: dict, chunk_counts) -> dict:
+    """The emulated all-to-all *as the graph issues it*, per payload byte: two models.
 
-    Besides the link's own α and β this includes what a real exchange adds on this
-    machine (gloo's loopback transfer, the op's send copy, the hand-off to the link
-    thread): the per-chunk overhead that decides whether more chunks pay off.
+    ``all_to_all:flat:P``: issue, then wait. Besides the link's own α and β this
+    includes what a real exchange adds on this machine (gloo's loopback transfer, the
+    hand-off to the link thread). ``issue:flat:P``: the issue alone, the compute
+    thread's share (the send copy, gloo's enqueue), which the cost model adds to C1 /
+    C2 (:func:`moe_compile.schedule.cost_model.task_work`): the per-chunk cost that
+    decides whether more chunks pay off.
     """
     from moe_compile.collectives.group import resolve_group
-    from moe_compile.schedule.cost_model import AlphaBeta
+    from moe_compile.schedule.cost_model import AlphaBeta, task_key
 
     name = resolve_group("world").name
-    sizes, seconds = [], []
+    wait = torch.ops._c10d_functional.wait_tensor
+    sizes, seconds, issue_seconds = [], [], []
     for r in chunk_counts:
         rows = max(1, int(payload_bytes // (4 * world_size * r)))
         x = torch.randn(world_size * rows)
 
-        def exchange():
-            out = torch.ops.moe.emulated_all_to_all(x, rows, name, link["alpha_us"], link["gbps"])
-            torch.ops._c10d_functional.wait_tensor(out)
+        def issue():
+            return torch.ops.moe.emulated_all_to_all(x, rows, name, link["alpha_us"], link["gbps"])
 
         dist.barrier()
-        seconds.append(_timed(exchange))
+        seconds.append(_timed(lambda: wait(issue())))
+        issues = []
+        for _ in range(5):
+            dist.barrier()
+            start = time.perf_counter()
+            pending = issue()
+            issues.append(time.perf_counter() - start)
+            wait(pending)
+        issue_seconds.append(statistics.median(issues))
         sizes.append(x.numel() * 4)
-    return AlphaBeta.fit(sizes, seconds)
+    return {task_key("all_to_all", "flat", world_size): AlphaBeta.fit(sizes, seconds),
+            task_key("issue", "flat", world_size): AlphaBeta.fit(sizes, issue_seconds)}
 
 
 def _plan_chunks(debug_dir: Path, rank: int) -> int:
@@ -191,7 +204,7 @@ def _plan_chunks(debug_dir: Path, rank: int) -> int:
 
 def _run_rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
     import moe_compile
-    from moe_compile.schedule.cost_model import AlphaBeta, CostModels, LayerShape, chunk_times, task_key
+    from moe_compile.schedule.cost_model import CostModels, LayerShape, chunk_times
     from moe_compile.collectives.emulated import sent_bytes
     from moe_compile.schedule.simulator import simulate
     from tests.models.gshard import GShardMoE
@@ -242,7 +255,7 @@ def _run_rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict
 
         # 2. cost models: the exchange as issued on the emulated link, the experts and compressor, all
         #    timed on every rank at once; rank 0's file is used by every rank (all must choose the same r)
-        models = {task_key("all_to_all", "flat", world_size): _fit_exchange(world_size, payload, link, chunk_counts),
+        models = {**_fit_exchange(world_size, payload, link, chunk_counts),
                   **_fit_local_models(args, world_size, rows, compressor, chunk_counts)}
         path = str(work / compressor / "cost_models.json")
         if rank == 0:

@@ -10,6 +10,7 @@ collectives on one GPU per rank):
 | key (:func:`~moe_compile.schedule.cost_model.task_key`) | what runs | size ``n`` |
 |---|---|---|
 | ``all_to_all:<algorithm>:<P>`` | ``ALL_TO_ALLS[algorithm]`` on the whole group, equal splits | bytes of one rank's send buffer |
+| ``issue:flat:<P>`` | issuing the flat all-to-all only (the compute thread's share; the wait is not timed) | bytes of one rank's send buffer |
 | ``all_gather:<P>`` / ``all_reduce:<P>`` | the functional collective | bytes of one rank's input |
 | ``compress:<c>`` / ``decompress:<c>`` | ``torch.ops.moe.compress`` / ``decompress`` on ``[rows, 1024]`` float32 | raw bytes in / out |
 | ``experts`` | ``torch.ops.moe.experts`` on ``[E_local, rows, M]`` (ReLU MLP, 2 matrices) | MACs ``E_local·rows·M·H·2`` |
@@ -96,7 +97,7 @@ class ProfilePlan:
 
     @property
     def steps(self) -> int:
-        collectives = (len(self.algorithms) + 2 + len(self.layout_collectives())) * len(self.collective_bytes)
+        collectives = (len(self.algorithms) + 3 + len(self.layout_collectives())) * len(self.collective_bytes)
         return collectives + 2 * len(self.compressors) * len(self.compress_rows) + len(self.expert_rows)
 
 
@@ -163,17 +164,24 @@ def _profile_rank(rank: int, world: int, plan: ProfilePlan) -> Samples:
         bar = tqdm(total=plan.steps, desc=f"profile (P={world}, {plan.backend})", unit="point", file=sys.stderr)
     samples: Samples = {}
 
-    def record(key: str, size: float, fn: Callable[[], object], barrier: bool) -> None:
+    def record(key: str, size: float, fn: Callable[[], object], barrier: bool,
+               finish: Callable[[object], object] | None = None) -> None:
+        """Time ``fn``; ``finish(result)`` (untimed) completes what it started, e.g. waits an issued collective."""
         times = []
         for i in range(plan.warmup + plan.repeats):
             if barrier:
                 dist.barrier(group=group)
                 _sync(device)
             start = time.perf_counter()
-            fn()
-            _sync(device)
+            result = fn()
+            if finish is None:
+                _sync(device)
+            elapsed = time.perf_counter() - start
+            if finish is not None:
+                finish(result)
+                _sync(device)
             if i >= plan.warmup:
-                times.append(time.perf_counter() - start)
+                times.append(elapsed)
         samples.setdefault(key, []).append((float(size), times))
         if bar is not None:
             bar.set_postfix_str(key)
@@ -209,6 +217,11 @@ def _profile_collectives(plan: ProfilePlan, group, device: torch.device, record)
             run = cls()
             record(task_key("all_to_all", cls.cost_model, p), size,
                    lambda: run(x, None, None, topology), barrier=True)
+        # the compute thread's share of a flat exchange: the issue alone (the host-side cost; the wait is untimed)
+        splits = [rows // p] * p
+        record(task_key("issue", "flat", p), size,
+               lambda: torch.ops._c10d_functional.all_to_all_single(x, splits, splits, name), barrier=True,
+               finish=wait)
         record(task_key("all_gather", world=p), size,
                lambda: wait(torch.ops._c10d_functional.all_gather_into_tensor(x, p, name)), barrier=True)
         record(task_key("all_reduce", world=p), size,

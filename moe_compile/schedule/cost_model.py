@@ -425,6 +425,14 @@ def task_work(
     sizes), the experts do twice the forward MACs (input and weight gradients).
     ``compressor="none"`` has no compress / decompress task (zero model) and needs
     ``shape.payload_ratio == 1``.
+
+    Issuing an exchange costs the compute stream time too (the host launch; on gloo
+    the send copy and the hand-off to its thread, ~0.4-0.9 ms on a 2-core CPU, tens of
+    µs on a GPU). When ``models`` has ``issue:<algorithm>:<P>`` (per payload byte,
+    fitted by ``python -m moe_compile.profile``), it is added to ``"compress"``:
+    ScheMoE's C is the compute-stream work before each A (eqs 4, 7), so C1 and C2 then
+    mean "compress and issue", and every closed form and the simulator price it
+    without a new task. Without the key nothing changes.
     """
     raw = shape.raw_bytes
     zero = AlphaBeta(0.0, 0.0)
@@ -438,6 +446,10 @@ def task_work(
     else:
         compress = (models[task_key("compress", compressor)], raw)
         decompress = (models[task_key("decompress", compressor)], raw)
+    issue = models.get(task_key("issue", algorithm, shape.world))
+    if issue is not None:
+        model = compress[0]
+        compress = (AlphaBeta(model.alpha + issue.alpha, model.beta + issue.beta * shape.payload_ratio), raw)
     return {
         "compress": compress,
         "all_to_all": (models[task_key("all_to_all", algorithm, shape.world)], raw * shape.payload_ratio),

@@ -117,3 +117,30 @@ def test_chunk_times_split_work_evenly_and_pay_alpha_per_chunk():
         chunk_times(shape, models, 13, compressor="int8")
     with pytest.raises(ValueError, match="multiple of world"):
         LayerShape(num_experts=6, world=4, rows=1, model_dim=1, hidden_dim=1)
+
+
+def test_issue_cost_is_part_of_c_and_changes_the_solvers_r():
+    """``issue:<algorithm>:<P>`` (the compute thread's cost of issuing an exchange) is priced inside C1 / C2."""
+    from moe_compile.schedule.simulator import simulate
+    from moe_compile.schedule.solver import brute_force_chunks, solve_chunks
+
+    base = {"all_to_all:flat:4": AlphaBeta(1e-5, 2e-9), "experts": AlphaBeta(1e-5, 1e-11),
+            "compress:int8": AlphaBeta(2e-6, 1e-11), "decompress:int8": AlphaBeta(3e-6, 2e-11)}
+    issue = AlphaBeta(9e-4, 1e-12)
+    shape = LayerShape(num_experts=8, world=4, rows=64, model_dim=256, hidden_dim=1024)
+    raw = 8 * 64 * 256 * 4
+    without, with_issue = CostModels(models=base), CostModels(models={**base, "issue:flat:4": issue})
+    assert chunk_times(shape, without, 4).compress == 0.0
+    assert chunk_times(shape, with_issue, 4).compress == pytest.approx(issue(raw / 4))      # no compressor: issue only
+    int8 = LayerShape(num_experts=8, world=4, rows=64, model_dim=256, hidden_dim=1024, payload_ratio=0.25)
+    assert chunk_times(int8, with_issue, 4, compressor="int8").compress == pytest.approx(
+        2e-6 + 9e-4 + (1e-11 + 1e-12 * 0.25) * raw / 4)                                  # issue per payload byte
+    # each chunk pays the issue twice on the compute stream (before A1 and A2): more chunks cost more
+    for r in (1, 4):
+        extra = simulate(chunk_times(shape, with_issue, r), "sequential").makespan - simulate(
+            chunk_times(shape, without, r), "sequential").makespan
+        assert extra == pytest.approx(2 * r * issue.alpha + 2 * issue.beta * raw, rel=1e-6)
+    r_without = solve_chunks(shape, without, max_chunks=16).chunks
+    r_with = solve_chunks(shape, with_issue, max_chunks=16).chunks
+    assert r_with < r_without, (r_with, r_without)
+    assert r_with == brute_force_chunks(shape, with_issue, max_chunks=16).chunks

@@ -17,10 +17,14 @@ def test_quick_profile_writes_cost_models(tmp_path, capsys):
     returned = main(["--quick", "--world", "2", "--out", str(out)])
     loaded = CostModels.load(out)
     assert loaded.models == returned.models
-    expected = {"all_to_all:flat:2", "all_gather:2", "all_reduce:2", "compress:int8", "decompress:int8", "experts"}
+    expected = {"all_to_all:flat:2", "issue:flat:2", "all_gather:2", "all_reduce:2", "compress:int8",
+                "decompress:int8", "experts"}
     assert expected <= set(loaded.models), sorted(loaded.models)
     plan = make_plan(world=2, quick=True)
     for key, model in loaded.models.items():
+        if key.startswith("issue:"):   # issuing may not touch the bytes (gloo enqueues): α alone may fit it
+            assert model.alpha + model.beta > 0, (key, model)
+            continue
         assert model.beta > 0, (key, model)
         sizes = {n for n, _ in loaded.samples[key]}
         assert len(sizes) >= 3, (key, sizes)
