@@ -72,7 +72,7 @@ from torch.fx import Graph, GraphModule, Node
 from .. import streams as backends
 from ..counters import counters
 from ..debug import log
-from .graph_utils import example_value
+from .graph_utils import example_value, is_call
 from .manager import PassResult
 from .schedule import find_chains, is_wait
 
@@ -175,20 +175,16 @@ def _wait(issue: Node) -> Node:
 
 def _issue_group(issue: Node) -> Group:
     producer = issue.args[0]
-    if _is(producer, _COMPRESS) and len(producer.users) == 1:
+    if is_call(producer, _COMPRESS) and len(producer.users) == 1:
         return Group("issue", (producer, issue), issue, join=False)
     return Group("issue", (issue,), issue, join=False)
 
 
 def _receive_group(wait: Node) -> Group | None:
     users = list(wait.users)
-    if len(users) == 1 and _is(users[0], _DECOMPRESS):
+    if len(users) == 1 and is_call(users[0], _DECOMPRESS):
         return Group("receive", (wait, users[0]), users[0], join=True)
     return None
-
-
-def _is(node: object, target) -> bool:
-    return isinstance(node, Node) and node.op == "call_function" and node.target is target
 
 
 def _unexpected(issue: Node) -> str | None:
@@ -205,7 +201,7 @@ def _unexpected(issue: Node) -> str | None:
                 return f"{node.name} is read outside its {group.role} group"
         if not isinstance(example_value(group.output), Tensor):
             return f"{group.output.name} has no tensor value"
-    others = [u for u in issue.users if not is_wait(u) and not _is(u, _SYM_SIZE)]
+    others = [u for u in issue.users if not is_wait(u) and not is_call(u, _SYM_SIZE)]
     if others:
         return f"{issue.name} is read by {others[0].name} before its wait"
     return None
