@@ -13,6 +13,7 @@ exchange s, chunk c), ``R{s}^c`` a receive group (wait + decompress).
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import operator
 
@@ -26,6 +27,7 @@ from moe_compile.passes.streams import Streams, program
 from moe_compile.streams import CheckedStreams, CpuStreams, StreamRaceError, streams_for, use_streams
 from moe_compile.testing import spawn
 from tests.models.gshard import GShardMoE
+from tests.distributed.test_compression import OUTPUT_BOUND
 from tests.passes.chunked import A2A, COMPRESS, DECOMPRESS, WAIT, ancestors, calls, record_after, train_step
 from tests.passes.test_expert_parallel import fake_group  # noqa: F401  (fixture)
 
@@ -302,6 +304,9 @@ def _check_ranks(rank, world_size, cases):
     model = _model()
     torch.manual_seed(1 + rank)
     x = torch.randn(12, 8)
+    eager_x = x.clone().requires_grad_(True)
+    eager = copy.deepcopy(model)(eager_x)           # the single-device model on this rank's batch
+    eager.pow(2).sum().backward()
     ran = []
     for compressor, chunks in cases:
         options = _options(compressor, chunks)
@@ -310,6 +315,12 @@ def _check_ranks(rank, world_size, cases):
         got = _grads(model, x, options, checked)
         for e, g in zip(expected, got):
             assert torch.equal(e, g), (compressor, chunks, (e - g).abs().max())
+        if compressor == "none":                    # and both equal eager: output and input gradient
+            torch.testing.assert_close(got[0], eager.detach(), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got[1], eager_x.grad, rtol=1e-5, atol=1e-6)
+        else:                                       # lossy: within the compressor's bound (test_compression)
+            error = (got[0] - eager.detach()).abs().max() / eager.detach().abs().max()
+            assert error <= OUTPUT_BOUND[compressor], (compressor, chunks, float(error))
         assert moe_compile.counters["stream_groups"] > 0
         ran.append(sorted({(op, s) for op, s in checked.log
                            if op in ("moe.compress.default", "aten.bmm.default") or "all_to_all" in op}))
