@@ -16,7 +16,8 @@ compiled from the same seeded ``GShardMoE`` layer:
    bandwidth; its median forward and backward times are **Σ compute** (the loopback
    exchange included). The link bandwidth is then set so that the 4 exchanges of a
    step (A1, A2 in the forward, their gradients in the backward) take
-   ``--comm-ratio`` × Σ compute: **Σ comm**.
+   ``--comm-ratio`` × Σ compute: **Σ comm**. On the same free link, ``optimal`` at
+   r = ``--overhead-chunks`` measures what chunking alone costs the step.
 2. cost models for ``num_chunks="auto"``: the all-to-all fitted on the emulated
    exchange *as the graph issues it* (so α holds the real per-exchange overhead), the
    issue alone (the compute thread's share, priced inside C1 / C2), the experts and
@@ -241,6 +242,12 @@ def _run_rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict
         calib = _time(seq_free, x, args.steps)
         compute = {"forward": _median(calib, 0), "backward": _median(calib, 1)}
         compute_s = _median(calib)
+        # what chunking alone costs the step: the same free link, optimal order, r = --overhead-chunks
+        chunked_free = compile_variant("optimal", args.overhead_chunks, free_link)
+        for _ in range(args.warmup + 1):
+            _step(chunked_free, x)
+        chunked_free_s = _median(_time(chunked_free, x, args.steps))
+        del chunked_free
         ratio = 1.0 if compressor == "none" else moe_compile.collectives.compressors.payload_ratio(
             compressor, args.model_dim)
         payload = raw_bytes * ratio
@@ -315,6 +322,7 @@ def _run_rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict
                 "bound_ms": bound * 1e3, "phase_bound_ms": phase_bound * 1e3,
                 "compute_ms": compute_s * 1e3, "compute_forward_ms": compute["forward"] * 1e3,
                 "compute_backward_ms": compute["backward"] * 1e3, "comm_ms": comm_s * 1e3, "link_gbps": gbps,
+                "free_link_chunked_ms": chunked_free_s * 1e3, "free_link_chunks": args.overhead_chunks,
                 "vs_bound": med / bound, "vs_phase_bound": med / phase_bound,
                 "simulator_error": errors[label],   # (measured - predicted) / predicted layer makespan, per phase
                 "layer": packing[label],            # measured layer makespan vs max(its compute, its comm), per phase
@@ -384,6 +392,8 @@ def parse_args(argv=None):
     parser.add_argument("--comm-ratio", type=float, default=1.0, help="Σ comm / Σ compute the link is set to")
     parser.add_argument("--fixed-chunks", type=int, nargs="*", default=[4, 8],
                         help="extra 'optimal' variants with this r (to compare the solver's r with measured ones)")
+    parser.add_argument("--overhead-chunks", type=int, default=8,
+                        help="r of the free-link 'optimal' step that measures what chunking alone costs")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--inner", default="eager")
@@ -429,7 +439,8 @@ def main(argv=None):
                       f"{row['compute_forward_ms']:.1f}, backward {row['compute_backward_ms']:.1f}), Σcomm "
                       f"{row['comm_ms']:.1f} ms (link {row['link_gbps'] * 1e3:.1f} MB/s, α {args.alpha_us} µs); "
                       f"bound max(Σcomp, Σcomm) {row['bound_ms']:.1f} ms, phase bound "
-                      f"Σ_phase max(comp, comm) {row['phase_bound_ms']:.1f} ms")
+                      f"Σ_phase max(comp, comm) {row['phase_bound_ms']:.1f} ms; chunking alone (free link, "
+                      f"optimal, r = {row['free_link_chunks']}): {row['free_link_chunked_ms']:.1f} ms per step")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
         "question": "with comm ≈ compute on an emulated link, how close do the schedules get to max(Σcomp, Σcomm)?",
