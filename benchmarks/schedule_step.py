@@ -409,6 +409,8 @@ def parse_args(argv=None):
     if args.quick:
         args.model_dim, args.hidden_dim, args.tokens, args.steps, args.warmup = 64, 128, 128, 3, 1
         args.fixed_chunks = [4]
+    if args.overhead_chunks < 1 or any(r < 1 for r in args.fixed_chunks):
+        parser.error(f"--overhead-chunks {args.overhead_chunks} / --fixed-chunks {args.fixed_chunks}: r must be >= 1")
     if args.world_sizes is None:
         args.world_sizes = [2] if args.quick else [2, 4]
     for p in args.world_sizes:
