@@ -427,7 +427,7 @@ def task_work(
     ``shape.payload_ratio == 1``.
 
     Issuing an exchange costs the compute stream time too (the host launch; on gloo
-    the send copy and the hand-off to its thread, ~0.4-0.9 ms on a 2-core CPU, tens of
+    the send copy and the hand-off to its thread, ~0.2-0.5 ms on a 2-core CPU, tens of
     µs on a GPU). When ``models`` has ``issue:<algorithm>:<P>`` (per payload byte,
     fitted by ``python -m moe_compile.profile``), it is added to ``"compress"``:
     ScheMoE's C is the compute-stream work before each A (eqs 4, 7), so C1 and C2 then
