@@ -17,7 +17,7 @@ The delay occupies the LINK only: the calling (compute) thread issues the
 exchange and returns at once; one daemon thread per process (the "link") waits
 for the real exchange, sleeps until ``finish`` and only then completes the
 work that ``wait_tensor`` waits on. A graph therefore uses it exactly like the
-functional all-to-all of :mod:`.flat`::
+functional all-to-all of :mod:`.nodes`::
 
     a2a  = moe.emulated_all_to_all(x, s, group, alpha_us, gbps)   # issue (returns at once)
     ...                                                          # compute overlaps here
@@ -40,7 +40,7 @@ CUDA (NCCL) uses the same host-side mechanism: the link thread polls
 thread's ``wait_tensor`` blocks the host until the link completes, after which
 the received bytes are final on the device. No GPU time is spent on the delay.
 
-Usage in a pass (mirrors :func:`.flat.emit_all_to_all`)::
+Usage in a pass (mirrors :func:`.nodes.emit_all_to_all`)::
 
     link = Link.from_option({"alpha_us": 10, "gbps": 25})
     recv = emit_emulated_all_to_all(graph, x_node, rows_per_peer, ep_group, link)

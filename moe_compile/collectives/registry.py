@@ -4,7 +4,7 @@
     torch.compile(model, backend="moe", options={"ep_group": g, "all_to_all": "2dh", "ranks_per_node": 8})
 
 With ``"flat"`` (default) the expert-parallel pass emits the functional
-``all_to_all_single`` + ``wait_tensor`` nodes itself (:mod:`.flat`). Any other
+``all_to_all_single`` + ``wait_tensor`` nodes itself (:mod:`.nodes`). Any other
 algorithm is one graph node ::
 
     recv = moe_compile.collectives.registry.all_to_all(send, rows_per_peer, group_name, "2dh", ranks_per_node)
