@@ -9,7 +9,7 @@ from . import ops
 from .config import ConfigError, MoECompileConfig, config  # noqa: I001  (first: collectives import it)
 from .collectives import Compressor, register_compressor
 from .collectives.algorithms import AllToAll
-from .collectives.registry import register_all_to_all
+from .collectives.all_to_all_registry import register_all_to_all
 from .counters import counters
 from .faults import MoECollectiveError
 from .passes import PassResult

@@ -129,7 +129,7 @@ class MoECompileConfig:
         if not isinstance(self.all_to_all, str):
             raise ConfigError(f"options['all_to_all']={self.all_to_all!r}: expected an algorithm name (a string)")
         if self.all_to_all not in ("flat", "auto"):
-            from .collectives.registry import get_all_to_all
+            from .collectives.all_to_all_registry import get_all_to_all
 
             get_all_to_all(self.all_to_all)
             if self.ranks_per_node is None:

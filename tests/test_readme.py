@@ -58,7 +58,7 @@ def test_extending_compressor_example(extending, tmp_path):
 
 def test_extending_all_to_all_example(extending, tmp_path):
     """Registered, and used as one graph node by the expert-parallel pass (numerics: tests/distributed)."""
-    from moe_compile.collectives.registry import get_all_to_all
+    from moe_compile.collectives.all_to_all_registry import get_all_to_all
 
     assert type(get_all_to_all("halves")).__name__ == "Halves"
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
@@ -70,4 +70,4 @@ def test_extending_all_to_all_example(extending, tmp_path):
     finally:
         dist.destroy_process_group()
     code = next(tmp_path.glob("rank0/graph*/*_expert_parallel_after.py")).read_text()
-    assert code.count("moe_compile_collectives_registry_all_to_all(") == 2 and "'halves'" in code
+    assert code.count("moe_compile_collectives_all_to_all_registry_all_to_all(") == 2 and "'halves'" in code

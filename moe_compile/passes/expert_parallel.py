@@ -15,7 +15,7 @@ Before (the canonical layer)::
 After (rank r; with ``config.compressor`` each ``all_to_all_single(t)`` is
 ``moe.decompress(all_to_all_single(moe.compress(t)))``, ScheMoE's C → A → D; with
 ``config.all_to_all`` other than "flat" it is one call of the chosen algorithm,
-:mod:`moe_compile.collectives.registry`; with ``config.emulate_link`` it is the
+:mod:`moe_compile.collectives.all_to_all_registry`; with ``config.emulate_link`` it is the
 emulated exchange of :mod:`moe_compile.collectives.emulated`)::
 
     need = moe.capacity(ids, E, C, bucket)                  # rows this batch needs, [1]
@@ -59,7 +59,7 @@ from torch.fx import GraphModule, Node
 
 from .. import ops  # noqa: F401  (registers torch.ops.moe.*)
 from ..collectives import compressors  # noqa: F401  (registers torch.ops.moe.compress / decompress)
-from ..collectives import registry
+from ..collectives import all_to_all_registry as registry
 from ..collectives.emulated import Link, emit_emulated_all_to_all
 from ..collectives import EPGroup, emit_all_reduce_max, emit_all_to_all
 from ..config import ConfigError, MoECompileConfig

@@ -7,7 +7,7 @@ With ``"flat"`` (default) the expert-parallel pass emits the functional
 ``all_to_all_single`` + ``wait_tensor`` nodes itself (:mod:`.nodes`). Any other
 algorithm is one graph node ::
 
-    recv = moe_compile.collectives.registry.all_to_all(send, rows_per_peer, group_name, "2dh", ranks_per_node)
+    recv = moe_compile.collectives.all_to_all_registry.all_to_all(send, rows_per_peer, group_name, "2dh", ranks_per_node)
 
 that AOTAutograd traces through: the algorithm (:mod:`.algorithms`) is built
 from functional collectives, so the forward and backward graphs hold its
