@@ -6,11 +6,12 @@ No import is needed for that line (the backend is an entry point); import the
 package for its configuration and counters.
 """
 from . import ops
-from .config import ConfigError, MoECompileConfig, config  # noqa: I001  (first: collectives import it)
 from .collectives import Compressor, register_compressor
 from .collectives.algorithms import AllToAll
 from .collectives.all_to_all_registry import register_all_to_all
+from .config import MoECompileConfig, config
 from .counters import counters
+from .errors import ConfigError
 from .faults import MoECollectiveError
 from .passes import PassResult
 from .passes.registry import register_pass, unregister_pass

@@ -3,7 +3,8 @@
 A typed dataclass with a documented default per field. ``MOE_COMPILE_*``
 environment variables are read here and nowhere else; ``torch.compile(...,
 options={...})`` overrides fields per call. Every value is validated: an unknown
-key or a bad value raises :class:`ConfigError` naming the key and what is allowed.
+key or a bad value raises :class:`ConfigError` naming the key and what is allowed
+(defined in the leaf module :mod:`moe_compile.errors`, re-exported here).
 
     import moe_compile
     with moe_compile.config.patch(verify_regions=False):
@@ -19,6 +20,8 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from .errors import ConfigError
+
 __all__ = ["ConfigError", "MoECompileConfig", "config", "INNER_COMPILERS", "PAUSE_MP", "SCHEDULES"]
 
 INNER_COMPILERS = ("auto", "eager", "inductor")
@@ -26,10 +29,6 @@ KERNELS = ("auto", "triton", "torch")
 SCHEDULES = ("optimal", "sequential", "tutel", "fastermoe")
 PAUSE_MP = ("auto", "off", "s1", "s2")
 _ENV_PREFIX = "MOE_COMPILE_"
-
-
-class ConfigError(ValueError):
-    """A bad option: names the key, the value, and what is allowed."""
 
 
 @dataclasses.dataclass

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from .algorithms import ALL_TO_ALLS, AllToAll, make_topology
 
 __all__ = ["all_to_all", "all_to_all_names", "get_all_to_all", "register_all_to_all", "verify_all_to_all"]

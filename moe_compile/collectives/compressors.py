@@ -38,7 +38,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 __all__ = [
     "ByteCompressor",

@@ -62,7 +62,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.futures import Future
 from torch.fx import Graph, Node
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from .group import EPGroup
 
 __all__ = [

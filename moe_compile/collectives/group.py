@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["EPGroup", "resolve_group"]
 

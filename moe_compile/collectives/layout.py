@@ -35,7 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from .group import EPGroup, resolve_group
 
 __all__ = ["MoELayout", "clear_layout_cache", "resolve_layout"]
