@@ -24,19 +24,13 @@ from typing import Any
 import torch
 import torch.fx
 
+from .process_rank import rank
+
 log = logging.getLogger("moe_compile")
 
 __all__ = ["GraphDumper", "graph_text", "log", "rank", "record_measured"]
 
 _graph_ids = itertools.count()
-
-
-def rank() -> int:
-    """This process's rank in the default process group, 0 without one."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return 0
 
 
 def graph_text(gm: torch.fx.GraphModule) -> str:

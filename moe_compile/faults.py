@@ -211,7 +211,7 @@ def describe_failure(gm: GraphModule, node: Node, error: BaseException) -> MoECo
     else:
         task = site.task
     graph = "backward" if site.backward else "forward"
-    from .debug import rank
+    from .process_rank import rank
 
     message = (
         f"MoE layer {site.layer!r}, collective {name} ({task + ', ' if task else ''}{graph} graph node "
