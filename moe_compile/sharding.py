@@ -34,10 +34,13 @@ replicated expert gradients gives. The shards are added to
 ``model._ddp_params_and_buffers_to_ignore`` so DistributedDataParallel does not
 average them across ranks that hold different experts; to match DDP's average,
 divide their gradients by P (or scale the loss).
+
+The record a placeholder carries (:class:`ExpertShard`, read with :func:`expert_shard`)
+lives in the leaf module :mod:`moe_compile.shard_record`, so the passes that read it
+need not import this module; both names stay importable from here.
 """
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from typing import Any
 
@@ -47,37 +50,9 @@ from torch import nn
 from .collectives.group import resolve_group
 from .config import ConfigError, config
 from .debug import log
+from .shard_record import SHARD_ATTR, ExpertShard, expert_shard
 
-__all__ = ["ExpertShard", "expert_shard", "shard_experts"]
-
-_SHARD_ATTR = "_moe_expert_shard"
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpertShard:
-    """What a placeholder stands for: its owning module, and the local shard if this rank has one.
-
-    ``local_name`` names the parameter on ``module`` that holds this rank's
-    experts of a stacked weight; it is None for a per-expert weight of a remote
-    expert (that expert's rank holds the real one).
-    """
-
-    module: Any  # weakref.ref to the nn.Module owning the placeholder
-    name: str
-    local_name: str | None
-    num_experts: int
-    world_size: int
-    rank: int
-
-    @property
-    def local(self) -> nn.Parameter | None:
-        module = self.module()
-        return None if module is None or self.local_name is None else getattr(module, self.local_name)
-
-
-def expert_shard(tensor: Any) -> ExpertShard | None:
-    """The :class:`ExpertShard` record of a placeholder made by :func:`shard_experts`, else None."""
-    return getattr(tensor, _SHARD_ATTR, None) if isinstance(tensor, torch.Tensor) else None
+__all__ = ["ExpertShard", "expert_shard", "shard_experts"]  # the first two re-exported from .shard_record
 
 
 def shard_experts(model: nn.Module, group: Any, *example_args: Any, **example_kwargs: Any) -> list[str]:
@@ -130,7 +105,7 @@ def shard_experts(model: nn.Module, group: Any, *example_args: Any, **example_kw
             local_name = None
             del module._parameters[name]
         placeholder = torch.full((), float("nan"), dtype=weight.dtype, device=weight.device).expand(weight.shape)
-        setattr(placeholder, _SHARD_ATTR, ExpertShard(weakref.ref(module), name, local_name, num_experts, ep.size, ep.rank))
+        setattr(placeholder, SHARD_ATTR, ExpertShard(weakref.ref(module), name, local_name, num_experts, ep.size, ep.rank))
         object.__setattr__(module, name, placeholder)
     ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", [])) + kept
     torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..sharding import expert_shard
+from ..shard_record import expert_shard
 from .graph_utils import example_value, is_call, module_region, region_boundary, shape_of, strip
 
 __all__ = ["ExpertLinear", "ExpertMLP", "MoERegion", "Skip", "find_moe_regions"]
