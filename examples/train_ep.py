@@ -84,8 +84,8 @@ def main() -> None:
         data = torch.Generator().manual_seed(1000 + rank)  # each rank its own batches
         batches = [synthetic_batch(args.batch, args.seq, VOCAB, data).to(device) for _ in range(args.steps)]
 
-        shards = set(moe_compile.shard_experts(model, "world", batches[0])) if args.shard_experts else set()
         options = {"ep_group": "world", "compressor": args.compressor, "num_chunks": args.num_chunks}
+        shards = set(moe_compile.shard_experts(model, "world", batches[0], options=options)) if args.shard_experts else set()
         compiled = torch.compile(model, backend="moe", fullgraph=True, options=options)
         opt_c = torch.optim.AdamW(model.parameters(), lr=1e-2)
         opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)

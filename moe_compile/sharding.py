@@ -1,15 +1,16 @@
 """Sharded expert weights: each rank stores only its E/P experts (DESIGN.md "Semantics").
 
     dist.init_process_group("gloo")
-    moe_compile.shard_experts(model, dist.group.WORLD, example_batch)
-    cmodel = torch.compile(model, backend="moe", fullgraph=True, options={"ep_group": "world"})
+    options = {"ep_group": "world"}
+    moe_compile.shard_experts(model, dist.group.WORLD, example_batch, options=options)
+    cmodel = torch.compile(model, backend="moe", fullgraph=True, options=options)
 
 With replicated expert weights (no call to :func:`shard_experts`), every rank
 holds all E experts and uses its E/P; that is simple but costs E/P-times the
 memory real expert parallelism exists to save. :func:`shard_experts` finds the
 expert weights the backend would rewrite (it traces the model once on the
-example inputs with Dynamo and runs the same detection and canonicalization) and
-replaces them, in place:
+example inputs with Dynamo and runs the same detection and canonicalization, with
+the same ``options``) and replaces them, in place:
 
 Before (rank r of P, ``El = E / P``)::
 
@@ -42,33 +43,65 @@ need not import this module; both names stay importable from here.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from .collectives.group import resolve_group
-from .config import ConfigError, config
+from .config import ConfigError, MoECompileConfig, config
 from .debug import log
 from .shard_record import SHARD_ATTR, ExpertShard, expert_shard
 
 __all__ = ["ExpertShard", "expert_shard", "shard_experts"]  # the first two re-exported from .shard_record
 
 
-def shard_experts(model: nn.Module, group: Any, *example_args: Any, **example_kwargs: Any) -> list[str]:
+def shard_experts(
+    model: nn.Module,
+    group: Any,
+    *example_args: Any,
+    options: Mapping[str, Any] | None = None,
+    **example_kwargs: Any,
+) -> list[str]:
     """Keep only this rank's experts (see the module docstring); the names of the expert parameters kept.
 
     ``group`` takes the forms of ``options["ep_group"]``. ``example_args`` /
     ``example_kwargs`` are one input of the model, used to trace it (nothing is
     run). Call this after moving the model to its device and before compiling it.
+
+    ``options`` is the dict given to ``torch.compile(..., options=...)``: the layers
+    are found and canonicalized with it (``capacity_factor``, ``verify_regions``,
+    ``verify_rtol`` ...), so the weights sharded are those of the layers that compile
+    rewrites. Its ``ep_group``, if given, must be ``group``. The keyword ``options``
+    belongs to this function: a model input named ``options`` goes in ``example_args``
+    (positionally), never as ``options=``.
     """
-    config.merged({"ep_group": group})  # validates the form
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(
+            f"shard_experts: options={options!r}: expected the dict of torch.compile(options=...) or None; "
+            f"a model input named 'options' must be given positionally in example_args"
+        )
+    options = dict(options or {})
+    cfg = config.merged({**options, "ep_group": group})  # validates the options and the group's form
     ep = resolve_group(group)
+    if "ep_group" in options and options["ep_group"] is not group:
+        given = resolve_group(options["ep_group"])
+        if given is None or given.name != ep.name:
+            raise ConfigError(
+                f"shard_experts: options['ep_group']={options['ep_group']!r} is not the group given "
+                f"({group!r}); shard and compile with the same group"
+            )
+    if not cfg.rewrite:
+        raise ConfigError(
+            "shard_experts: options['rewrite']=False: the moe backend rewrites no MoE layer, so no expert "
+            "weight can be sharded; leave rewrite True or do not call shard_experts"
+        )
     if ep.size == 1:
         return []
     if any(expert_shard(t) is not None for t in _tensor_attributes(model)):
         raise ValueError("shard_experts: this model's experts are already sharded")
-    found = _trace_expert_weights(model, example_args, example_kwargs)
+    found = _trace_expert_weights(model, example_args, example_kwargs, cfg)
     if not found:
         raise ValueError(
             "shard_experts: no MoE layer that the moe backend rewrites was found in this model "
@@ -125,8 +158,9 @@ class _Captured(Exception):
         self.found = found
 
 
-def _trace_expert_weights(model, args, kwargs) -> list[tuple[torch.Tensor, int, int | None]]:
-    """Trace ``model`` with Dynamo; (weight, E, expert index or None if stacked) of each rewritable layer."""
+def _trace_expert_weights(model, args, kwargs, cfg: MoECompileConfig) -> list[tuple[torch.Tensor, int, int | None]]:
+    """Trace ``model`` with Dynamo; (weight, E, expert index or None if stacked) of each layer that
+    canonicalization with ``cfg`` (the user's options) rewrites."""
     from .passes.canonicalize import Canonicalize
     from .passes.detect import find_moe_regions
 
@@ -136,7 +170,7 @@ def _trace_expert_weights(model, args, kwargs) -> list[tuple[torch.Tensor, int, 
         regions, skips = find_moe_regions(gm.graph)
         for skip in skips:
             log.info("moe_compile: shard_experts: %s not sharded: %s", skip.name, skip.reason)
-        canonicalize = Canonicalize(config.merged({}))
+        canonicalize = Canonicalize(cfg)
         found, seen = [], set()
         for region in regions:
             linears = [region.experts.w1, region.experts.w2] + ([region.experts.w3] if region.experts.w3 else [])
