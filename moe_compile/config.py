@@ -1,7 +1,8 @@
 """The one configuration of moe_compile (DESIGN.md "User surface").
 
 A typed dataclass with a documented default per field. ``MOE_COMPILE_*``
-environment variables are read here and nowhere else; ``torch.compile(...,
+environment variables are read here and nowhere else (as is ``XDG_CACHE_HOME``,
+by :func:`default_cache_dir`); ``torch.compile(...,
 options={...})`` overrides fields per call. Every value is validated: an unknown
 key or a bad value raises :class:`ConfigError` naming the key and what is allowed
 (defined in the leaf module :mod:`moe_compile.errors`, re-exported here).
@@ -18,11 +19,12 @@ import difflib
 import math
 import os
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["ConfigError", "MoECompileConfig", "config", "INNER_COMPILERS", "PAUSE_MP", "SCHEDULES"]
+__all__ = ["ConfigError", "MoECompileConfig", "config", "default_cache_dir", "INNER_COMPILERS", "PAUSE_MP", "SCHEDULES"]
 
 INNER_COMPILERS = ("auto", "eager", "inductor")
 KERNELS = ("auto", "triton", "torch")
@@ -340,6 +342,18 @@ def _parse_env(name: str, raw: str, default: Any) -> Any:
         except ValueError:
             raise ConfigError(f"{env}={raw!r}: expected a number") from None
     return raw or None if default is None else raw
+
+
+def default_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """moe_compile's cache directory (the fitted cost models live there): ``$XDG_CACHE_HOME/moe_compile``,
+    or ``~/.cache/moe_compile`` when that variable is unset or empty.
+
+    The XDG base-directory convention, not a moe_compile option; read at each call
+    (like the process's other XDG users), here because environment reads belong in this module.
+    """
+    environ = os.environ if environ is None else environ
+    cache = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "moe_compile"
 
 
 #: The process-wide configuration; ``options=`` of each torch.compile call is merged into a copy.

@@ -292,3 +292,15 @@ def test_torch_compile_options_are_validated(options, key):
     with pytest.raises(Exception) as info:  # Dynamo wraps backend errors in BackendCompilerFailed
         model(torch.randn(2, 4))
     assert key in str(info.value)
+
+
+def test_default_cache_dir_follows_xdg_cache_home(tmp_path):
+    from pathlib import Path
+
+    from moe_compile.config import default_cache_dir
+
+    assert default_cache_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "moe_compile"
+    home_cache = Path.home() / ".cache" / "moe_compile"
+    assert default_cache_dir({}) == home_cache
+    assert default_cache_dir({"XDG_CACHE_HOME": ""}) == home_cache  # empty = unset (XDG)
+

@@ -37,6 +37,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from ..config import default_cache_dir
+
 __all__ = [
     "AlphaBeta",
     "ChunkTimes",
@@ -215,12 +217,11 @@ class CostModels:
     def default_path() -> pathlib.Path:
         """``<cache dir>/cost_models-<hostname>-<device>.json``.
 
-        The cache dir is ``$XDG_CACHE_HOME/moe_compile`` (the XDG base-directory
-        convention, not a moe_compile option) or ``~/.cache/moe_compile``.
+        The cache dir is :func:`moe_compile.config.default_cache_dir`: ``$XDG_CACHE_HOME/moe_compile``
+        (the XDG base-directory convention, not a moe_compile option) or ``~/.cache/moe_compile``.
         """
         info = machine_info()
-        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        return pathlib.Path(cache) / "moe_compile" / f"cost_models-{_slug(info['hostname'])}-{_slug(info['device'])}.json"
+        return default_cache_dir() / f"cost_models-{_slug(info['hostname'])}-{_slug(info['device'])}.json"
 
     @classmethod
     def paper(cls, name: str) -> "CostModels":

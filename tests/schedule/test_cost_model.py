@@ -79,6 +79,11 @@ def test_default_path_is_per_host_and_device():
     assert path.parent.name == "moe_compile" and path.name.startswith("cost_models-") and path.suffix == ".json"
 
 
+def test_default_path_is_in_the_cache_dir_of_config(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert CostModels.default_path().parent == tmp_path / "moe_compile"  # read per call, as before
+
+
 def test_schemoe_models_reproduce_the_papers_numbers():
     """The flat all-to-all model reproduces Table 10 (Naive − ScheMoE-Z) and Table 1's per-layer A2A slope."""
     m = CostModels.paper("schemoe")
