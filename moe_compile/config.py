@@ -5,7 +5,11 @@ environment variables are read here and nowhere else (as is ``XDG_CACHE_HOME``,
 by :func:`default_cache_dir`); ``torch.compile(...,
 options={...})`` overrides fields per call. Every value is validated: an unknown
 key or a bad value raises :class:`ConfigError` naming the key and what is allowed
-(defined in the leaf module :mod:`moe_compile.errors`, re-exported here).
+(defined in the leaf module :mod:`moe_compile.errors`, re-exported here). Options
+with a fixed set of values (``inner``, ``kernels``, ``schedule``, ``pause_mp``) are
+given as strings and validated into str-valued enums (:class:`InnerCompiler`,
+:class:`Kernels`, :class:`ScheduleName`, :class:`PauseMPSchedule`), which still equal,
+print and JSON-dump as those strings.
 
     import moe_compile
     with moe_compile.config.patch(verify_regions=False):
@@ -16,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import enum
 import math
 import os
 from collections.abc import Iterator, Mapping
@@ -24,13 +29,63 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["ConfigError", "MoECompileConfig", "config", "default_cache_dir", "INNER_COMPILERS", "PAUSE_MP", "SCHEDULES"]
+__all__ = [
+    "ConfigError", "MoECompileConfig", "config", "default_cache_dir",
+    "InnerCompiler", "Kernels", "PauseMPSchedule", "ScheduleName",
+    "INNER_COMPILERS", "KERNELS", "PAUSE_MP", "SCHEDULES",
+]
 
-INNER_COMPILERS = ("auto", "eager", "inductor")
-KERNELS = ("auto", "triton", "torch")
-SCHEDULES = ("optimal", "sequential", "tutel", "fastermoe")
-PAUSE_MP = ("auto", "off", "s1", "s2")
 _ENV_PREFIX = "MOE_COMPILE_"
+
+
+class _StrOption(str, enum.Enum):
+    """An option's allowed values: each member is its string (``== "auto"``, a dict key equal to
+    ``"auto"``, JSON ``"auto"``) and ``str()`` / f-strings / ``format()`` give that string, on every
+    Python (what ``enum.StrEnum`` does from 3.11; written out because 3.10 is supported)."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class InnerCompiler(_StrOption):
+    """``options["inner"]``: the compiler run after the passes."""
+
+    AUTO = "auto"          # inductor when the graph's tensors are on CUDA, else eager
+    EAGER = "eager"        # the AOTAutograd graphs run as they are
+    INDUCTOR = "inductor"
+
+
+class Kernels(_StrOption):
+    """``options["kernels"]``: the implementation the ``lower`` pass gives encode/decode and (de)quantization."""
+
+    AUTO = "auto"      # the Triton kernels for graphs on CUDA, else the torch references
+    TRITON = "triton"  # always the kernels (on CPU they need TRITON_INTERPRET=1)
+    TORCH = "torch"    # always the torch references
+
+
+class ScheduleName(_StrOption):
+    """``options["schedule"]``: the order of the chunked exchange and expert tasks (ScheMoE §4)."""
+
+    OPTIMAL = "optimal"        # Theorem 1, eq 12; comm issued as soon as ready (eqs 13-14)
+    SEQUENTIAL = "sequential"  # no overlap
+    TUTEL = "tutel"            # compression not chunked (Tutel §3.3)
+    FASTERMOE = "fastermoe"    # per-chunk loop, pipeline degree 2
+
+
+class PauseMPSchedule(_StrOption):
+    """``options["pause_mp"]``: Parm's PauseMP schedule for layers with an MP / ESP group (Parm §III)."""
+
+    AUTO = "auto"  # Parm Algorithm 1 on the fitted cost models
+    OFF = "off"    # the DeepSpeed-MoE baseline: ESP-AllGather, EP-AlltoAll, ESP-AllReduce
+    S1 = "s1"      # MP-Split before the gate, MP-AllGather after combine
+    S2 = "s2"      # MP-Split after the gate, MP-AllGather after the return all-to-all
+
+
+#: The allowed values as plain strings (what the error messages list).
+INNER_COMPILERS = tuple(m.value for m in InnerCompiler)
+KERNELS = tuple(m.value for m in Kernels)
+SCHEDULES = tuple(m.value for m in ScheduleName)
+PAUSE_MP = tuple(m.value for m in PauseMPSchedule)
 
 
 @dataclasses.dataclass
@@ -41,7 +96,7 @@ class MoECompileConfig:
     debug_dir: str | None = None
     #: Compiler run after the passes: "eager" (AOTAutograd graphs run as they are),
     #: "inductor", or "auto" = inductor when the graph's tensors are on CUDA, else eager.
-    inner: str = "auto"
+    inner: InnerCompiler = InnerCompiler.AUTO
     #: Find MoE layers and rewrite them into the canonical ``moe.*`` ops. False hands
     #: every graph to the inner compiler untouched.
     rewrite: bool = True
@@ -72,7 +127,7 @@ class MoECompileConfig:
     #: Which implementation the ``lower`` pass gives encode/decode and (de)quantization:
     #: "auto" = the Triton kernels for graphs on CUDA, else the torch references;
     #: "triton" = always the kernels (on CPU they need TRITON_INTERPRET=1); "torch" = never.
-    kernels: str = "auto"
+    kernels: Kernels = Kernels.AUTO
     #: Algorithm of the expert-parallel all-to-all: "flat" (one all_to_all_single), "1dh",
     #: "2dh", "pipe" (hierarchical over nodes of ``ranks_per_node`` ranks), a name given to
     #: register_all_to_all, or "auto": per layer, the one with the least time predicted by
@@ -85,7 +140,7 @@ class MoECompileConfig:
     #: Order of the chunked exchange and expert tasks (ScheMoE §4): "optimal" (Theorem 1,
     #: eq 12, comm issued as soon as ready, eqs 13-14), "sequential" (no overlap), "tutel"
     #: (compression not chunked, Tutel §3.3), "fastermoe" (per-chunk loop, pipeline degree 2).
-    schedule: str = "optimal"
+    schedule: ScheduleName = ScheduleName.OPTIMAL
     #: Chunks r of each expert-parallel layer's capacity dimension: an integer >= 1, or
     #: "auto" = the r solver (FSMoE Algorithm 1) on the fitted cost models (``cost_models``).
     num_chunks: Any = 1
@@ -109,7 +164,7 @@ class MoECompileConfig:
     #: "s1" (MP-Split before the gate, MP-AllGather after combine), "s2" (MP-Split after the
     #: gate, MP-AllGather after the return all-to-all), or "auto" (Parm Algorithm 1 on the
     #: fitted cost models). S1 and S2 use the fused EP&ESP-AlltoAll.
-    pause_mp: str = "auto"
+    pause_mp: PauseMPSchedule = PauseMPSchedule.AUTO
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> MoECompileConfig:
@@ -119,8 +174,10 @@ class MoECompileConfig:
                 f"options['inner']={self.inner!r}: not an inner compiler; choose one of "
                 f"{', '.join(INNER_COMPILERS)}"
             )
+        self.inner = InnerCompiler(self.inner)
         if self.kernels not in KERNELS:
             raise ConfigError(f"options['kernels']={self.kernels!r}: choose one of {', '.join(KERNELS)}")
+        self.kernels = Kernels(self.kernels)
         if not isinstance(self.compressor, str):
             raise ConfigError(f"options['compressor']={self.compressor!r}: expected a compressor name (a string)")
         if self.compressor != "none":
@@ -139,6 +196,7 @@ class MoECompileConfig:
                 )
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"options['schedule']={self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        self.schedule = ScheduleName(self.schedule)
         r = self.num_chunks
         if not (r == "auto" or (isinstance(r, int) and not isinstance(r, bool) and r >= 1)):
             raise ConfigError(f"options['num_chunks']={r!r}: expected an integer >= 1 or 'auto'")
@@ -175,6 +233,7 @@ class MoECompileConfig:
                 )
         if self.pause_mp not in PAUSE_MP:
             raise ConfigError(f"options['pause_mp']={self.pause_mp!r}: choose one of {', '.join(PAUSE_MP)}")
+        self.pause_mp = PauseMPSchedule(self.pause_mp)
         b = self.capacity_bucket
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ConfigError(f"options['capacity_bucket']={b!r}: expected an integer >= 1")
@@ -244,6 +303,7 @@ def _check_dependencies(cfg: MoECompileConfig) -> MoECompileConfig:
         for name, off in _NEEDS_EP_GROUP.items():
             value = getattr(cfg, name)
             if value != off:
+                value = value.value if isinstance(value, enum.Enum) else value  # the user's spelling
                 raise ConfigError(
                     f"options[{name!r}]={value!r} acts on the expert-parallel all-to-all, but "
                     f"options['ep_group'] is None (no expert parallelism): set options['ep_group'] "

@@ -1,10 +1,20 @@
 """moe_compile/config.py: defaults, validation errors that name the key, patch, environment variables."""
 import dataclasses
+import json
 
 import pytest
 import torch
 
-from moe_compile.config import INNER_COMPILERS, ConfigError, MoECompileConfig, config
+from moe_compile.config import (
+    INNER_COMPILERS,
+    ConfigError,
+    InnerCompiler,
+    Kernels,
+    MoECompileConfig,
+    PauseMPSchedule,
+    ScheduleName,
+    config,
+)
 
 
 def _field_names():
@@ -304,3 +314,34 @@ def test_default_cache_dir_follows_xdg_cache_home(tmp_path):
     assert default_cache_dir({}) == home_cache
     assert default_cache_dir({"XDG_CACHE_HOME": ""}) == home_cache  # empty = unset (XDG)
 
+
+
+@pytest.mark.parametrize("name, enum_type", [
+    ("inner", InnerCompiler), ("kernels", Kernels), ("schedule", ScheduleName), ("pause_mp", PauseMPSchedule),
+])
+def test_choice_options_are_validated_into_str_enums(name, enum_type):
+    """Each member equals, prints, formats and JSON-dumps as the string the user gave."""
+    options = {"ep_group": "world"} if name == "schedule" else {}
+    for member in enum_type:
+        value = getattr(MoECompileConfig().merged({**options, name: member.value}), name)
+        assert type(value) is enum_type and value is member
+        assert value == member.value and {member.value: 1}[value] == 1
+        assert str(value) == f"{value}" == format(value) == "%s" % value == member.value
+        assert format(value, ">12") == format(member.value, ">12")
+        assert json.dumps({"v": value, value: 0}, indent=1) == json.dumps({"v": member.value, member.value: 0}, indent=1)
+    assert type(getattr(MoECompileConfig(), name)) is enum_type  # defaults are members too
+
+
+def test_choice_options_from_env_and_patch_are_enums():
+    cfg = MoECompileConfig.from_env({"MOE_COMPILE_SCHEDULE": "tutel", "MOE_COMPILE_KERNELS": "torch"})
+    assert cfg.schedule is ScheduleName.TUTEL and cfg.kernels is Kernels.TORCH
+    with config.patch(inner="eager"):
+        assert config.inner is InnerCompiler.EAGER
+    assert isinstance(config.inner, InnerCompiler)
+
+
+def test_dependency_error_shows_the_plain_value():
+    with pytest.raises(ConfigError) as info:
+        MoECompileConfig().merged({"schedule": "sequential"})
+    assert "options['schedule']='sequential' acts on" in str(info.value)
+    assert "leave schedule at 'optimal'" in str(info.value)

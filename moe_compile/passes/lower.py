@@ -66,7 +66,7 @@ class Lower:
         from .. import triton_kernels
 
         if not triton_kernels.available("cuda" if on_cuda else "cpu"):
-            log.warning("moe_compile: kernels=%r but Triton cannot run here (on CPU it needs TRITON_INTERPRET=1); "
+            log.warning("moe_compile: kernels='%s' but Triton cannot run here (on CPU it needs TRITON_INTERPRET=1); "
                         "the torch references stay", self.cfg.kernels)
             return PassResult(gm, False)
         triton_kernels.load()  # registers torch.ops.moe.*_triton
