@@ -226,11 +226,6 @@ def test_reader_skips_type_checking_and_finds_cycles(tmp_path):
 # --------------------------------------------------------------------------- the package
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "cycles left for the lead (files being rewritten): "
-    "passes.expert_parallel -> passes.pause_mp -> passes.expert_parallel; "
-    "passes.chunk -> passes.expert_parallel -> passes.pause_mp -> passes.chunk"
-))
 def test_no_import_cycles():
     modules = package_modules()
     graph = import_graph(modules)

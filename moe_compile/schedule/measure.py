@@ -130,7 +130,7 @@ class TaskMeasurement:
         """Add ``measured`` to each measured layer of ``<debug_dir>/rank<r>/graph<id>/schedule.json`` (written
         from the plans when absent) and write ``timeline_layer<i>_<phase>.json`` / ``.png`` there with the
         predicted and the measured rows. Returns the files written."""
-        from ..debug import rank
+        from ..process_rank import rank
         from .plan import write_plans
         from .timeline import write_chrome_trace, write_gantt_png
 
