@@ -17,7 +17,6 @@ from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 
 PACKAGE = "moe_compile"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
