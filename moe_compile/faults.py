@@ -37,8 +37,9 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch.fx import GraphModule, Node
+
+from .collectives.nodes import is_wait
 
 __all__ = [
     "CollectiveSites", "MoECollectiveError", "Site", "collective_error", "describe_failure", "executing_node",
@@ -68,7 +69,6 @@ class Site:
     backward: bool = False
 
 
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
 _COLLECTIVE_WORDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv")
 
 
@@ -86,7 +86,7 @@ def collective_name(node: Node) -> str | None:
 
 def issuing_collective(node: Node) -> Node | None:
     """The collective node that ``node`` runs or waits for (``wait_tensor(x)`` → the producer of ``x``)."""
-    if node.op == "call_function" and node.target is _WAIT:
+    if is_wait(node):
         source = node.args[0] if node.args else None
         return source if isinstance(source, Node) and collective_name(source) else None
     return node if collective_name(node) else None
@@ -157,7 +157,7 @@ def _own_site(node: Node) -> Site | None:
 def _neighbour_site(node: Node) -> Site | None:
     """The layer of an untagged collective: from what it reads or what reads it (through its wait)."""
     near = list(node.all_input_nodes) + list(node.users)
-    near += [u for n in node.users if n.target is _WAIT for u in n.users]
+    near += [u for n in node.users if is_wait(n) for u in n.users]
     for other in near:
         site = _own_site(other)
         if site is not None:

@@ -36,7 +36,7 @@ from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..sharding import expert_shard
-from .graph_utils import example_value, is_call, module_region, region_boundary, shape_of, strip
+from .graph_utils import example_value, is_call, module_region, reachable, region_boundary, shape_of, strip
 
 __all__ = ["ExpertLinear", "ExpertMLP", "MoERegion", "Skip", "find_moe_regions"]
 
@@ -302,7 +302,7 @@ def _expert_mlp(region: list[Node], num_experts: int, topk: Node) -> tuple[Exper
     Only linears downstream of the router's ``topk`` are expert candidates (the
     router's own linear, or a shared layer before it, never is).
     """
-    after_router = _descendants(topk)
+    after_router = reachable(topk.users)
     linears = []
     for node in region:
         if node not in after_router:
@@ -346,17 +346,6 @@ def _expert_mlp(region: list[Node], num_experts: int, topk: Node) -> tuple[Exper
         w3=w3,
     )
     return experts, up1.input
-
-
-def _descendants(node: Node) -> set[Node]:
-    seen: set[Node] = set()
-    stack = list(node.users)
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.users)
-    return seen
 
 
 def _depends_on(node: Node, targets: set[Node]) -> bool:

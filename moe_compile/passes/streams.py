@@ -70,11 +70,12 @@ from torch import Tensor
 from torch.fx import Graph, GraphModule, Node
 
 from .. import streams as backends
+from ..collectives.nodes import is_wait
 from ..counters import counters
 from ..debug import log
 from .graph_utils import example_value, is_call
 from .manager import PassResult
-from .schedule import find_chains, is_wait
+from .schedule import find_chains
 
 __all__ = ["COMM", "Streams", "on_stream", "program"]
 
