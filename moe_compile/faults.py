@@ -17,9 +17,9 @@ Python frame; its line number maps to the executing node through
 Dynamo's ``_maybe_preserve_original_meta`` reads it). A ``wait_tensor`` node is
 attributed to the collective it waits for.
 
-How the layer is found: stage-1 nodes carry ``meta["moe_region"]`` /
-``meta["moe_task"]`` (canonicalize, expert_parallel, chunk); AOTAutograd drops
-those keys but keeps ``meta["from_node"]`` (provenance back to the stage-1 graph)
+How the layer is found: stage-1 nodes carry ``meta["moe_region"]`` (canonicalize)
+and the exchange's nodes a :class:`moe_compile.tasks.TaskLabel` (layer, chunk,
+task; expert_parallel, chunk); AOTAutograd drops those keys but keeps ``meta["from_node"]`` (provenance back to the stage-1 graph)
 on forward nodes and ``meta["seq_nr"]`` on all nodes, shared by a forward op and
 its gradient. :class:`CollectiveSites` bridges the two: it records the stage-1
 sites, attributes forward nodes through ``from_node`` (or ``seq_nr`` when a node
@@ -40,6 +40,7 @@ from typing import Any
 from torch.fx import GraphModule, Node
 
 from .collectives.nodes import is_wait
+from .tasks import task_label
 
 __all__ = [
     "CollectiveSites", "MoECollectiveError", "Site", "collective_error", "describe_failure", "executing_node",
@@ -101,7 +102,7 @@ class CollectiveSites:
         self.by_seq_nr: dict[int, Site] = {}
 
     def record_stage1(self, gm: GraphModule) -> None:
-        """Sites of the rewritten Dynamo graph (its nodes' ``moe_region`` / ``moe_task`` / ``moe_chunk``)."""
+        """Sites of the rewritten Dynamo graph (its nodes' task labels and ``moe_region``)."""
         self.graph_id = id(gm.graph)
         self.stage1 = {}
         for node in gm.graph.nodes:
@@ -148,9 +149,14 @@ class CollectiveSites:
 
 
 def _own_site(node: Node) -> Site | None:
-    layer = node.meta.get("moe_region")
+    label = task_label(node)
+    if label is not None:
+        return Site(str(label.layer), label.task, label.chunk)
+    layer = node.meta.get("moe_region")   # a node of the layer outside its exchange (gate, dispatch, combine)
     if layer is None:
         return None
+    # LEGACY stage-1 string labels (meta["moe_task"] = "A1", meta["moe_chunk"] = 1), read until the
+    # exchange emitter writes a TaskLabel; then this line becomes ``return Site(str(layer))``.
     return Site(str(layer), node.meta.get("moe_task"), node.meta.get("moe_chunk"))
 
 

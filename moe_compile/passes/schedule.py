@@ -56,9 +56,10 @@ attributed to a layer is left unchanged and the reason logged.
 
 Task labels (for measured timelines, :mod:`moe_compile.schedule.measure`): the
 pass also tags every node of every chain with ``node.meta[TASK_META] =
-TaskLabel(layer, chunk, task)`` — ``layer`` the 0-based index of the layer in
-this graph (graph order of its first exchange; an un-chunked chain is a layer of
-its own), ``chunk`` the 1-based chunk (the *forward* chunk index in both graphs),
+TaskLabel(layer, chunk, task)`` (:mod:`moe_compile.tasks`, the record stage 1
+uses too) — ``layer`` the 0-based index of the layer in this graph (graph order
+of its first exchange; an un-chunked chain is a layer of its own, chunk 1),
+``chunk`` the 1-based chunk (the *forward* chunk index in both graphs),
 ``task`` one of ScheMoE's C1 A1 D1 E C2 A2 D2: pre → C1, first issue → A1, mid
 split at the expert matmuls into D1 (before) / E (the matmuls and what lies
 between them) / C2 (after), second issue → A2, post → D2. Backward: the mirror
@@ -71,7 +72,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from typing import NamedTuple
 
 import torch
 from torch.fx import GraphModule, Node
@@ -80,13 +80,11 @@ from ..collectives.nodes import is_all_to_all, is_wait
 from ..config import SCHEDULES, ConfigError
 from ..counters import counters
 from ..debug import log
+from ..tasks import TASK_META, TaskLabel
 from .graph_utils import reachable
 from .manager import PassResult
 
-__all__ = ["TASK_META", "Chain", "Schedule", "TaskLabel", "find_chains", "is_all_to_all", "is_wait", "label_tasks"]
-
-#: ``node.meta`` key of a chain node's :class:`TaskLabel` (stage 1's ``moe_task`` is a plain task name)
-TASK_META = "moe_schedule_task"
+__all__ = ["Chain", "Schedule", "find_chains", "label_tasks"]
 
 
 def _wait_of(issue: Node) -> Node | None:
@@ -177,14 +175,6 @@ def _attribute(chain: Chain) -> None:
     chain.post = [n for n in reachable(w2.users, stop=_is_join_or_barrier) if not _is_join_or_barrier(n)]
 
 
-class TaskLabel(NamedTuple):
-    """Which ScheMoE task a node of a scheduled graph belongs to (see the module docstring)."""
-
-    layer: int   # 0-based index of the layer in this graph
-    chunk: int   # 1-based (forward) chunk index
-    task: str    # C1 A1 D1 E C2 A2 D2
-
-
 _EXPERT_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default,
                    torch.ops.aten.addmm.default}
 if hasattr(torch.ops.aten, "_grouped_mm"):
@@ -201,7 +191,7 @@ def label_tasks(chains: list[Chain]) -> int:
         for task, nodes in (("C1", pre), ("A1", [chain.first]), ("D1", d1), ("E", e), ("C2", c2),
                             ("A2", [chain.second]), ("D2", chain.post)):
             for node in nodes:
-                node.meta[TASK_META] = TaskLabel(index, chain.chunk, task)
+                node.meta[TASK_META] = TaskLabel(layer=index, chunk=chain.chunk, task=task)
     return len(layers)
 
 
