@@ -84,7 +84,7 @@ from ..tasks import TASK_META, TaskLabel
 from .graph_utils import reachable
 from .manager import PassResult
 
-__all__ = ["Chain", "Schedule", "find_chains", "label_tasks"]
+__all__ = ["Chain", "SchedulePass", "find_chains", "label_tasks"]
 
 
 def _wait_of(issue: Node) -> Node | None:
@@ -233,8 +233,9 @@ def _is_join_or_barrier(node: Node) -> bool:
     ) or len(node.users) == 0
 
 
-class Schedule:
-    """Stage-2 pass: see the module docstring."""
+class SchedulePass:
+    """Stage-2 pass: see the module docstring. (Not :class:`moe_compile.schedule.simulator.Schedule`, the
+    simulator's record of a compute order.)"""
 
     name = "schedule"
 
@@ -368,3 +369,8 @@ def _apply(gm: GraphModule, order: list[Node]) -> None:
     for node in order[:-1]:
         output.prepend(node)
     gm.graph.lint()
+
+
+#: Old name of :class:`SchedulePass`, still imported by ``passes/__init__.py`` and ``backend.py``; remove
+#: once they import ``SchedulePass``.
+Schedule = SchedulePass
