@@ -2,8 +2,8 @@
 
     torch.compile(model, backend="moe", fullgraph=True, options={...})
 
-Pipeline (DESIGN.md): stage-1 passes on the Dynamo graph (detect, canonicalize,
-expert_parallel, pause_mp, chunk),
+Pipeline (:mod:`moe_compile.passes.pipeline`, DESIGN.md): stage-1 passes on the
+Dynamo graph (detect, canonicalize, expert_parallel, pause_mp, chunk, exchange),
 then AOTAutograd, whose forward and backward graphs each run the stage-2 passes
 and then the inner compiler: ``"eager"`` (the AOTAutograd graphs run as they are,
 the default on CPU) or ``"inductor"`` (the default on CUDA).
@@ -18,34 +18,33 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
+from .compile_context import CompileContext
 from .config import ConfigError, MoECompileConfig, config
 from .counters import counters
-from .debug import GraphDumper
 from .faults import name_collective_faults
-from .collectives import resolve_group
-from .collectives.layout import resolve_layout
-from .passes import Canonicalize, Chunk, Detect, DropDeadCollectives, ExpertParallel, Lower, PassManager, Schedule
-from .passes.pause_mp import PauseMP
-from .passes.streams import Streams
+from .passes import pipeline
+from .passes.manager import PassManager
 from .passes.registry import with_user_passes
 
 __all__ = ["moe_backend", "stage1_passes", "stage2_passes"]
 
 
 def stage1_passes(cfg: MoECompileConfig) -> list:
-    """Semantic rewrites on the Dynamo graph; every new op is autograd-aware."""
-    if not cfg.rewrite:
-        return []
-    group = resolve_group(cfg.ep_group)
-    layout = resolve_layout(cfg.ep_group, cfg.esp_group, cfg.mp_group) if group is not None else None
-    return with_user_passes(
-        [Detect(), Canonicalize(cfg), ExpertParallel(cfg, group, layout), PauseMP(cfg), Chunk(cfg)]
-    )
+    """Semantic rewrites on the Dynamo graph (every new op is autograd-aware), with the user's passes."""
+    return with_user_passes(pipeline.stage1_passes(cfg))
 
 
 def stage2_passes(cfg: MoECompileConfig) -> list:
-    """Passes on the AOTAutograd forward / backward graphs: order only, semantics unchanged."""
-    return with_user_passes([DropDeadCollectives(), Schedule(cfg.schedule), Lower(cfg), Streams()])
+    """Passes on the AOTAutograd forward / backward graphs (order only, semantics unchanged), with the
+    user's passes."""
+    return with_user_passes(pipeline.stage2_passes(cfg))
+
+
+def _run_stage(passes: list, context: CompileContext, gm: torch.fx.GraphModule, prefix: str = ""):
+    manager = PassManager(passes, context.dumper, prefix=prefix)
+    gm = manager(gm)
+    context.stage_done(prefix, manager.effects, gm)
+    return gm
 
 
 def moe_backend(
@@ -59,13 +58,8 @@ def moe_backend(
         raise ConfigError(f"mode={mode!r}: the moe backend takes no mode; pass settings as options={{...}}")
     cfg = config.merged(options)
     counters["graphs"] += 1
-    dumper = GraphDumper(cfg.debug_dir, cfg)
-    gm = PassManager(stage1_passes(cfg), dumper)(gm)
-    plans = gm.meta.get("moe_plans")
-    if plans and dumper.directory is not None:
-        from .schedule.plan import write_plans
-
-        write_plans(dumper.directory, plans)
+    context = CompileContext(cfg)
+    gm = _run_stage(stage1_passes(cfg), context, gm)
 
     inner = cfg.inner
     if inner == "auto":
@@ -75,7 +69,7 @@ def moe_backend(
 
         def inductor_inner(graph, inputs, **kwargs):
             prefix = "bw_" if kwargs.get("is_backward") else "fw_"
-            graph = PassManager(stage2_passes(cfg), dumper, prefix=prefix)(graph)
+            graph = _run_stage(stage2_passes(cfg), context, graph, prefix)
             return compile_fx_inner(graph, inputs, **kwargs)
 
         return compile_fx(gm, list(example_inputs), inner_compile=inductor_inner)
@@ -83,17 +77,18 @@ def moe_backend(
     def eager_inner(graph, inputs, prefix):
         from .schedule.measure import timed_graph
 
-        graph = PassManager(stage2_passes(cfg), dumper, prefix=prefix)(graph)
+        graph = _run_stage(stage2_passes(cfg), context, graph, prefix)
         run = name_collective_faults(graph)  # names the MoE layer of a failed collective
         # moe_compile.measure_tasks(): per-task timing while a measurement is active, else `run` itself
-        return make_boxed_func(timed_graph(graph, run, backward=prefix == "bw_", graph_id=dumper.graph_id,
-                                           plans=plans))
+        return make_boxed_func(timed_graph(graph, run, backward=prefix == "bw_", graph_id=context.graph_id,
+                                           plans=context.plans))
 
     return aot_autograd(
         fw_compiler=functools.partial(eager_inner, prefix="fw_"),
         bw_compiler=functools.partial(eager_inner, prefix="bw_"),
         inference_compiler=functools.partial(eager_inner, prefix="fw_"),
     )(gm, example_inputs)
+
 
 
 def _on_cuda(example_inputs: Sequence[Any]) -> bool:

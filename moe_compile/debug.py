@@ -17,26 +17,23 @@ import itertools
 import json
 import logging
 import os
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.fx
 
+from .process_rank import rank
+
 log = logging.getLogger("moe_compile")
 
-__all__ = ["GraphDumper", "graph_text", "log", "rank", "record_measured"]
+__all__ = ["GraphDumper", "graph_text", "log", "next_graph_id", "rank", "record_measured"]
 
 _graph_ids = itertools.count()
 
 
-def rank() -> int:
-    """This process's rank in the default process group, 0 without one."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return 0
+def next_graph_id() -> int:
+    """A new graph id: the Dynamo graphs handed to the backend in this process are numbered 0, 1, ..."""
+    return next(_graph_ids)
 
 
 def graph_text(gm: torch.fx.GraphModule) -> str:
@@ -44,21 +41,16 @@ def graph_text(gm: torch.fx.GraphModule) -> str:
 
 
 class GraphDumper:
-    """Writes one graph's before/after snapshots; one instance per Dynamo graph.
+    """Writes one graph's before/after snapshots and files; one instance per Dynamo graph.
 
-    Given the backend's ``cfg`` it also keeps the graph's ``summary.json`` and the
-    layer sites that name a failing collective (:meth:`record_stage`).
+    It only writes: what goes into ``summary.json`` and ``schedule.json`` is
+    :class:`moe_compile.compile_context.CompileContext`'s.
     """
 
-    def __init__(self, debug_dir: str | os.PathLike | None, cfg: Any = None):
-        from .faults import CollectiveSites
-
-        self.graph_id = next(_graph_ids)
+    def __init__(self, debug_dir: str | os.PathLike | None, graph_id: int | None = None):
+        self.graph_id = next_graph_id() if graph_id is None else graph_id
         self.debug_dir = Path(debug_dir) if debug_dir else None
-        self.cfg = cfg
         self._step = itertools.count()
-        self.sites = CollectiveSites()
-        self.summary: dict = {"graph": self.graph_id, "rank": rank(), "passes": {}}
 
     @property
     def directory(self) -> Path | None:
@@ -88,25 +80,6 @@ class GraphDumper:
 
     def next_step(self) -> int:
         return next(self._step)
-
-    def record_stage(self, prefix: str, passes: Sequence[tuple[str, bool]], gm: torch.fx.GraphModule) -> None:
-        """After a pass manager ran (``prefix`` "" = stage 1, "fw_" / "bw_" = stage 2): note the passes and
-        their effect, carry the layers' sites to the AOTAutograd graph (``moe_compile.faults``), and
-        rewrite ``summary.json``."""
-        stage = prefix.rstrip("_") or "stage1"
-        self.summary["passes"][stage] = [{"pass": name, "modified": modified} for name, modified in passes]
-        if stage == "stage1":
-            from .summary import stage1_summary
-
-            self.sites.record_stage1(gm)
-            self.summary.update(stage1_summary(gm, self.cfg))
-        else:
-            self.sites.annotate(gm, backward=stage == "bw")
-        directory = self.directory
-        if directory is not None and self.cfg is not None:   # a backend compile (bare pass runs dump graphs only)
-            from .summary import write_summary
-
-            write_summary(directory, self.summary)
 
 
 def record_measured(debug_dir: str | os.PathLike, layer: str, seconds: float, phase: str = "forward") -> Path:

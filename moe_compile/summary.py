@@ -1,6 +1,6 @@
 """``summary.json``: what the backend did to one graph, in one file a person (or ``explain``) can read.
 
-Written by :meth:`moe_compile.debug.GraphDumper.record_stage` after stage 1 and again
+Written by :meth:`moe_compile.compile_context.CompileContext.stage_done` after stage 1 and again
 after each stage-2 graph (forward, backward), to
 ``<debug_dir>/rank<r>/graph<id>/summary.json``::
 
@@ -15,8 +15,9 @@ after each stage-2 graph (forward, backward), to
      "layers": [{"layer": "moe", "ep_size": 2, "all_to_all": "flat", "chunks": 2, "schedule": "optimal",
                  "why": "...", "predicted_seconds": {...}}]}
 
-The content comes from what the passes leave in ``gm.meta`` (``moe_found``,
-``moe_skips``, ``moe_exchange_segments``, ``moe_plans``) and from the stage-1 graph
+The content comes from what the passes leave in ``gm.meta["moe"]``
+(:class:`moe_compile.passes.state.MoEGraphState`: the layers found and skipped, and
+each layer's :class:`~moe_compile.passes.exchange_plan.ExchangePlan`) and from the stage-1 graph
 itself (the capacity each ``moe.dispatch`` was built with); nothing here decides
 anything.
 """
@@ -74,10 +75,10 @@ def _plain(value: Any) -> Any:
 
 def stage1_summary(gm: GraphModule, cfg: Any) -> dict:
     """Regions found / rewritten / skipped, and the per-layer exchange and plan, of the rewritten Dynamo graph."""
-    found = gm.meta.get("moe_found") or []
-    skips = gm.meta.get("moe_skips") or []
-    segments = gm.meta.get("moe_exchange_segments") or []
-    plans = gm.meta.get("moe_plans") or []
+    from .passes.state import moe_state
+
+    state = moe_state(gm)
+    found, skips = state.found, state.skips
     skipped_names = {s.name for s in skips if getattr(s, "stage", "detect") == "canonicalize"}
     built = _dispatch_capacities(gm)
 
@@ -101,22 +102,20 @@ def stage1_summary(gm: GraphModule, cfg: Any) -> dict:
     else:
         no_moe = None
 
-    layers: dict[str, dict] = {}
-    for segment in segments:
-        layers[segment.name] = {
-            "layer": segment.name, "ep_size": segment.group.size, "num_local_experts": segment.num_local,
-            "all_to_all": segment.algorithm,
-        }
-    for plan in plans:
-        entry = layers.setdefault(plan.layer, {"layer": plan.layer})
-        entry.update({
-            "chunks": plan.chunks, "schedule": plan.schedule, "why": plan.why, "compressor": plan.compressor,
-            "cost_models": plan.models, "predicted_seconds": plan.predicted, "measured": plan.measured,
-        })
-    ep_size = segments[0].group.size if segments else None
+    layers = []
+    for exchange in state.layers:
+        entry = exchange.describe()
+        plan = exchange.schedule_plan
+        if plan is not None:
+            entry.update({
+                "schedule": plan.schedule, "why": plan.why, "compressor": plan.compressor,
+                "cost_models": plan.models, "predicted_seconds": plan.predicted, "measured": plan.measured,
+            })
+        layers.append(entry)
+    ep_size = state.layers[0].group.size if state.layers else None
     return {
         "options": options_summary(cfg, ep_size), "regions": regions, "skipped": skipped, "no_moe": no_moe,
-        "layers": list(layers.values()),
+        "layers": layers,
     }
 
 

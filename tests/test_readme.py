@@ -48,7 +48,7 @@ def test_extending_compressor_example(extending, tmp_path):
         compiled(torch.randn(8, 16, requires_grad=True)).sum().backward()
     finally:
         dist.destroy_process_group()
-    code = next(tmp_path.glob("rank0/graph*/*_expert_parallel_after.py")).read_text()
+    code = next(tmp_path.glob("rank0/graph*/*_exchange_after.py")).read_text()
     assert code.count("'int16'") == 4  # compress + decompress, both exchanges
     codec = compressors.get_compressor("int16")
     x = torch.randn(16, 33) * 100
@@ -69,5 +69,5 @@ def test_extending_all_to_all_example(extending, tmp_path):
         compiled(torch.randn(8, 16, requires_grad=True)).sum().backward()
     finally:
         dist.destroy_process_group()
-    code = next(tmp_path.glob("rank0/graph*/*_expert_parallel_after.py")).read_text()
+    code = next(tmp_path.glob("rank0/graph*/*_exchange_after.py")).read_text()
     assert code.count("moe_compile_collectives_all_to_all_registry_all_to_all(") == 2 and "'halves'" in code

@@ -45,20 +45,20 @@ from ..debug import log
 from .detect import ExpertLinear, MoERegion, Skip, find_moe_regions
 from .graph_utils import example_value, is_inplace, shape_of
 from .manager import PassResult
+from .state import moe_state
 
 __all__ = ["Canonicalize", "Detect", "capacity_from_factor"]
 
 
 class Detect:
-    """Stage-1 pass: find MoE layers, record them in ``gm.meta["moe_regions"]``; never edits."""
+    """Stage-1 pass: find MoE layers, record them in ``gm.meta["moe"]`` (found, pending, skips); never edits."""
 
     name = "detect"
 
     def __call__(self, gm: GraphModule) -> PassResult:
         regions, skips = find_moe_regions(gm.graph)
-        gm.meta["moe_regions"] = regions
-        gm.meta["moe_found"] = list(regions)   # kept for the debug summary (canonicalize empties moe_regions)
-        gm.meta["moe_skips"] = skips
+        state = moe_state(gm)
+        state.found, state.pending, state.skips, state.detected = list(regions), list(regions), list(skips), True
         counters["regions_found"] += len(regions)
         for skip in skips:
             counters["regions_skipped"] += 1
@@ -91,9 +91,8 @@ class Canonicalize:
         self.cfg = cfg
 
     def __call__(self, gm: GraphModule) -> PassResult:
-        regions = gm.meta.get("moe_regions")
-        if regions is None:
-            regions, _ = find_moe_regions(gm.graph)
+        state = moe_state(gm)
+        regions = state.pending if state.detected else find_moe_regions(gm.graph)[0]
         modified = False
         for region in regions:
             reason = self.rewrite_region(gm, region)
@@ -103,9 +102,9 @@ class Canonicalize:
                 log.info("moe_compile: rewrote %s MoE layer %s into moe.dispatch/experts/combine", region.pattern, region.name)
             else:
                 counters["regions_skipped"] += 1
-                gm.meta.setdefault("moe_skips", []).append(Skip(region.name, reason, stage="canonicalize"))
+                state.skips.append(Skip(region.name, reason, stage="canonicalize"))
                 log.warning("moe_compile: MoE layer %s left unchanged: %s", region.name, reason)
-        gm.meta["moe_regions"] = []
+        state.pending = []
         return PassResult(gm, modified)
 
     def rewrite_region(self, gm: GraphModule, region: MoERegion) -> str | None:

@@ -4,16 +4,19 @@ ScheMoE §4 (eq 3) partitions the tasks of an MoE layer, C1 A1 D1 E C2 A2 D2, in
 r independent sub-tasks so that the all-to-all of one chunk can overlap the
 computation of another; Tutel §3.3 (Fig. 14) partitions only the all-to-alls and
 the experts in between, along the capacity dimension. This stage-1 pass (after
-``expert_parallel``) re-emits the layer's exchange segment once per chunk; the
-stage-2 ``schedule`` pass then orders the chunks' tasks (Theorem 1).
+``expert_parallel`` and ``pause_mp``) chooses r for each planned layer and writes it
+into the layer's plan (``ExchangePlan.chunks``, with the predictions that chose it
+in ``schedule_plan``); the ``exchange`` pass builds one exchange per chunk
+(:mod:`.emit_exchange`), and the stage-2 ``schedule`` pass orders the chunks' tasks
+(Theorem 1).
 
-Before (one layer, after ``expert_parallel``)::
+Before (one layer, as the ``exchange`` pass builds it with r = 1)::
 
     buf, loc = moe.dispatch(x, ids, E, C, rows)                          # [E, R, M]
     y = <C1 A1 D1 E C2 A2 D2>(buf)                                      # [E, R, M]
     out = moe.combine(y, ids, loc, w)
 
-After (r = 2)::
+After (as the ``exchange`` pass builds it with this pass's r = 2)::
 
     buf, loc = moe.dispatch(x, ids, E, C, rows)
     b1, b2 = moe.chunk_rows(buf, 2)                                     # [E, R_1, M], [E, R_2, M]
@@ -36,20 +39,17 @@ r is ``config.num_chunks``, or with ``"auto"`` the r solver (FSMoE Algorithm 1,
 """
 from __future__ import annotations
 
-import operator
+import dataclasses
 
-import torch
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 
-from .. import ops  # noqa: F401  (registers torch.ops.moe.chunk_rows / cat_rows)
 from ..config import MoECompileConfig
-from ..counters import counters
 from ..debug import log
-from .expert_parallel import ExchangeSegment, emit_exchange, live_segments
-from .graph_utils import between
+from .exchange_plan import ExchangePlan
 from .manager import PassResult
+from .state import moe_state
 
-__all__ = ["Chunk", "segment_nodes"]
+__all__ = ["Chunk"]
 
 #: "auto" never splits a layer into more chunks than this (the solver's search bound).
 MAX_AUTO_CHUNKS = 16
@@ -65,21 +65,19 @@ class Chunk:
         self._models = None
 
     def __call__(self, gm: GraphModule) -> PassResult:
-        modified = False
-        for segment in live_segments(gm, self.name):
-            chunks, why = self.chunks_for(segment)
-            gm.meta.setdefault("moe_plans", []).append(segment.plan)
+        state = moe_state(gm)
+        for plan in list(state.layers):
+            chunks, why, schedule_plan = self.chunks_for(plan)
             if chunks == 1:
-                log.info("moe_compile: %s not chunked (r = 1: %s)", segment.name, why)
-                continue
-            _chunk(gm, segment, chunks, self.cfg)
-            counters["regions_chunked"] += 1
-            log.info("moe_compile: %s split into r = %d chunks along capacity (%s)", segment.name, chunks, why)
-            modified = True
-        return PassResult(gm, modified)
+                log.info("moe_compile: %s not chunked (r = 1: %s)", plan.name, why)
+            else:
+                log.info("moe_compile: %s split into r = %d chunks along capacity (%s)", plan.name, chunks, why)
+            state.replace_plan(dataclasses.replace(plan, chunks=chunks, schedule_plan=schedule_plan))
+        return PassResult(gm, False)
 
-    def chunks_for(self, segment: ExchangeSegment) -> tuple[int, str]:
-        """r for ``segment`` and why: the option, or the solver's choice on the fitted models."""
+    def chunks_for(self, plan: ExchangePlan):
+        """r for ``plan``'s layer, why, and the schedule plan (predictions): the option, or the solver's
+        choice on the fitted models."""
         r = self.cfg.num_chunks
         if r == "auto" and self.cfg.schedule == "sequential":
             r, why = 1, "the sequential schedule overlaps nothing"
@@ -87,12 +85,12 @@ class Chunk:
             r, why = 2, "FasterMoE's pipeline degree"
         else:
             why = "options['num_chunks']"
-        plan = self.plan(segment, r)
-        plan.pause_mp = segment.pause_decision
-        segment.plan = plan
-        return (plan.chunks, plan.why) if r == "auto" else (r, why)
+        schedule_plan = self.schedule_plan(plan, r)
+        schedule_plan.pause_mp = plan.pause_decision
+        return (schedule_plan.chunks, schedule_plan.why, schedule_plan) if r == "auto" else (r, why, schedule_plan)
 
-    def plan(self, segment: ExchangeSegment, chunks):
+    def schedule_plan(self, plan: ExchangePlan, chunks):
+        """The layer's :class:`moe_compile.schedule.plan.LayerPlan` (r and its predicted timelines)."""
         from ..collectives.compressors import payload_ratio
         from ..schedule.cost_model import LayerShape
         from ..schedule.plan import load_models, plan_layer
@@ -101,51 +99,13 @@ class Chunk:
             self._models = load_models(self.cfg.cost_models)
         models, source = self._models
         shape = LayerShape(
-            num_experts=segment.num_experts, world=segment.group.size, rows=max(1, segment.rows_hint),
-            model_dim=segment.model_dim, hidden_dim=max(1, segment.hidden_dim),
-            dtype_bytes=segment.token_dtype.itemsize, num_matrices=max(1, segment.num_matrices),
-            payload_ratio=min(1.0, payload_ratio(self.cfg.compressor, segment.model_dim, segment.token_dtype)),
+            num_experts=plan.num_experts, world=plan.group.size, rows=max(1, plan.rows_hint),
+            model_dim=plan.model_dim, hidden_dim=max(1, plan.hidden_dim),
+            dtype_bytes=plan.token_dtype.itemsize, num_matrices=max(1, plan.num_matrices),
+            payload_ratio=min(1.0, payload_ratio(self.cfg.compressor, plan.model_dim, plan.token_dtype)),
         )
         return plan_layer(
-            segment.name, shape, schedule=self.cfg.schedule, compressor=self.cfg.compressor,
+            plan.name, shape, schedule=self.cfg.schedule, compressor=self.cfg.compressor,
             algorithm=self.cfg.all_to_all, models=models, models_source=source, chunks=chunks,
             max_chunks=MAX_AUTO_CHUNKS,
         )
-
-
-def segment_nodes(segment: ExchangeSegment) -> list[Node]:
-    """The nodes strictly after ``segment.buffer`` up to ``segment.output``: descendants of the
-    buffer that are ancestors of (or are) the output, in graph order."""
-    inside = between(segment.buffer, segment.output)
-    return [n for n in segment.output.graph.nodes if n in inside]
-
-
-def _chunk(gm: GraphModule, segment: ExchangeSegment, chunks: int, cfg: MoECompileConfig) -> None:
-    graph = gm.graph
-    old = segment_nodes(segment)
-    escaping = [u for n in old if n is not segment.output for u in n.users if u not in old]
-    if escaping:
-        raise RuntimeError(
-            f"layer {segment.name}: nodes inside its exchange are read outside it ({[u.name for u in escaping]}); "
-            f"the layer cannot be chunked"
-        )
-    meta = dict(segment.meta)
-    if segment.pause == "s2":  # every chunk is split over MP again: R a multiple of m·r keeps them divisible
-        segment.round_rows(segment.layout.replicas * chunks)
-    with graph.inserting_before(old[0]):
-        total = graph.call_function(torch.ops.aten.sym_size.int, (segment.buffer, 1))
-        parts = graph.call_function(torch.ops.moe.chunk_rows.default, (segment.buffer, chunks))
-        outputs = []
-        for i in range(chunks):
-            part = graph.call_function(operator.getitem, (parts, i))
-            part.meta.update(moe_task="C1", moe_chunk=i + 1)
-            outputs.append(emit_exchange(graph, part, segment, cfg, chunk=i + 1))
-        joined = graph.call_function(torch.ops.moe.cat_rows.default, (outputs, total))
-    for node in (total, parts, joined):
-        node.meta.update(meta)
-    parts.meta["moe_task"] = "C1"
-    joined.meta["moe_task"] = "D2"
-    segment.output.replace_all_uses_with(joined)
-    for node in reversed(old):
-        graph.erase_node(node)
-    segment.output = joined

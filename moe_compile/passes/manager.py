@@ -3,9 +3,10 @@
 Modelled on ``torch/fx/passes/infra/pass_manager.py``: a pass is a callable
 ``pass(gm) -> PassResult(graph_module, modified)`` with a ``name``. After each
 pass that modified the graph the manager lints it and recompiles; with a debug
-directory it writes the graph before and after every pass, and at the end tells the
-dumper which passes ran and which modified the graph (``summary.json``). An exception inside a
-pass becomes ``PassFailedError("pass <name> failed after [<passes that ran>]: <cause>")``.
+directory it writes the graph before and after every pass, and at the end keeps
+which passes ran and which modified the graph (:attr:`PassManager.effects`, for
+``summary.json``). An exception inside a pass becomes
+``PassFailedError("pass <name> failed after [<passes that ran>]: <cause>")``.
 """
 from __future__ import annotations
 
@@ -47,10 +48,12 @@ class PassManager:
         self.passes = list(passes)
         self.dumper = dumper
         self.prefix = prefix
+        #: (pass name, modified the graph) of every pass of the last run
+        self.effects: list[tuple[str, bool]] = []
 
     def __call__(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         ran: list[str] = []
-        effects: list[tuple[str, bool]] = []
+        self.effects = effects = []
         for p in self.passes:
             name = self.prefix + pass_name(p)
             step = self.dumper.next_step() if self.dumper else 0
@@ -73,6 +76,4 @@ class PassManager:
             log.debug("moe_compile: pass %s %s", name, "modified the graph" if result.modified else "left the graph unchanged")
             ran.append(name)
             effects.append((pass_name(p), bool(result.modified)))
-        if self.dumper:
-            self.dumper.record_stage(self.prefix, effects, gm)
         return gm

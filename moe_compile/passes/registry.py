@@ -6,20 +6,23 @@ anchored to, right before or after it, is linted and recompiled like the
 built-ins, and appears in the debug dumps as ``<NN>_<name>_{before,after}.py``
 (stage 2: ``fw_<name>`` / ``bw_<name>``, run once on each of the two graphs).
 
-Stage 1 (Dynamo graph, torch IR, before AOTAutograd): ``detect``,
-``canonicalize``, ``expert_parallel``, ``pause_mp``, ``chunk``. Stage 2 (AOTAutograd forward and
-backward graphs, aten IR): ``drop_dead_collectives``, ``schedule``, ``lower``, ``streams``. Passes registered on the
-same anchor and side run in registration order.
+The anchors are the built-in passes of :mod:`.pipeline`: stage 1 (Dynamo graph,
+torch IR, before AOTAutograd) ``detect``, ``canonicalize``, ``expert_parallel``,
+``pause_mp``, ``chunk``, ``exchange``; stage 2 (AOTAutograd forward and backward
+graphs, aten IR) ``drop_dead_collectives``, ``schedule``, ``lower``, ``streams``.
+``expert_parallel``, ``pause_mp`` and ``chunk`` decide (they write the layers' plans in
+``gm.meta["moe"]``); ``exchange`` builds the collectives, so a pass that wants to see
+them runs ``after="exchange"``. Passes registered on the same anchor and side run in
+registration order.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-__all__ = ["STAGE1", "STAGE2", "register_pass", "registered_passes", "unregister_pass", "with_user_passes"]
+from .pipeline import STAGE1, STAGE2
 
-STAGE1 = ("detect", "canonicalize", "expert_parallel", "pause_mp", "chunk")
-STAGE2 = ("drop_dead_collectives", "schedule", "lower", "streams")
+__all__ = ["STAGE1", "STAGE2", "register_pass", "registered_passes", "unregister_pass", "with_user_passes"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -134,7 +134,7 @@ def test_registered_compressor_runs_in_the_compiled_graph(registered_int16, tmp_
         compiled(torch.randn(6, 8, requires_grad=True)).sum().backward()
     finally:
         dist.destroy_process_group()
-    code = next(tmp_path.glob("rank0/graph*/*_expert_parallel_after.py")).read_text()
+    code = next(tmp_path.glob("rank0/graph*/*_exchange_after.py")).read_text()
     assert code.count("torch.ops.moe.compress.default(") == 2 and "'int16'" in code
     backward = next(tmp_path.glob("rank0/graph*/*_bw_drop_dead_collectives_after.py")).read_text()
     assert backward.count("torch.ops.moe.compress.default(") == 2

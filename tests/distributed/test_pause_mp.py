@@ -126,8 +126,8 @@ def _run_case(rank: int, world_size: int, case: Case, ep: int, debug_root: str) 
         torch.testing.assert_close(summed, distinct[name], **tol,
                                    msg=lambda m: f"{case.name} rank {rank} summed expert grad {name}: {m}")
 
-    after = sorted((debug_dir / f"rank{rank}").glob("graph*/*pause_mp_after.py"))
-    assert after, f"{case.name}: no pause_mp dump under {debug_dir}"
+    after = sorted((debug_dir / f"rank{rank}").glob("graph*/*_exchange_after.py"))
+    assert after, f"{case.name}: no exchange dump under {debug_dir}"
     code = after[0].read_text()
     expected = {
         "off": ["_c10d_functional_autograd.all_gather_into_tensor", "all_reduce_sum", "grad_scale"],
@@ -137,7 +137,7 @@ def _run_case(rank: int, world_size: int, case: Case, ep: int, debug_root: str) 
     if "esp_group" not in groups:  # s = 1: no ESP collectives, no dump / local combine
         expected = [n for n in expected if "esp" not in n and "all_gather_into" not in n and "all_reduce" not in n]
     for name in expected:
-        assert name in code, f"{case.name}: {name} missing from the graph after pause_mp"
+        assert name in code, f"{case.name}: {name} missing from the graph after exchange"
     if case.expect != "off":
         for name in ("_c10d_functional_autograd.all_gather_into_tensor", "all_reduce_sum", "grad_scale"):
             assert name not in code, f"{case.name}: the baseline's {name} is still in the graph"

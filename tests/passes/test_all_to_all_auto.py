@@ -36,7 +36,7 @@ def _exchange_code(tmp_path, options) -> str:
     compiled = torch.compile(model, backend="moe", fullgraph=True,
                              options={"inner": "eager", "ep_group": "world", "debug_dir": str(tmp_path), **options})
     compiled(torch.randn(12, 8)).sum().backward()
-    return next(tmp_path.glob("rank*/graph*/*_expert_parallel_after.py")).read_text()
+    return next(tmp_path.glob("rank*/graph*/*_exchange_after.py")).read_text()
 
 
 @pytest.mark.parametrize("fast", ["2dh", "pipe", "flat"])

@@ -5,7 +5,7 @@ On the fake process group (no process spawned) a pass registered right after
 ``moe.chunk_rows(buffer, r)`` read by r getitems, per chunk one A1 and one A2
 all-to-all (plus C1/C2 compress and D1/D2 decompress with a compressor) around one
 ``moe.experts``, and one ``moe.cat_rows`` joining the r results; every inserted
-node is tagged with its ScheMoE task (``moe_task``) and chunk (``moe_chunk``).
+node is tagged with its ScheMoE task and chunk (``moe_compile.tasks.TaskLabel``).
 r = 1 inserts no chunk op. ``num_chunks="auto"`` takes r from the plan
 (:func:`moe_compile.schedule.plan.plan_layer`): r = 2 without fitted cost models,
 the solver's r with them. Numerics of chunked layers are checked on real ranks in
@@ -23,6 +23,7 @@ import moe_compile
 from moe_compile import ConfigError
 from moe_compile.schedule.cost_model import AlphaBeta, CostModels, LayerShape, task_key
 from moe_compile.schedule.plan import plan_layer
+from moe_compile.tasks import task_label
 from tests.models.gshard import GShardMoE
 from tests.models.sort import SortMoE
 from tests.passes.chunked import A2A, COMPRESS, DECOMPRESS, ancestors, calls, record_after, train_step
@@ -37,11 +38,16 @@ MODEL_DIM, HIDDEN, TOKENS = 8, 16, 12
 
 
 def _stage1(world, chunks, compressor="none", experts=4, **options):
-    with record_after("chunk") as recorded:
+    with record_after("exchange") as recorded:
         train_step(GShardMoE(MODEL_DIM, HIDDEN, experts, top_k=2), torch.randn(TOKENS, MODEL_DIM, requires_grad=True),
                    {"ep_group": "world", "num_chunks": chunks, "compressor": compressor, **options})
     (gm,) = recorded.graphs
     return gm
+
+
+def _label(node):
+    label = task_label(node)
+    return (label.chunk, label.task) if label is not None else None
 
 
 def _check_chunked_structure(gm, chunks, compressed):
@@ -77,15 +83,15 @@ def _check_chunked_structure(gm, chunks, compressed):
     tagged = [n for n in gm.graph.nodes if n.target in A2A | {EXPERTS, COMPRESS, DECOMPRESS}]
     for chunk in range(1, chunks + 1):
         for task, targets in expected.items():
-            nodes = [n for n in tagged if n.meta.get("moe_chunk") == chunk and n.meta.get("moe_task") == task]
+            nodes = [n for n in tagged if _label(n) == (chunk, task)]
             assert len(nodes) == 1 and nodes[0].target in targets, (chunk, task, nodes)
             if sources:
                 read = {c for c, g in sources.items() if g in ancestors(nodes[0])}
                 assert read == {chunk}, f"{task}^{chunk} reads chunks {read}"
-    assert all(n.meta.get("moe_chunk") in range(1, chunks + 1) for n in tagged)
+    assert all(task_label(n).chunk in range(1, chunks + 1) for n in tagged)
     # the A1 of a chunk precedes its experts, which precede its A2 (data dependence, C1 A1 D1 E C2 A2 D2)
     for chunk in range(1, chunks + 1):
-        a1, e, a2 = (next(n for n in tagged if n.meta["moe_chunk"] == chunk and n.meta["moe_task"] == t)
+        a1, e, a2 = (next(n for n in tagged if _label(n) == (chunk, t))
                      for t in ("A1", "E", "A2"))
         assert a1 in ancestors(e) and e in ancestors(a2)
 
@@ -119,7 +125,7 @@ def test_more_chunks_than_rows(fake_group):
 
 def test_dropless_layer_is_chunked(fake_group):
     fake_group(2)
-    with record_after("chunk") as recorded:
+    with record_after("exchange") as recorded:
         train_step(SortMoE(MODEL_DIM, HIDDEN, 4, top_k=2), torch.randn(10, MODEL_DIM, requires_grad=True),
                    {"ep_group": "world", "num_chunks": 3})
     _check_chunked_structure(recorded.graphs[0], 3, compressed=False)

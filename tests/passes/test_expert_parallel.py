@@ -70,7 +70,7 @@ def test_dynamo_graph_order(fake_group, tmp_path):
     """dispatch → all_to_all → local experts → all_to_all → combine, the experts on [El, P·R, M]."""
     fake_group(4, rank=1)
     _train_step(GShardMoE(8, 16, 8, top_k=2), torch.randn(12, 8), {"ep_group": "world", "debug_dir": str(tmp_path)})
-    code = next(tmp_path.glob("rank*/graph*/*_expert_parallel_after.py")).read_text()
+    code = next(tmp_path.glob("rank*/graph*/*_exchange_after.py")).read_text()
     order = ["moe.capacity.default", "_c10d_functional.all_reduce.default", "moe.dispatch.default",
              "all_to_all_single.default", "moe.experts.default", "all_to_all_single.default", "moe.combine.default"]
     at = 0
@@ -184,7 +184,7 @@ def test_capacity_bucket(fake_group, tmp_path):
     options = {"ep_group": "world", "capacity_bucket": 16, "debug_dir": str(tmp_path)}
     _train_step(SortMoE(8, 16, 4, top_k=2), torch.randn(10, 8), options)
     _train_step(GShardMoE(8, 16, 4, top_k=2, capacity_factor=1.0), torch.randn(10, 8), options)
-    dropless, fixed = (p.read_text() for p in sorted(tmp_path.glob("rank0/graph*/*_expert_parallel_after.py")))
+    dropless, fixed = (p.read_text() for p in sorted(tmp_path.glob("rank0/graph*/*_exchange_after.py")))
     assert "torch.ops.moe.capacity.default(reshape, 4, 0, 16)" in dropless.replace("reshape_1", "reshape") or \
         ", 4, 0, 16)" in dropless
     assert ", 4, 5, 1)" in fixed  # C = ceil(2·1.0·10/4) = 5

@@ -1,0 +1,442 @@
+"""The exchange pass: build every planned layer's exchange once, from its :class:`ExchangePlan`.
+
+The deciding passes (``expert_parallel``, ``pause_mp``, ``chunk``) only write plans
+(:mod:`.exchange_plan`); this stage-1 pass, last of stage 1, is the one place that
+emits the collectives around ``moe.experts``. Each node it inserts carries the
+layer's ``nn_module_stack`` / ``stack_trace`` / ``moe_region``, its ScheMoE §4.1 task
+(:class:`moe_compile.tasks.TaskLabel`: C1 A1 D1 E C2 A2 D2, the views belonging to
+the task they feed) and ``meta["val"]`` (:mod:`.fake_values`).
+
+Before (a canonical layer; its plan: EP over P ranks, r = 2)::
+
+    buf, loc = moe.dispatch(x, ids, E, C)                       # [E, C, M]
+    y = moe.experts(buf, w1, w2, w3, act)
+    out = moe.combine(y, ids, loc, w)
+
+After (rank r, El = E / P local experts; Tutel §2.2, ScheMoE §3-4)::
+
+    need = moe.capacity(ids, E, C, bucket)                      # rows this batch needs
+    rows = wait_tensor(all_reduce(need, "max", ep))              # agreed over the group: R
+    buf, loc = moe.dispatch(x, ids, E, C, rows)                 # [E, R, M]
+    w1l = w1[r·El:(r+1)·El] ...                                 # or the local shard (shard_experts)
+    b1, b2 = moe.chunk_rows(buf, 2)                             # chunks along capacity (plan.chunks)
+    y_i = D2(A2(C2(experts_local(D1(A1(C1(b_i)))))))            # per chunk i, tagged TaskLabel(layer, i, task)
+    y = moe.cat_rows([y1, y2], R)
+    out = moe.combine(y, ids, loc, w)
+
+With ESP / MP groups the exchange of each chunk is Parm's (§III, Fig. 3): the
+DeepSpeed-MoE baseline (``pause="off"``), or the fused EP&ESP-AlltoAll of S1 / S2
+(:func:`emit_fused`); S1 also splits the layer's tokens over MP
+(:func:`split_tokens`). A ``compressor`` wraps every all-to-all as C → A → D; an
+algorithm other than flat is one call of :mod:`moe_compile.collectives.all_to_all_registry`;
+``emulate_link`` issues the emulated exchange of :mod:`moe_compile.collectives.emulated`.
+
+Contract: every row is computed by the expert the model routed it to, with the
+same weights (the local slice or shard); chunks split rows, which an expert's MLP
+treats independently, so outputs and gradients equal the single-device model's
+(DESIGN.md "Semantics"). Which choices are dropped is decided by each rank on its
+own batch (Tutel §4.1); only the buffer is padded to the group's largest need.
+
+Steps per layer: 1. agree on the rows R; 2. the local weights; 3. the exchange,
+per chunk; 4. S1's split of the tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from .. import ops  # noqa: F401  (registers torch.ops.moe.*)
+from ..collectives import all_to_all_registry, compressors  # noqa: F401  (registers moe.compress / decompress)
+from ..collectives import model_parallel  # noqa: F401  (registers torch.ops.moe.mp_*)
+from ..collectives.emulated import Link, emit_emulated_all_to_all
+from ..collectives.group import EPGroup
+from ..collectives.model_parallel import grad_scale
+from ..collectives.nodes import WAIT, emit_all_gather, emit_all_reduce_max, emit_all_to_all
+from ..config import ConfigError, MoECompileConfig
+from ..counters import counters
+from ..debug import log
+from ..tasks import TASK_META, TaskLabel
+from .exchange_plan import ExchangePlan
+from .fake_values import propagate
+from .graph_utils import between, example_value
+from .local_weights import LocalWeights, hidden_shard, sharded_placeholders
+from .manager import PassResult
+from .state import moe_state
+
+__all__ = ["SAA_PIECES", "Emitter", "Exchange", "build_layer"]
+
+#: S2 without chunks returns in this many pieces of rows, so that the MP-AllGather of one piece
+#: runs while the next piece's all-to-all does (Parm §III-D, SAA; Parm splits by peer, Fig. 5).
+SAA_PIECES = 2
+
+_LAYER_META = ("nn_module_stack", "stack_trace", "moe_region")
+_VALUE_META = ("val", "example_value", "unbacked_bindings")
+
+
+class Exchange:
+    """Stage-1 pass: see the module docstring."""
+
+    name = "exchange"
+
+    def __init__(self, cfg: MoECompileConfig, group: EPGroup | None):
+        self.cfg, self.group = cfg, group
+
+    def __call__(self, gm: GraphModule) -> PassResult:
+        if self.group is None or (self.group.size == 1 and self.cfg.emulate_link is None):
+            return PassResult(gm, False)
+        state = moe_state(gm)
+        shards = sharded_placeholders(gm)
+        local_weights = LocalWeights(gm, self.group, shards)
+        built = 0
+        for plan in list(state.layers):
+            if not _in_graph(plan):
+                log.warning("moe_compile: exchange: layer %s's canonical ops are no longer in the graph; left alone",
+                            plan.name)
+                continue
+            state.replace_plan(build_layer(gm, plan, self.cfg, local_weights))
+            built += 1
+            log.info("moe_compile: %s is expert-parallel over %d ranks (%d local experts, %s weights, %s, r = %d)",
+                     plan.name, plan.group.size, plan.num_local,
+                     "sharded" if local_weights.used_shards else "replicated",
+                     "plain EP" if plan.pause == "ep" else f"pause_mp={plan.pause}", plan.chunks)
+        local_weights.erase_dead()
+        leftover = [p.name for p in shards if p.users]
+        if leftover:
+            raise ConfigError(
+                f"sharded expert weights {leftover} are read outside a layer the moe backend made expert-parallel "
+                f"(users: {[u.name for p in shards for u in p.users]}); such a layer needs all E experts on every "
+                f"rank: do not shard it"
+            )
+        return PassResult(gm, bool(built))
+
+
+def _in_graph(plan: ExchangePlan) -> bool:
+    layer = plan.layer
+    graph = layer.dispatch.graph
+    return all(n.graph is graph and not getattr(n, "_erased", False) for n in (layer.buffer, layer.experts, layer.combine)) \
+        and layer.combine.args[0] is layer.experts
+
+
+def build_layer(gm: GraphModule, plan: ExchangePlan, cfg: MoECompileConfig, local_weights: LocalWeights) -> ExchangePlan:
+    """Build ``plan``'s exchange in ``gm`` (steps 1-4 of the module docstring); the plan with its ``output``."""
+    graph = gm.graph
+    layer = plan.layer
+    dispatch, experts, combine = layer.dispatch, layer.experts, layer.combine
+    meta = {k: dispatch.meta[k] for k in _LAYER_META if k in dispatch.meta}
+
+    # 1. agree on the rows R: the largest need over the exchange group (bucketed when data-dependent)
+    with graph.inserting_before(dispatch):
+        need = _node(graph, torch.ops.moe.capacity.default, layer.expert_ids, plan.num_experts,
+                     plan.dispatch_capacity, plan.rows_bucket, meta=meta)
+        rows = emit_all_reduce_max(graph, need, plan.group)
+        for node in (rows.args[0], rows):
+            propagate(node)
+        kept = _batch_kept(graph, plan, meta) if plan.split_tokens and layer.capacity != 0 else None
+    dispatch.args = (*dispatch.args[:3], plan.dispatch_capacity, rows)
+    for node in (dispatch, *dispatch.users):
+        propagate(node)
+
+    # 2. this rank's expert weights (its H-slice with ESP; the baseline scales their gradient by 1/m)
+    with graph.inserting_before(experts):
+        weights = tuple(local_weights(w, plan.num_experts) if w is not None else None for w in experts.args[1:4])
+        if plan.layout is not None:
+            weights = hidden_shard(graph, weights, plan.layout, plan.hidden_dim)
+    if plan.pause == "off" and plan.layout.replicas > 1:
+        scaled_meta = {**meta, TASK_META: TaskLabel(plan.name, 0, "E")}
+        weights = tuple(_scaled(graph, w, 1.0 / plan.layout.replicas, scaled_meta) for w in weights)
+    experts_args = (*weights, *experts.args[4:])
+
+    # 3. the exchange, per chunk
+    with graph.inserting_before(experts):
+        if plan.chunks == 1:
+            output = Emitter(graph, plan, cfg, experts, experts_args, chunk=1).exchange(layer.buffer)
+        else:
+            output = _chunked(graph, plan, cfg, experts, experts_args, meta)
+    combine.replace_input_with(experts, output)
+    graph.erase_node(experts)
+
+    # 4. S1: the tokens split over MP before the gate, gathered after the combine
+    if plan.split_tokens:
+        split_tokens(gm, plan, output, meta)
+        if kept is not None:
+            weights_in = combine.args[3]
+            with graph.inserting_before(combine):
+                masked = _node(graph, operator.mul, weights_in, kept, meta=meta)
+            combine.replace_input_with(weights_in, masked)
+    counters["regions_expert_parallel"] += 1
+    if plan.pause in ("s1", "s2"):
+        counters[f"regions_pause_mp_{plan.pause}"] += 1
+    if plan.chunks > 1:
+        counters["regions_chunked"] += 1
+    return dataclasses.replace(plan, output=output)
+
+
+def _node(graph: Graph, target, *args, meta: dict, method: bool = False, kwargs: dict | None = None) -> Node:
+    node = (graph.call_method if method else graph.call_function)(target, args, kwargs or {})
+    node.meta.update(meta)
+    propagate(node)
+    return node
+
+
+def _scaled(graph: Graph, weight: Node | None, scale: float, meta: dict) -> Node | None:
+    """The baseline's expert weight with gradient scaled by 1/m: every token is computed m times."""
+    if weight is None:
+        return None
+    with graph.inserting_after(weight):
+        return _node(graph, grad_scale, weight, scale, meta=meta)
+
+
+def _chunked(graph: Graph, plan: ExchangePlan, cfg, experts: Node, experts_args: tuple, meta: dict) -> Node:
+    """ScheMoE §4 / Tutel §3.3: the buffer split along capacity into r chunks, each exchanged on its own."""
+    buffer = plan.layer.buffer
+    whole = {**meta, TASK_META: TaskLabel(plan.name, 0, "C1")}
+    total = _node(graph, torch.ops.aten.sym_size.int, buffer, 1, meta=meta)
+    parts = _node(graph, torch.ops.moe.chunk_rows.default, buffer, plan.chunks, meta=whole)
+    outputs = []
+    for i in range(1, plan.chunks + 1):
+        part = _node(graph, operator.getitem, parts, i - 1, meta={TASK_META: TaskLabel(plan.name, i, "C1")})
+        outputs.append(Emitter(graph, plan, cfg, experts, experts_args, chunk=i).exchange(part))
+    return _node(graph, torch.ops.moe.cat_rows.default, outputs, total, meta={**meta, TASK_META: TaskLabel(plan.name, 0, "D2")})
+
+
+class Emitter:
+    """Inserts one chunk's exchange at the graph's insertion point, each node tagged with the layer's
+    meta, its :class:`TaskLabel` and ``meta["val"]``."""
+
+    def __init__(self, graph: Graph, plan: ExchangePlan, cfg: MoECompileConfig, experts: Node,
+                 experts_args: tuple, chunk: int):
+        self.graph, self.plan, self.cfg, self.chunk = graph, plan, cfg, chunk
+        self.experts_node, self.experts_args = experts, experts_args
+        self.meta = {k: plan.layer.dispatch.meta[k] for k in _LAYER_META if k in plan.layer.dispatch.meta}
+
+    # ------------------------------------------------------------------ nodes
+    def call(self, target, *args, task: str, method: bool = False, kwargs: dict | None = None) -> Node:
+        node = (self.graph.call_method if method else self.graph.call_function)(target, args, kwargs or {})
+        self.tag(node, task)
+        propagate(node)
+        return node
+
+    def tag(self, node: Node, task: str) -> None:
+        node.meta.update(self.meta)
+        node.meta[TASK_META] = TaskLabel(self.plan.name, self.chunk, task)
+
+    def all_to_all(self, rows: Node, per_peer: Node, task: str, group: EPGroup | None = None) -> Node:
+        """Equal-split all-to-all of ``rows`` over ``group`` (default: the plan's) by the layer's algorithm."""
+        group = group or self.plan.group
+        cfg = self.cfg
+        if self.plan.algorithm != "flat":
+            return self.call(all_to_all_registry.all_to_all, rows, per_peer, group.name, self.plan.algorithm,
+                             cfg.ranks_per_node, task=task)
+        if cfg.emulate_link is not None:
+            recv = emit_emulated_all_to_all(self.graph, rows, per_peer, group, Link.from_option(cfg.emulate_link))
+        else:
+            recv = emit_all_to_all(self.graph, rows, per_peer, group)
+        for node in (recv.args[0], recv):
+            self.tag(node, task)
+            propagate(node)
+        return recv
+
+    def exchange_rows(self, rows: Node, per_peer: Node, dtype: torch.dtype, first: bool,
+                      group: EPGroup | None = None) -> Node:
+        """C → A → D (ScheMoE §3) of ``rows: [n, M]``; without a compressor just A."""
+        compress, comm, decompress = ("C1", "A1", "D1") if first else ("C2", "A2", "D2")
+        cfg = self.cfg
+        if cfg.compressor == "none":
+            return self.all_to_all(rows, per_peer, comm, group)
+        payload = self.call(torch.ops.moe.compress.default, rows, cfg.compressor, "torch", cfg.nan_check,
+                            task=compress)
+        received = self.all_to_all(payload, per_peer, comm, group)
+        return self.call(torch.ops.moe.decompress.default, received, cfg.compressor, self.plan.model_dim, dtype,
+                         "torch", task=decompress)
+
+    def experts(self, local_in: Node) -> Node:
+        """``moe.experts`` on ``[El, n, M]`` with the local weights."""
+        node = self.call(torch.ops.moe.experts.default, local_in, *self.experts_args, task="E",
+                         kwargs=dict(self.experts_node.kwargs))
+        for key, value in self.experts_node.meta.items():
+            if key not in _VALUE_META and key != TASK_META:
+                node.meta.setdefault(key, value)
+        return node
+
+    # ------------------------------------------------------------------ exchanges
+    def exchange(self, buffer: Node) -> Node:
+        """``buffer: [E, R, M]`` → the experts' outputs ``[E, R, M]``, by the plan's ``pause``."""
+        if self.plan.pause == "ep":
+            return emit_ep(self, buffer)
+        if self.plan.pause == "off":
+            return emit_baseline(self, buffer)
+        return emit_fused(self, buffer, split_rows=self.plan.split_rows)
+
+
+def emit_ep(emit: Emitter, buffer: Node) -> Node:
+    """A1 → local experts → A2 over the EP group (Tutel §2.2; ScheMoE §3 A1 / A2)::
+
+        recv = all_to_all(buf.reshape(-1, M))                         # [P·El·R, M]
+        xl   = recv.view(P, El, R, M).transpose(0, 1).reshape(El, P·R, M)
+        yl   = moe.experts(xl, w_local...)
+        y    = all_to_all(yl.view(El, P, R, M).transpose(0, 1).reshape(-1, M)).view(E, R, M)
+    """
+    plan, call = emit.plan, emit.call
+    group, num_local, model_dim = plan.group, plan.num_local, plan.model_dim
+    rows_per_expert = call(torch.ops.aten.sym_size.int, buffer, 1, task="C1")  # R
+    per_peer = call(operator.mul, rows_per_expert, num_local, task="C1")
+    send = call("reshape", buffer, (-1, model_dim), method=True, task="C1")
+    recv = emit.exchange_rows(send, per_peer, plan.token_dtype, first=True)
+    recv = call("view", recv, (group.size, num_local, rows_per_expert, model_dim), method=True, task="D1")
+    local_in = call("reshape", call("transpose", recv, 0, 1, method=True, task="D1"), (num_local, -1, model_dim),
+                    method=True, task="D1")
+    experts = emit.experts(local_in)
+    back = call("view", experts, (num_local, group.size, rows_per_expert, model_dim), method=True, task="C2")
+    send_back = call("reshape", call("transpose", back, 0, 1, method=True, task="C2"), (-1, model_dim),
+                     method=True, task="C2")
+    returned = emit.exchange_rows(send_back, per_peer, plan.expert_dtype, first=False)
+    return call("view", returned, (plan.num_experts, rows_per_expert, model_dim), method=True, task="D2")
+
+
+def emit_baseline(emit: Emitter, buffer: Node) -> Node:
+    """ESP-AllGather → EP-AlltoAll → experts_j → ESP-AllReduce → EP-AlltoAll → ESP-Split (Parm Fig. 3(a))."""
+    plan, call = emit.plan, emit.call
+    layout, model_dim = plan.layout, plan.model_dim
+    p, s, local = layout.ep.size, layout.shards, plan.num_local
+    rows = call(torch.ops.aten.sym_size.int, buffer, 1, task="C1")
+    gathered = buffer
+    if s > 1:
+        issued = emit_all_gather(emit.graph, buffer, s, layout.esp.name, differentiable=True)
+        emit.tag(issued, "C1")
+        propagate(issued)
+        gathered = call(WAIT, issued, task="C1")
+    blocks = call("view", gathered, (s, p, local, rows, model_dim), method=True, task="C1")
+    send = call("reshape", call("transpose", blocks, 0, 1, method=True, task="C1"), (-1, model_dim), method=True,
+                task="C1")
+    per_peer = call(operator.mul, rows, s * local, task="C1")
+    recv = emit.exchange_rows(send, per_peer, plan.token_dtype, first=True, group=layout.ep)
+    recv = call("view", recv, (p, s, local, rows, model_dim), method=True, task="D1")
+    local_in = call("reshape", call("permute", recv, (2, 0, 1, 3, 4), method=True, task="D1"),
+                    (local, -1, model_dim), method=True, task="D1")
+    y = emit.experts(local_in)
+    y = call("permute", call("view", y, (local, p, s, rows, model_dim), method=True, task="C2"), (1, 2, 0, 3, 4),
+             method=True, task="C2")
+    if s > 1:
+        y = call(WAIT, call(torch.ops.moe.all_reduce_sum.default, y, layout.esp.name, task="C2"), task="C2")
+    send_back = call("reshape", y, (-1, model_dim), method=True, task="C2")
+    returned = emit.exchange_rows(send_back, per_peer, plan.expert_dtype, first=False, group=layout.ep)
+    returned = call("view", returned, (p, s, local, rows, model_dim), method=True, task="D2")
+    mine = call("select", returned, 1, layout.shard, method=True, task="D2")  # ESP-Split
+    return call("reshape", mine, (plan.num_experts, rows, model_dim), method=True, task="D2")
+
+
+def emit_fused(emit: Emitter, buffer: Node, split_rows: bool) -> Node:
+    """[MP-Split] → dump → all-to-all over G → experts_j → all-to-all → local combine → [MP-AllGather]
+    (Parm §III-C, Fig. 3(b)/(c); SAA §III-D: an unchunked S2 layer returns in :data:`SAA_PIECES` pieces,
+    each piece's MP-AllGather issued as soon as its all-to-all arrives)."""
+    plan, call = emit.plan, emit.call
+    layout, model_dim = plan.layout, plan.model_dim
+    p, groups, local = layout.ep.size, layout.expert.size, plan.num_local
+    owners = list(layout.peer_owner)
+    trivial = owners == list(range(p))  # no ESP: G is EP itself
+    x = call(torch.ops.moe.mp_split.default, buffer, 1, layout.mp.name, task="C1") if split_rows else buffer
+    rows = call(torch.ops.aten.sym_size.int, x, 1, task="C1")
+    blocks = call("view", x, (p, local, rows, model_dim), method=True, task="C1")
+    if not trivial:
+        blocks = call(torch.ops.moe.esp_dump.default, blocks, owners, task="C1")
+    send = call("reshape", blocks, (-1, model_dim), method=True, task="C1")
+    per_peer = call(operator.mul, rows, local, task="C1")
+    recv = emit.exchange_rows(send, per_peer, plan.token_dtype, first=True, group=layout.expert)
+    recv = call("view", recv, (groups, local, rows, model_dim), method=True, task="D1")
+    local_in = call("reshape", call("transpose", recv, 0, 1, method=True, task="D1"), (local, -1, model_dim),
+                    method=True, task="D1")
+    y = emit.experts(local_in)
+    back = call("view", y, (local, groups, rows, model_dim), method=True, task="C2")
+    back = call("reshape", call("transpose", back, 0, 1, method=True, task="C2"), (groups * local, rows, model_dim),
+                method=True, task="C2")  # [G·El, R, M]: the block for peer g first
+    pieces = SAA_PIECES if split_rows and plan.chunks == 1 else 1
+    if pieces > 1:
+        parts = call(torch.ops.moe.chunk_rows.default, back, pieces, task="C2")
+        back_parts = [call(operator.getitem, parts, i, task="C2") for i in range(pieces)]
+    else:
+        back_parts = [back]
+    outputs = []
+    for part in back_parts:
+        part_rows = call(torch.ops.aten.sym_size.int, part, 1, task="C2") if pieces > 1 else rows
+        send_back = call("reshape", part, (-1, model_dim), method=True, task="C2")
+        per_part = call(operator.mul, part_rows, local, task="C2") if pieces > 1 else per_peer
+        returned = emit.exchange_rows(send_back, per_part, plan.expert_dtype, first=False, group=layout.expert)
+        returned = call("view", returned, (groups, local, part_rows, model_dim), method=True, task="D2")
+        if not trivial:
+            returned = call(torch.ops.moe.esp_combine.default, returned, owners, p, task="D2")
+        out = call("reshape", returned, (plan.num_experts, part_rows, model_dim), method=True, task="D2")
+        if split_rows:
+            out = call(torch.ops.moe.mp_all_gather.default, out, layout.mp.name, task="D2")  # issued, not waited
+        outputs.append((out, part_rows))
+    if not split_rows:
+        return outputs[0][0]
+    m = layout.replicas
+    gathered = []
+    for issued, part_rows in outputs:  # [m·E, R_p, M] → [m, E, R_p, M]: rank q's rows of this piece
+        waited = call(WAIT, issued, task="D2")
+        gathered.append(call("view", waited, (m, plan.num_experts, part_rows, model_dim), method=True, task="D2"))
+    joined = gathered[0] if pieces == 1 else call(torch.cat, gathered, 2, task="D2")  # [m, E, R/m, M]
+    return call("reshape", call("transpose", joined, 0, 1, method=True, task="D2"),
+                (plan.num_experts, -1, model_dim), method=True, task="D2")
+
+
+# ---------------------------------------------------------------------------------- S1's token split
+def _batch_kept(graph: Graph, plan: ExchangePlan, meta: dict) -> Node:
+    """S1 with a capacity: which choices the MP group's whole batch keeps (``moe.slice_kept``).
+
+    The slice is dispatched dropless (every choice sent) and the gate weights of the
+    choices the batch drops are zeroed: their outputs and gradients are then exactly
+    0, as in the single-device model. The expert ids of the whole batch come from an
+    MP-AllGather of the slices' (``T·k`` integers)::
+
+        ids_all = wait_tensor(all_gather_into_tensor(ids_q, m, mp))        # [T, k]
+        kept    = moe.slice_kept(ids_all, E, C, q·T/m, T/m)                 # [T/m, k] bool
+        buf, loc = moe.dispatch(x_q, ids_q, E, 0, rows)                     # dropless slice
+        y = moe.combine(out, ids_q, loc, w_q * kept)
+    """
+    layout, layer = plan.layout, plan.layer
+    m, q = layout.replicas, layout.mp.rank
+    count = example_value(layer.tokens).shape[0] // m
+    issued = emit_all_gather(graph, layer.expert_ids, m, layout.mp.name)
+    issued.meta.update(meta)
+    propagate(issued)
+    ids_all = _node(graph, WAIT, issued, meta=meta)
+    return _node(graph, torch.ops.moe.slice_kept.default, ids_all, plan.num_experts, layer.capacity, q * count, count,
+                 meta=meta)
+
+
+def split_tokens(gm: GraphModule, plan: ExchangePlan, output: Node, meta: dict) -> None:
+    """S1 (Parm Fig. 3(b)): MP-Split of the tokens ``x`` for the layer, ``moe.mp_copy`` of the gate's
+    parameters (their gradient summed over MP), MP-AllGather of the combine's output."""
+    graph = gm.graph
+    x, combine = plan.layer.tokens, plan.layer.combine
+    region = between(x, combine)
+    exchange = between(plan.layer.buffer, output)
+    group = plan.layout.mp.name
+    with graph.inserting_after(x):
+        x_q = _node(graph, torch.ops.moe.mp_split.default, x, 0, group, meta=meta)
+    for node in region:
+        node.replace_input_with(x, x_q)
+    copies: dict[Node, Node] = {}
+    first = next(n for n in graph.nodes if n in region)
+    for node in [n for n in graph.nodes if n in region and n not in exchange]:
+        for param in node.all_input_nodes:
+            if param in region or param is x or param is x_q:
+                continue
+            value = example_value(param)
+            if not (isinstance(value, torch.Tensor) and value.requires_grad):
+                continue
+            if param not in copies:
+                with graph.inserting_before(first):
+                    copies[param] = _node(graph, torch.ops.moe.mp_copy.default, param, group, meta=meta)
+            node.replace_input_with(param, copies[param])
+    for node in [n for n in graph.nodes if n in region]:  # the layer's values now have T/m rows
+        propagate(node)
+    with graph.inserting_after(combine):
+        issued = _node(graph, torch.ops.moe.mp_all_gather.default, combine, group, meta=meta)
+    with graph.inserting_after(issued):
+        gathered = _node(graph, WAIT, issued, meta=meta)
+    combine.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not issued)

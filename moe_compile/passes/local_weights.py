@@ -1,0 +1,140 @@
+"""This rank's expert weights: the ``[E, ...]`` weights canonicalize built → the ``[El, ...]`` local ones.
+
+Used by the ``exchange`` pass (:mod:`.emit_exchange`) when it builds a layer's
+exchange; nothing here decides.
+
+Replicated weights (every rank holds all E experts)::
+
+    w1_local = w1[r·El:(r+1)·El]
+
+Sharded weights (:func:`moe_compile.shard_experts`; the graph reads a NaN
+placeholder of the full shape): the chain from the placeholder (transpose, the
+row slice of a fused gate/up weight) is re-applied to the local shard, a
+parameter registered on the graph module; per-expert weights stacked by
+canonicalize become ``torch.stack`` of the local experts' weights only. With ESP
+groups each rank then keeps its H-slice (:func:`hidden_shard`).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..collectives.group import EPGroup
+from ..config import ConfigError
+from ..sharding import ExpertShard, expert_shard
+from .fake_values import propagate
+
+__all__ = ["LocalWeights", "hidden_shard", "sharded_placeholders"]
+
+
+def sharded_placeholders(gm: GraphModule) -> dict[Node, ExpertShard]:
+    """The graph's inputs that are sharded expert weights, with their shard records."""
+    shards = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        grapharg = node.meta.get("grapharg")
+        example = getattr(grapharg, "example", None) if grapharg is not None else None
+        shard = expert_shard(example)
+        if shard is not None:
+            shards[node] = shard
+    return shards
+
+
+class LocalWeights:
+    """``weight`` ([E, ...]) → this rank's ``[El, ...]`` experts, inserted at the graph's insertion point."""
+
+    def __init__(self, gm: GraphModule, group: EPGroup, shards: dict[Node, ExpertShard]):
+        self.gm, self.group, self.shards = gm, group, shards
+        self.local_attrs: dict[Node, Node] = {}
+        self.replaced: list[Node] = []
+        self.used_shards = False
+
+    def __call__(self, weight: Node, num_experts: int) -> Node:
+        local_range = self.group.local_experts(num_experts)
+        local = self._localize(weight, local_range)
+        if local is not None:
+            self.used_shards = True
+            return local
+        node = self.gm.graph.call_function(operator.getitem, (weight, slice(local_range.start, local_range.stop)))
+        node.meta.update({k: weight.meta[k] for k in ("nn_module_stack",) if k in weight.meta})
+        propagate(node)
+        return node
+
+    def _localize(self, node: Node, local: range) -> Node | None:
+        graph = self.gm.graph
+        if node in self.shards:
+            shard = self.shards[node]
+            if shard.local_name is None:
+                raise ConfigError(f"{node.name} is the weight of a remote expert, read as a stacked weight")
+            return self._local_attr(node, shard)
+        if node.op == "call_function" and node.target is torch.stack:
+            members = node.args[0]
+            if not any(m in self.shards for m in members):
+                return None
+            mine = members[local.start:local.stop]
+            if any(m in self.shards for m in mine):
+                raise ConfigError(f"per-expert weights {[m.name for m in mine]} should be local but are placeholders")
+            stacked = graph.call_function(torch.stack, (list(mine),), dict(node.kwargs))
+            stacked.meta.update(node.meta)
+            propagate(stacked)
+            self.replaced.append(node)
+            return stacked
+        inputs = list(node.all_input_nodes)
+        if node.op in ("call_function", "call_method") and len(inputs) == 1:
+            base = self._localize(inputs[0], local)
+            if base is None:
+                return None
+            copy = graph.node_copy(node, lambda a: base if a is inputs[0] else a)
+            propagate(copy)
+            self.replaced.append(node)
+            return copy
+        return None
+
+    def _local_attr(self, placeholder: Node, shard: ExpertShard) -> Node:
+        if placeholder not in self.local_attrs:
+            param = shard.local
+            if param is None:
+                raise ConfigError(f"the module owning sharded expert weight {placeholder.name} no longer exists")
+            name = f"moe_ep_shard_{len(self.local_attrs)}"
+            self.gm.register_parameter(name, param)
+            source = getattr(placeholder, "_dynamo_source", None)
+            if hasattr(self.gm, "_param_name_to_source") and source is not None:
+                # AOTAutograd lifts graph-module parameters as inputs and asks Dynamo where they come from
+                from torch._dynamo.source import AttrSource
+
+                self.gm._param_name_to_source[name] = AttrSource(source.base, shard.local_name)
+            placeholders = list(self.gm.graph.find_nodes(op="placeholder"))
+            with self.gm.graph.inserting_after(placeholders[-1]):
+                attr = self.gm.graph.get_attr(name)
+            attr.meta.update({k: placeholder.meta[k] for k in ("nn_module_stack",) if k in placeholder.meta})
+            self.local_attrs[placeholder] = attr
+        return self.local_attrs[placeholder]
+
+    def erase_dead(self) -> None:
+        """Erase the full-size weight chains the local ones replaced (once nothing reads them)."""
+        erased = set()
+        for node in reversed(self.replaced):
+            if node not in erased and not node.users:
+                self.gm.graph.erase_node(node)
+                erased.add(node)
+
+
+def hidden_shard(graph, weights: tuple, layout, hidden_dim: int) -> tuple:
+    """This ESP rank's H-slice of the local experts' weights (``w1, w3: [El, H, M]``, ``w2: [El, M, H]``)."""
+    if layout.shards == 1:
+        return weights
+    w1, w2, w3 = weights
+    cols = layout.hidden_slice(hidden_dim)
+
+    def rows(w):
+        node = graph.call_function(operator.getitem, (w, (slice(None), cols)))
+        propagate(node)
+        return node
+
+    def columns(w):
+        node = graph.call_function(operator.getitem, (w, (slice(None), slice(None), cols)))
+        propagate(node)
+        return node
+
+    return rows(w1), columns(w2), rows(w3) if w3 is not None else None

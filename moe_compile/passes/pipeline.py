@@ -1,0 +1,58 @@
+"""The pipeline of the ``moe`` backend, declared once: the backend runs it, the registry anchors user
+passes to its names, ``docs/architecture.md`` draws it.
+
+Stage 1 runs on Dynamo's graph (torch IR, before AOTAutograd); each pass
+either decides (writes the per-layer plans of ``gm.meta["moe"]``,
+:mod:`.state`) or builds from what was decided::
+
+    detect → canonicalize → expert_parallel → pause_mp → chunk → exchange
+    (find)   (rewrite to     (plan: group,     (plan:      (plan:  (build every plan's
+              moe.dispatch/   layout,           Parm's      r)      exchange, once)
+              experts/        algorithm)        schedule)
+              combine)
+
+Stage 2 runs on each of AOTAutograd's forward and backward graphs (aten IR) and
+changes order and placement only, never values::
+
+    drop_dead_collectives → schedule → lower → streams
+"""
+from __future__ import annotations
+
+from ..collectives.group import resolve_group
+from ..collectives.layout import resolve_layout
+from ..config import MoECompileConfig
+from .canonicalize import Canonicalize, Detect
+from .chunk import Chunk
+from .dead_collectives import DropDeadCollectives
+from .emit_exchange import Exchange
+from .expert_parallel import ExpertParallel
+from .lower import Lower
+from .pause_mp import PauseMP
+from .schedule import Schedule
+from .streams import Streams
+
+__all__ = ["STAGE1", "STAGE2", "stage1_passes", "stage2_passes"]
+
+#: the built-in passes of stage 1 (Dynamo graph), in the order they run
+STAGE1 = ("detect", "canonicalize", "expert_parallel", "pause_mp", "chunk", "exchange")
+#: the built-in passes of stage 2 (each AOTAutograd graph), in the order they run
+STAGE2 = ("drop_dead_collectives", "schedule", "lower", "streams")
+
+
+def stage1_passes(cfg: MoECompileConfig) -> list:
+    """The built-in stage-1 passes for ``cfg`` (none with ``rewrite=False``)."""
+    if not cfg.rewrite:
+        return []
+    group = resolve_group(cfg.ep_group)
+    layout = resolve_layout(cfg.ep_group, cfg.esp_group, cfg.mp_group) if group is not None else None
+    passes = [Detect(), Canonicalize(cfg), ExpertParallel(cfg, group, layout), PauseMP(cfg), Chunk(cfg),
+              Exchange(cfg, group)]
+    assert tuple(p.name for p in passes) == STAGE1
+    return passes
+
+
+def stage2_passes(cfg: MoECompileConfig) -> list:
+    """The built-in stage-2 passes for ``cfg``."""
+    passes = [DropDeadCollectives(), Schedule(cfg.schedule), Lower(cfg), Streams()]
+    assert tuple(p.name for p in passes) == STAGE2
+    return passes
