@@ -19,11 +19,12 @@ attributed to the collective it waits for.
 
 How the layer is found: stage-1 nodes carry ``meta["moe_region"]`` (canonicalize)
 and the exchange's nodes a :class:`moe_compile.tasks.TaskLabel` (layer, chunk,
-task; expert_parallel, chunk); AOTAutograd drops those keys but keeps ``meta["from_node"]`` (provenance back to the stage-1 graph)
-on forward nodes and ``meta["seq_nr"]`` on all nodes, shared by a forward op and
-its gradient. :class:`CollectiveSites` bridges the two: it records the stage-1
-sites, attributes forward nodes through ``from_node`` (or ``seq_nr`` when a node
-has none), and backward nodes through ``seq_nr``. The result is
+task; the ``exchange`` pass); AOTAutograd drops those keys but keeps
+``meta["from_node"]`` (provenance back to the stage-1 graph) on forward nodes and
+``meta["seq_nr"]`` on all nodes, shared by a forward op and its gradient.
+:class:`CollectiveSites` bridges the two: it records the stage-1 sites, attributes
+forward nodes through ``from_node`` (or ``seq_nr`` when a node has none), and
+backward nodes through ``seq_nr``. The result is
 ``gm.meta["moe_sites"]`` on each AOTAutograd graph, read only when a step fails.
 
 Contract: the success path costs one ``try``; an exception outside a collective
@@ -155,9 +156,7 @@ def _own_site(node: Node) -> Site | None:
     layer = node.meta.get("moe_region")   # a node of the layer outside its exchange (gate, dispatch, combine)
     if layer is None:
         return None
-    # LEGACY stage-1 string labels (meta["moe_task"] = "A1", meta["moe_chunk"] = 1), read until the
-    # exchange emitter writes a TaskLabel; then this line becomes ``return Site(str(layer))``.
-    return Site(str(layer), node.meta.get("moe_task"), node.meta.get("moe_chunk"))
+    return Site(str(layer))
 
 
 def _neighbour_site(node: Node) -> Site | None:
