@@ -371,6 +371,6 @@ def _apply(gm: GraphModule, order: list[Node]) -> None:
     gm.graph.lint()
 
 
-#: Old name of :class:`SchedulePass`, still imported by ``passes/__init__.py`` and ``backend.py``; remove
+#: Old name of :class:`SchedulePass`, still imported by ``passes/__init__.py`` and ``passes/pipeline.py``; remove
 #: once they import ``SchedulePass``.
 Schedule = SchedulePass

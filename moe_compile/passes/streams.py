@@ -247,6 +247,6 @@ def _register(gm: GraphModule, role: str, stream: str, join: bool) -> str:
     return name
 
 
-#: Old name of :class:`StreamsPass`, still imported by ``passes/__init__.py`` and ``backend.py``; remove
+#: Old name of :class:`StreamsPass`, still imported by ``passes/__init__.py`` and ``passes/pipeline.py``; remove
 #: once they import ``StreamsPass``.
 Streams = StreamsPass
