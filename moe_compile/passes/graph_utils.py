@@ -13,6 +13,7 @@ from torch.fx import Node
 
 __all__ = [
     "between",
+    "depends_on",
     "example_value",
     "is_call",
     "is_inplace",
@@ -142,6 +143,21 @@ def reachable(
             continue
         stack.extend(node.users if forward else node.all_input_nodes)
     return seen
+
+
+def depends_on(node: Node, targets: set[Node]) -> bool:
+    """``node`` is one of ``targets`` or is computed from one of them (stops at the first found)."""
+    seen: set[Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in targets:
+            return True
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 def between(start: Node, end: Node) -> set[Node]:
