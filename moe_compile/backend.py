@@ -23,6 +23,7 @@ from .config import ConfigError, MoECompileConfig, config
 from .counters import counters
 from .faults import name_collective_faults
 from .passes import pipeline
+from .passes.graph_utils import on_cuda
 from .passes.manager import PassManager
 from .passes.registry import with_user_passes
 
@@ -63,7 +64,7 @@ def moe_backend(
 
     inner = cfg.inner
     if inner == "auto":
-        inner = "inductor" if _on_cuda(example_inputs) else "eager"
+        inner = "inductor" if on_cuda(example_inputs) else "eager"
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -89,7 +90,3 @@ def moe_backend(
         inference_compiler=functools.partial(eager_inner, prefix="fw_"),
     )(gm, example_inputs)
 
-
-
-def _on_cuda(example_inputs: Sequence[Any]) -> bool:
-    return any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)

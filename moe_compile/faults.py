@@ -17,13 +17,14 @@ Python frame; its line number maps to the executing node through
 Dynamo's ``_maybe_preserve_original_meta`` reads it). A ``wait_tensor`` node is
 attributed to the collective it waits for.
 
-How the layer is found: stage-1 nodes carry ``meta["moe_region"]`` /
-``meta["moe_task"]`` (canonicalize, expert_parallel, chunk); AOTAutograd drops
-those keys but keeps ``meta["from_node"]`` (provenance back to the stage-1 graph)
-on forward nodes and ``meta["seq_nr"]`` on all nodes, shared by a forward op and
-its gradient. :class:`CollectiveSites` bridges the two: it records the stage-1
-sites, attributes forward nodes through ``from_node`` (or ``seq_nr`` when a node
-has none), and backward nodes through ``seq_nr``. The result is
+How the layer is found: stage-1 nodes carry ``meta["moe_region"]`` (canonicalize)
+and the exchange's nodes a :class:`moe_compile.tasks.TaskLabel` (layer, chunk,
+task; the ``exchange`` pass); AOTAutograd drops those keys but keeps
+``meta["from_node"]`` (provenance back to the stage-1 graph) on forward nodes and
+``meta["seq_nr"]`` on all nodes, shared by a forward op and its gradient.
+:class:`CollectiveSites` bridges the two: it records the stage-1 sites, attributes
+forward nodes through ``from_node`` (or ``seq_nr`` when a node has none), and
+backward nodes through ``seq_nr``. The result is
 ``gm.meta["moe_sites"]`` on each AOTAutograd graph, read only when a step fails.
 
 Contract: the success path costs one ``try``; an exception outside a collective
@@ -37,8 +38,10 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch.fx import GraphModule, Node
+
+from .collectives.nodes import is_wait
+from .tasks import task_label
 
 __all__ = [
     "CollectiveSites", "MoECollectiveError", "Site", "collective_error", "describe_failure", "executing_node",
@@ -68,7 +71,6 @@ class Site:
     backward: bool = False
 
 
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
 _COLLECTIVE_WORDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv")
 
 
@@ -86,7 +88,7 @@ def collective_name(node: Node) -> str | None:
 
 def issuing_collective(node: Node) -> Node | None:
     """The collective node that ``node`` runs or waits for (``wait_tensor(x)`` → the producer of ``x``)."""
-    if node.op == "call_function" and node.target is _WAIT:
+    if is_wait(node):
         source = node.args[0] if node.args else None
         return source if isinstance(source, Node) and collective_name(source) else None
     return node if collective_name(node) else None
@@ -101,7 +103,7 @@ class CollectiveSites:
         self.by_seq_nr: dict[int, Site] = {}
 
     def record_stage1(self, gm: GraphModule) -> None:
-        """Sites of the rewritten Dynamo graph (its nodes' ``moe_region`` / ``moe_task`` / ``moe_chunk``)."""
+        """Sites of the rewritten Dynamo graph (its nodes' task labels and ``moe_region``)."""
         self.graph_id = id(gm.graph)
         self.stage1 = {}
         for node in gm.graph.nodes:
@@ -148,16 +150,19 @@ class CollectiveSites:
 
 
 def _own_site(node: Node) -> Site | None:
-    layer = node.meta.get("moe_region")
+    label = task_label(node)
+    if label is not None:
+        return Site(str(label.layer), label.task, label.chunk)
+    layer = node.meta.get("moe_region")   # a node of the layer outside its exchange (gate, dispatch, combine)
     if layer is None:
         return None
-    return Site(str(layer), node.meta.get("moe_task"), node.meta.get("moe_chunk"))
+    return Site(str(layer))
 
 
 def _neighbour_site(node: Node) -> Site | None:
     """The layer of an untagged collective: from what it reads or what reads it (through its wait)."""
     near = list(node.all_input_nodes) + list(node.users)
-    near += [u for n in node.users if n.target is _WAIT for u in n.users]
+    near += [u for n in node.users if is_wait(n) for u in n.users]
     for other in near:
         site = _own_site(other)
         if site is not None:

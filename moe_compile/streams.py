@@ -42,6 +42,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .collectives.nodes import WAIT, all_to_all_ops, is_collective_op
+
 __all__ = [
     "CheckedStreams", "CpuStreams", "CudaStreams", "LogicalStream", "StreamRaceError", "Streams",
     "streams_for", "use_streams",
@@ -206,15 +208,10 @@ _METADATA_OPS = {"aten::sym_size", "aten::sym_stride", "aten::sym_numel", "aten:
                  "aten::size", "aten::stride", "aten::numel", "aten::dim", "aten::is_contiguous"}
 
 
-def _is_collective(func) -> bool:
-    """An async collective issue (its output is written by the collective, finished by ``wait_tensor``)."""
-    namespace, name = func.namespace, func._schema.name.split("::")[-1]
-    return (namespace in ("_c10d_functional", "_c10d_functional_autograd") and name != "wait_tensor") or (
-        namespace == "moe" and name == "emulated_all_to_all")
-
-
-def _is_wait(func) -> bool:
-    return func.namespace == "_c10d_functional" and func._schema.name.endswith("wait_tensor")
+def _is_issue(func) -> bool:
+    """An async collective issue (its output is written by the collective, finished by ``wait_tensor``):
+    a functional collective, or the emulated all-to-all."""
+    return is_collective_op(func) or func in all_to_all_ops()
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -417,10 +414,10 @@ class _Checker(TorchDispatchMode):
         streams.log.append((label, stream.name))
         stream.tick()   # the op's reads and writes happen at this time of its stream
         out = func(*args, **kwargs)
-        if _is_collective(func):
+        if _is_issue(func):
             streams._collective(func, args, kwargs, out, stream)
             return out
-        if _is_wait(func):
+        if func is WAIT:
             streams._wait(args[0], stream)
         inputs = _tensors((args, kwargs))
         streams.on_read(inputs, stream, label)

@@ -27,8 +27,9 @@ class TaskLabel:
     """``task`` of chunk ``chunk`` of ``layer``.
 
     ``layer`` is the layer's name (stage 1: the region name) or, in an AOTAutograd
-    graph whose names are gone, its index in graph order. ``chunk`` is 1-based for
-    the chunks of a chunked layer and 0 for the whole (unchunked) layer.
+    graph whose names are gone, its index in graph order. ``chunk`` is 1-based: an
+    unchunked layer is chunk 1 of 1, the chunks of a chunked layer 1..r; 0 marks a
+    node that belongs to the layer as a whole (the split into chunks and the join).
     """
 
     layer: str | int

@@ -23,7 +23,10 @@ from torch.fx import Graph, Node
 from .algorithms.base import differentiable_all_to_all_op
 from .group import EPGroup
 
-__all__ = ["WAIT", "emit_all_gather", "emit_all_reduce_max", "emit_all_to_all", "emit_wait", "is_collective", "is_wait"]
+__all__ = [
+    "WAIT", "all_to_all_ops", "emit_all_gather", "emit_all_reduce_max", "emit_all_to_all", "emit_wait",
+    "is_all_to_all", "is_collective", "is_collective_op", "is_wait",
+]
 
 #: the op that blocks on an issued functional collective
 WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -36,12 +39,31 @@ def is_wait(node: object) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target is WAIT
 
 
-def is_collective(node: object) -> bool:
-    """``node`` issues a functional collective (any op of the c10d functional namespaces but the wait)."""
-    if not isinstance(node, Node) or node.op != "call_function":
-        return False
-    target = node.target
+def is_collective_op(target: object) -> bool:
+    """``target`` issues a functional collective (any op of the c10d functional namespaces but the wait)."""
     return isinstance(target, torch._ops.OpOverload) and target.namespace in _NAMESPACES and target is not WAIT
+
+
+def is_collective(node: object) -> bool:
+    """``node`` issues a functional collective (:func:`is_collective_op` of its target)."""
+    return isinstance(node, Node) and node.op == "call_function" and is_collective_op(node.target)
+
+
+def all_to_all_ops() -> set:
+    """The ops that issue an all-to-all: the functional ``all_to_all_single`` (plain and autograd-aware)
+    and ``moe.emulated_all_to_all`` once :mod:`.emulated` has registered it."""
+    ops = {torch.ops._c10d_functional.all_to_all_single.default}
+    autograd_namespace = getattr(torch.ops, "_c10d_functional_autograd", None)
+    if autograd_namespace is not None and hasattr(autograd_namespace, "all_to_all_single"):
+        ops.add(autograd_namespace.all_to_all_single.default)
+    if hasattr(torch.ops.moe, "emulated_all_to_all"):
+        ops.add(torch.ops.moe.emulated_all_to_all.default)
+    return ops
+
+
+def is_all_to_all(node: object) -> bool:
+    """``node`` issues an all-to-all (one of :func:`all_to_all_ops`)."""
+    return isinstance(node, Node) and node.op == "call_function" and node.target in all_to_all_ops()
 
 
 def emit_wait(graph: Graph, issued: Node) -> Node:

@@ -42,36 +42,13 @@ from .. import ops  # noqa: F401  (registers torch.ops.moe.*)
 from ..config import MoECompileConfig
 from ..counters import counters
 from ..debug import log
-from .detect import ExpertLinear, MoERegion, Skip, find_moe_regions
+from .detect import find_moe_regions
 from .graph_utils import example_value, is_inplace, shape_of
 from .manager import PassResult
+from .regions import ExpertLinear, MoERegion, Skip
 from .state import moe_state
 
-__all__ = ["Canonicalize", "Detect", "capacity_from_factor"]
-
-
-class Detect:
-    """Stage-1 pass: find MoE layers, record them in ``gm.meta["moe"]`` (found, pending, skips); never edits."""
-
-    name = "detect"
-
-    def __call__(self, gm: GraphModule) -> PassResult:
-        regions, skips = find_moe_regions(gm.graph)
-        state = moe_state(gm)
-        state.found, state.pending, state.skips, state.detected = list(regions), list(regions), list(skips), True
-        counters["regions_found"] += len(regions)
-        for skip in skips:
-            counters["regions_skipped"] += 1
-            log.warning("moe_compile: MoE-like layer %s left unchanged: %s", skip.name, skip.reason)
-        if not regions and not skips:
-            log.info("moe_compile: no MoE layer in this graph (no top-k router); compiled unchanged")
-        for region in regions:
-            counters[f"pattern:{region.pattern}"] += 1
-            log.info(
-                "moe_compile: found %s MoE layer %s (E=%d, k=%d, capacity=%s)",
-                region.pattern, region.name, region.num_experts, region.top_k, region.capacity or "dropless",
-            )
-        return PassResult(gm, False)
+__all__ = ["Canonicalize", "capacity_from_factor"]
 
 
 def capacity_from_factor(capacity_factor: float, num_tokens: int, num_experts: int, top_k: int) -> int:
@@ -83,7 +60,7 @@ def capacity_from_factor(capacity_factor: float, num_tokens: int, num_experts: i
 
 
 class Canonicalize:
-    """Stage-1 pass: rewrite every region found by :class:`Detect` (see module docstring)."""
+    """Stage-1 pass: rewrite every region found by :class:`.detect.Detect` (see module docstring)."""
 
     name = "canonicalize"
 

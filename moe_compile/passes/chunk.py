@@ -20,8 +20,8 @@ After (as the ``exchange`` pass builds it with this pass's r = 2)::
 
     buf, loc = moe.dispatch(x, ids, E, C, rows)
     b1, b2 = moe.chunk_rows(buf, 2)                                     # [E, R_1, M], [E, R_2, M]
-    y1 = <C1 A1 D1 E C2 A2 D2>(b1)                                      # chunk 1, tagged moe_chunk=1
-    y2 = <C1 A1 D1 E C2 A2 D2>(b2)                                      # chunk 2, tagged moe_chunk=2
+    y1 = <C1 A1 D1 E C2 A2 D2>(b1)                                      # chunk 1, TaskLabel(layer, 1, ...)
+    y2 = <C1 A1 D1 E C2 A2 D2>(b2)                                      # chunk 2, TaskLabel(layer, 2, ...)
     y = moe.cat_rows([y1, y2], R)
     out = moe.combine(y, ids, loc, w)
 

@@ -34,29 +34,14 @@ rank.
 """
 from __future__ import annotations
 
-import torch
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 
+from ..collectives.nodes import is_collective, is_wait
 from ..debug import log
+from .graph_utils import reachable
 from .manager import PassResult
 
 __all__ = ["DropDeadCollectives"]
-
-_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
-
-
-def _is_collective(node: Node) -> bool:
-    target = node.target
-    return (
-        node.op == "call_function"
-        and isinstance(target, torch._ops.OpOverload)
-        and target.namespace in _NAMESPACES
-        and target is not torch.ops._c10d_functional.wait_tensor.default
-    )
-
-
-def _is_wait(node: Node) -> bool:
-    return node.op == "call_function" and node.target is torch.ops._c10d_functional.wait_tensor.default
 
 
 class DropDeadCollectives:
@@ -68,7 +53,7 @@ class DropDeadCollectives:
         tangents = [n for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")]
         if not tangents:
             return PassResult(gm, False)  # a forward (or inference) graph: every collective is real
-        from_gradients = _reachable(tangents)
+        from_gradients = reachable(tangents)
         nodes_before = len(gm.graph.nodes)
         dropped: list[str] = []
         while True:  # dropping a collective can make the wait or collective feeding its input dead
@@ -77,9 +62,7 @@ class DropDeadCollectives:
             for node in reversed(list(gm.graph.nodes)):
                 if node.users or node in from_gradients:
                     continue
-                if (_is_wait(node) and isinstance(node.args[0], Node) and _is_collective(node.args[0])) or (
-                    _is_collective(node)
-                ):
+                if (is_wait(node) and is_collective(node.args[0])) or is_collective(node):
                     dropped.append(node.name)
                     gm.graph.erase_node(node)
             if len(dropped) == before:
@@ -88,13 +71,3 @@ class DropDeadCollectives:
             log.info("moe_compile: dropped %d unused copies of forward collectives: %s", len(dropped), ", ".join(dropped))
         return PassResult(gm, len(gm.graph.nodes) != nodes_before)
 
-
-def _reachable(sources: list[Node]) -> set[Node]:
-    seen: set[Node] = set()
-    stack = list(sources)
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.users)
-    return seen

@@ -1,8 +1,11 @@
-"""Small FX helpers shared by the passes: node predicates, module regions, shapes."""
+"""Small FX helpers shared by the passes: node predicates, reachability, module regions, shapes.
+
+A leaf of the passes package: it imports nothing from ``moe_compile``.
+"""
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.fx
@@ -10,10 +13,13 @@ from torch.fx import Node
 
 __all__ = [
     "between",
+    "depends_on",
     "example_value",
     "is_call",
     "is_inplace",
     "module_region",
+    "on_cuda",
+    "reachable",
     "region_boundary",
     "shape_of",
     "strip",
@@ -46,6 +52,11 @@ def example_value(node: object):
 def shape_of(node: object) -> tuple | None:
     v = example_value(node)
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def on_cuda(values: Iterable[object]) -> bool:
+    """Some value of ``values`` is a CUDA tensor (e.g. a graph's example inputs, or its nodes' example values)."""
+    return any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in values)
 
 
 def is_call(node: object, *targets, method: Iterable[str] = ()) -> bool:
@@ -116,21 +127,41 @@ def region_boundary(region: list[Node]) -> tuple[list[Node], list[Node]]:
     return inputs, outputs
 
 
+def reachable(
+    starts: Iterable[Node], *, forward: bool = True, stop: Callable[[Node], bool] | None = None
+) -> set[Node]:
+    """``starts`` and the nodes reachable from them through users (``forward``) or inputs (not
+    ``forward``); a node for which ``stop(node)`` holds is included but not walked past."""
+    seen: set[Node] = set()
+    stack = list(starts)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if stop is not None and stop(node):
+            continue
+        stack.extend(node.users if forward else node.all_input_nodes)
+    return seen
+
+
+def depends_on(node: Node, targets: set[Node]) -> bool:
+    """``node`` is one of ``targets`` or is computed from one of them (stops at the first found)."""
+    seen: set[Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in targets:
+            return True
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
+
+
 def between(start: Node, end: Node) -> set[Node]:
     """The nodes computed from ``start`` that ``end`` depends on: descendants of ``start`` (not
     ``start`` itself) that are ancestors of ``end`` or ``end`` itself."""
-    ancestors, stack = set(), [end]
-    while stack:
-        node = stack.pop()
-        if node in ancestors or node is start:
-            continue
-        ancestors.add(node)
-        stack.extend(node.all_input_nodes)
-    descendants, stack = set(), list(start.users)
-    while stack:
-        node = stack.pop()
-        if node in descendants:
-            continue
-        descendants.add(node)
-        stack.extend(node.users)
-    return ancestors & descendants
+    ancestors = reachable([end], forward=False, stop=lambda node: node is start) - {start}
+    return ancestors & reachable(start.users)

@@ -42,7 +42,7 @@ from torch.fx import GraphModule, Node
 
 from ..config import MoECompileConfig
 from ..debug import log
-from .graph_utils import example_value
+from .graph_utils import example_value, on_cuda
 from .manager import PassResult
 
 __all__ = ["Lower"]
@@ -60,12 +60,12 @@ class Lower:
         self.cfg = cfg
 
     def __call__(self, gm: GraphModule) -> PassResult:
-        on_cuda = _on_cuda(gm)
-        if self.cfg.kernels == "torch" or (self.cfg.kernels == "auto" and not on_cuda):
+        cuda = on_cuda(example_value(node) for node in gm.graph.nodes)
+        if self.cfg.kernels == "torch" or (self.cfg.kernels == "auto" and not cuda):
             return PassResult(gm, False)
         from .. import triton_kernels
 
-        if not triton_kernels.available("cuda" if on_cuda else "cpu"):
+        if not triton_kernels.available("cuda" if cuda else "cpu"):
             log.warning("moe_compile: kernels='%s' but Triton cannot run here (on CPU it needs TRITON_INTERPRET=1); "
                         "the torch references stay", self.cfg.kernels)
             return PassResult(gm, False)
@@ -132,10 +132,3 @@ def _with_impl(node: Node) -> tuple:
     args[position] = "triton"
     return tuple(args)
 
-
-def _on_cuda(gm: GraphModule) -> bool:
-    for node in gm.graph.nodes:
-        value = example_value(node)
-        if isinstance(value, torch.Tensor) and value.device.type == "cuda":
-            return True
-    return False

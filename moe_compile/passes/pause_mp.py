@@ -67,7 +67,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 
 from ..config import MoECompileConfig
 from ..debug import log

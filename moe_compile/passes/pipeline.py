@@ -21,15 +21,16 @@ from __future__ import annotations
 from ..collectives.group import resolve_group
 from ..collectives.layout import resolve_layout
 from ..config import MoECompileConfig
-from .canonicalize import Canonicalize, Detect
+from .canonicalize import Canonicalize
 from .chunk import Chunk
 from .dead_collectives import DropDeadCollectives
+from .detect import Detect
 from .emit_exchange import Exchange
 from .expert_parallel import ExpertParallel
 from .lower import Lower
 from .pause_mp import PauseMP
-from .schedule import Schedule
-from .streams import Streams
+from .schedule import SchedulePass
+from .streams import StreamsPass
 
 __all__ = ["STAGE1", "STAGE2", "stage1_passes", "stage2_passes"]
 
@@ -53,6 +54,6 @@ def stage1_passes(cfg: MoECompileConfig) -> list:
 
 def stage2_passes(cfg: MoECompileConfig) -> list:
     """The built-in stage-2 passes for ``cfg``."""
-    passes = [DropDeadCollectives(), Schedule(cfg.schedule), Lower(cfg), Streams()]
+    passes = [DropDeadCollectives(), SchedulePass(cfg.schedule), Lower(cfg), StreamsPass()]
     assert tuple(p.name for p in passes) == STAGE2
     return passes

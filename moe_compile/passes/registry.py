@@ -1,4 +1,4 @@
-"""User passes: ``moe_compile.register_pass(my_pass, after="expert_parallel")``.
+"""User passes: ``moe_compile.register_pass(my_pass, after="exchange")``.
 
 A pass is any object with a ``name`` and ``__call__(gm) -> PassResult`` (the
 contract of :mod:`.manager`). It runs in the stage of the built-in pass it is

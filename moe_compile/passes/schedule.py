@@ -56,9 +56,10 @@ attributed to a layer is left unchanged and the reason logged.
 
 Task labels (for measured timelines, :mod:`moe_compile.schedule.measure`): the
 pass also tags every node of every chain with ``node.meta[TASK_META] =
-TaskLabel(layer, chunk, task)`` — ``layer`` the 0-based index of the layer in
-this graph (graph order of its first exchange; an un-chunked chain is a layer of
-its own), ``chunk`` the 1-based chunk (the *forward* chunk index in both graphs),
+TaskLabel(layer, chunk, task)`` (:mod:`moe_compile.tasks`, the record stage 1
+uses too) — ``layer`` the 0-based index of the layer in this graph (graph order
+of its first exchange; an un-chunked chain is a layer of its own, chunk 1),
+``chunk`` the 1-based chunk (the *forward* chunk index in both graphs),
 ``task`` one of ScheMoE's C1 A1 D1 E C2 A2 D2: pre → C1, first issue → A1, mid
 split at the expert matmuls into D1 (before) / E (the matmuls and what lies
 between them) / C2 (after), second issue → A2, post → D2. Backward: the mirror
@@ -71,41 +72,19 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Iterable
-from typing import NamedTuple
 
 import torch
 from torch.fx import GraphModule, Node
 
+from ..collectives.nodes import is_all_to_all, is_wait
 from ..config import SCHEDULES, ConfigError
 from ..counters import counters
 from ..debug import log
+from ..tasks import TASK_META, TaskLabel
+from .graph_utils import reachable
 from .manager import PassResult
 
-__all__ = ["TASK_META", "Chain", "Schedule", "TaskLabel", "find_chains", "is_all_to_all", "is_wait", "label_tasks"]
-
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
-#: ``node.meta`` key of a chain node's :class:`TaskLabel` (stage 1's ``moe_task`` is a plain task name)
-TASK_META = "moe_schedule_task"
-
-
-def _all_to_all_targets() -> set:
-    targets = {torch.ops._c10d_functional.all_to_all_single.default}
-    autograd_ns = getattr(torch.ops, "_c10d_functional_autograd", None)
-    if autograd_ns is not None and hasattr(autograd_ns, "all_to_all_single"):
-        targets.add(autograd_ns.all_to_all_single.default)
-    moe = torch.ops.moe
-    if hasattr(moe, "emulated_all_to_all"):
-        targets.add(moe.emulated_all_to_all.default)
-    return targets
-
-
-def is_wait(node: Node) -> bool:
-    return node.op == "call_function" and node.target is _WAIT
-
-
-def is_all_to_all(node: Node) -> bool:
-    return node.op == "call_function" and node.target in _all_to_all_targets()
+__all__ = ["Chain", "SchedulePass", "find_chains", "label_tasks"]
 
 
 def _wait_of(issue: Node) -> Node | None:
@@ -132,31 +111,17 @@ class Chain:
         return _wait_of(self.first), _wait_of(self.second)
 
 
-def _reach(starts: Iterable[Node], forward: bool, stop) -> set[Node]:
-    """Nodes reachable from ``starts`` (users if ``forward`` else inputs), not expanding past ``stop(n)``."""
-    seen, stack = set(), list(starts)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if stop(node):
-            continue
-        stack.extend(node.users if forward else node.all_input_nodes)
-    return seen
-
-
 def find_chains(gm: GraphModule) -> list[Chain]:
     """The chains of ``gm`` (see the module docstring), in graph order of their first exchange."""
     issues = [n for n in gm.graph.nodes if is_all_to_all(n) and _wait_of(n) is not None]
     issue_set = set(issues)
 
     def successors(issue: Node) -> set[Node]:
-        reached = _reach(_wait_of(issue).users, True, lambda n: is_wait(n) or n in issue_set)
+        reached = reachable(_wait_of(issue).users, stop=lambda n: is_wait(n) or n in issue_set)
         return {n for n in reached if n in issue_set}
 
     def predecessors(issue: Node) -> set[Node]:
-        reached = _reach(issue.all_input_nodes, False, lambda n: is_wait(n))
+        reached = reachable(issue.all_input_nodes, forward=False, stop=is_wait)
         return {_wait_of_inverse(n) for n in reached if is_wait(n) and _wait_of_inverse(n) in issue_set}
 
     chains, paired = [], set()
@@ -195,26 +160,19 @@ def _chunk_source(node: Node) -> tuple[Node, Node, int] | None:
 def _attribute(chain: Chain) -> None:
     """Fill ``chain``'s layer, chunk index and task node lists."""
     w1, w2 = chain.waits
-    upstream = _reach(chain.first.all_input_nodes, False, lambda n: is_wait(n) or _chunk_source(n) is not None)
+    upstream = reachable(chain.first.all_input_nodes, forward=False,
+                         stop=lambda n: is_wait(n) or _chunk_source(n) is not None)
     sources = [s for s in map(_chunk_source, upstream) if s is not None]
     if len(sources) == 1:
         chain.source, chain.layer, index = sources[0]
         chain.chunk = index + 1
-        down = _reach([chain.source], True, lambda n: n is chain.first or is_wait(n))
+        down = reachable([chain.source], stop=lambda n: n is chain.first or is_wait(n))
         chain.pre = [n for n in down if n in upstream and n is not chain.first]
-    mid_down = _reach(w1.users, True, lambda n: n is chain.second or is_wait(n) or is_all_to_all(n))
-    mid_up = _reach(chain.second.all_input_nodes, False, lambda n: n is w1 or is_wait(n))
+    mid_down = reachable(w1.users, stop=lambda n: n is chain.second or is_wait(n) or is_all_to_all(n))
+    mid_up = reachable(chain.second.all_input_nodes, forward=False, stop=lambda n: n is w1 or is_wait(n))
     chain.mid = [n for n in mid_down & mid_up if n not in (chain.second, w1)]
     # D2: after the second wait, up to (not including) the join that reads every chunk
-    chain.post = [n for n in _reach(w2.users, True, _is_join_or_barrier) if not _is_join_or_barrier(n)]
-
-
-class TaskLabel(NamedTuple):
-    """Which ScheMoE task a node of a scheduled graph belongs to (see the module docstring)."""
-
-    layer: int   # 0-based index of the layer in this graph
-    chunk: int   # 1-based (forward) chunk index
-    task: str    # C1 A1 D1 E C2 A2 D2
+    chain.post = [n for n in reachable(w2.users, stop=_is_join_or_barrier) if not _is_join_or_barrier(n)]
 
 
 _EXPERT_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default,
@@ -233,7 +191,7 @@ def label_tasks(chains: list[Chain]) -> int:
         for task, nodes in (("C1", pre), ("A1", [chain.first]), ("D1", d1), ("E", e), ("C2", c2),
                             ("A2", [chain.second]), ("D2", chain.post)):
             for node in nodes:
-                node.meta[TASK_META] = TaskLabel(index, chain.chunk, task)
+                node.meta[TASK_META] = TaskLabel(layer=index, chunk=chain.chunk, task=task)
     return len(layers)
 
 
@@ -258,11 +216,12 @@ def _split_mid(mid: list[Node]) -> tuple[list[Node], list[Node], list[Node]]:
     matmuls = {n for n in mid if n.op == "call_function" and n.target in _EXPERT_MATMULS}
     if not matmuls:
         return [], list(mid), []
-    after = _reach([u for m in matmuls for u in m.users if u in inside], True, lambda n: n not in inside) & inside
-    before = _reach([a for m in matmuls for a in m.all_input_nodes if a in inside], False,
-                    lambda n: n not in inside) & inside
+    after = reachable([u for m in matmuls for u in m.users if u in inside],
+                      stop=lambda n: n not in inside) & inside
+    before = reachable([a for m in matmuls for a in m.all_input_nodes if a in inside], forward=False,
+                       stop=lambda n: n not in inside) & inside
     experts = matmuls | (after & before)
-    downstream = _reach([u for n in experts for u in n.users if u in inside], True, lambda n: n not in inside)
+    downstream = reachable([u for n in experts for u in n.users if u in inside], stop=lambda n: n not in inside)
     d1 = [n for n in mid if n not in experts and n not in downstream]
     c2 = [n for n in mid if n not in experts and n in downstream]
     return d1, [n for n in mid if n in experts], c2
@@ -274,8 +233,9 @@ def _is_join_or_barrier(node: Node) -> bool:
     ) or len(node.users) == 0
 
 
-class Schedule:
-    """Stage-2 pass: see the module docstring."""
+class SchedulePass:
+    """Stage-2 pass: see the module docstring. (Not :class:`moe_compile.schedule.simulator.Schedule`, the
+    simulator's record of a compute order.)"""
 
     name = "schedule"
 
@@ -409,3 +369,4 @@ def _apply(gm: GraphModule, order: list[Node]) -> None:
     for node in order[:-1]:
         output.prepend(node)
     gm.graph.lint()
+

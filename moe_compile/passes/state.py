@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from torch.fx import GraphModule
 
 if TYPE_CHECKING:
-    from .detect import MoERegion, Skip
+    from .regions import MoERegion, Skip
     from .exchange_plan import ExchangePlan
 
 __all__ = ["MoEGraphState", "moe_state"]

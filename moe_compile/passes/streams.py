@@ -70,13 +70,14 @@ from torch import Tensor
 from torch.fx import Graph, GraphModule, Node
 
 from .. import streams as backends
+from ..collectives.nodes import is_wait
 from ..counters import counters
 from ..debug import log
 from .graph_utils import example_value, is_call
 from .manager import PassResult
-from .schedule import find_chains, is_wait
+from .schedule import find_chains
 
-__all__ = ["COMM", "Streams", "on_stream", "program"]
+__all__ = ["COMM", "StreamsPass", "on_stream", "program"]
 
 COMM = "comm"
 _COMPRESS = torch.ops.moe.compress.default
@@ -126,8 +127,9 @@ class Group:
     join: bool                # compute waits for the side stream after it
 
 
-class Streams:
-    """Stage-2 pass: see the module docstring."""
+class StreamsPass:
+    """Stage-2 pass: see the module docstring. (Not :class:`moe_compile.streams.Streams`, the stream
+    abstraction it runs the groups on.)"""
 
     name = "streams"
 
@@ -243,3 +245,4 @@ def _register(gm: GraphModule, role: str, stream: str, join: bool) -> str:
     name = f"{role}_{digest}"
     _PROGRAMS.setdefault(name, gm)
     return name
+

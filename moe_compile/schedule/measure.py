@@ -11,7 +11,7 @@ the two can be drawn side by side and the simulator's error read off::
     m.error()          # {("moe", "forward"): TimelineError(predicted=0.081, measured=0.084, relative=0.037)}
 
 How (aot-eager inner compiler, the CPU default): the ``schedule`` pass labels the
-nodes of every chunk with their task (``node.meta[TASK_META]``,
+nodes of every chunk with their task (a :class:`moe_compile.tasks.TaskLabel`,
 :func:`moe_compile.passes.schedule.label_tasks`). The backend wraps each compiled
 forward / backward graph with :func:`timed_graph`; while no measurement is active it
 calls the graph's fast path after one module-level check. While one is active, the
@@ -52,6 +52,8 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
+from ..collectives.nodes import is_wait
+from ..tasks import task_label
 from .simulator import COMPUTE_KINDS, TASKS, Event, Simulation
 
 __all__ = ["TaskMeasurement", "TimelineError", "measure_tasks", "timed_graph"]
@@ -203,9 +205,7 @@ def timed_graph(
 
     ``gm`` must carry the ``schedule`` pass's task labels; a graph without any is returned as ``run``.
     """
-    from ..passes.schedule import TASK_META
-
-    labels = {n: n.meta[TASK_META] for n in gm.graph.nodes if TASK_META in n.meta}
+    labels = {n: label for n in gm.graph.nodes if (label := task_label(n)) is not None}
     if not labels:
         return run
     timer = _TaskTimer(gm, labels, "backward" if backward else "forward", graph_id, list(plans or []))
@@ -223,8 +223,6 @@ class _TaskTimer:
     """Runs a labelled graph through an ``fx.Interpreter`` that times the labelled nodes and their waits."""
 
     def __init__(self, gm: GraphModule, labels: dict, phase: str, graph_id: int | None, plans: list):
-        from ..passes.schedule import is_wait
-
         self.gm, self.labels, self.phase, self.graph_id, self.plans = gm, labels, phase, graph_id, plans
         self.waits = {}   # issue node -> its wait_tensor
         for node, label in labels.items():

@@ -6,6 +6,8 @@
 - :mod:`.int8`: per-row absmax int8 quantization into a byte payload (compressor ``int8``).
 - :mod:`.fp8`: per-row scaled fp8 e4m3 bytes, bit arithmetic (compressor ``fp8``).
 - :mod:`.zfp`: fixed-rate block floating point, 16 values share an exponent (compressor ``zfp``).
+- :mod:`.row_codec`: what int8, fp8 and zfp share (checks, the scaled-row payload layout, bfloat16
+  bits, tile sizes); no kernels of its own.
 - :mod:`.decode_int8`: decode straight from an int8 payload, dequantizing on the fly (fused
   ``decompress`` + ``combine``, ``moe.decode_int8_triton``).
 

@@ -66,7 +66,8 @@ from torch import Tensor
 from moe_compile.ops.dispatch import combine_torch
 
 from .encode import block_sizes, cast_rne, check_device
-from .int8 import DTYPES, int8_decompress_torch, load_scale, payload_bytes
+from .int8 import int8_decompress_torch
+from .row_codec import DTYPES, load_scale, payload_bytes
 
 __all__ = ["decode_int8_torch", "decode_int8_triton", "memory_traffic"]
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .int8 import (
+from .row_codec import (
     as_kernel_input,
     cast_slack,
     check_payload,
@@ -53,16 +53,9 @@ from .int8 import (
     store_from_f32,
     store_scale_tail,
     tile_sizes,
+    tl,
+    triton,
 )
-
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # no (working) triton: the torch references and the CPU ops still work
-    from types import SimpleNamespace
-
-    triton = SimpleNamespace(jit=lambda fn: fn)
-    tl = SimpleNamespace(constexpr=None)
 
 __all__ = [
     "error_bound",

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .int8 import (
+from .row_codec import (
     as_kernel_input,
     cast_slack,
     check_payload,
@@ -57,16 +57,9 @@ from .int8 import (
     round_half_even,
     store_from_f32,
     tile_sizes,
+    tl,
+    triton,
 )
-
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # no (working) triton: the torch references and the CPU ops still work
-    from types import SimpleNamespace
-
-    triton = SimpleNamespace(jit=lambda fn: fn)
-    tl = SimpleNamespace(constexpr=None)
 
 __all__ = [
     "error_bound",

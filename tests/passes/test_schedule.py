@@ -29,7 +29,7 @@ from torch.fx import GraphModule, Node
 
 import moe_compile
 from moe_compile import ConfigError
-from moe_compile.passes.schedule import Schedule
+from moe_compile.passes.schedule import SchedulePass
 from tests.models.gshard import GShardMoE
 from tests.passes.chunked import A2A, COMPRESS, DECOMPRESS, WAIT, ancestors, calls, record_after, train_step
 from tests.passes.test_expert_parallel import fake_group  # noqa: F401  (fixture; aot_graphs is in tests/conftest.py)
@@ -169,14 +169,14 @@ def test_schedule_pass_on_a_plain_graph_reports_unmodified():
     gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
     names = [n.name for n in gm.graph.nodes]
     for schedule in SCHEDULES:
-        result = Schedule(schedule)(gm)
+        result = SchedulePass(schedule)(gm)
         assert not result.modified and [n.name for n in result.graph_module.graph.nodes] == names
 
 
 @pytest.mark.parametrize("bad", ["bogus", "OPTIMAL", ""])
 def test_unknown_schedule_is_a_config_error(bad):
     with pytest.raises(ConfigError, match=rf"options\['schedule'\]={bad!r}: choose one of optimal, sequential"):
-        Schedule(bad)
+        SchedulePass(bad)
 
 
 def test_schedules_differ(fake_group, aot_graphs):

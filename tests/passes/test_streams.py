@@ -23,7 +23,7 @@ from torch.fx import GraphModule, Node
 
 import moe_compile
 from moe_compile.passes import PassResult
-from moe_compile.passes.streams import Streams, program
+from moe_compile.passes.streams import StreamsPass, program
 from moe_compile.streams import CheckedStreams, CpuStreams, StreamRaceError, streams_for, use_streams
 from moe_compile.testing import spawn
 from tests.models.gshard import GShardMoE
@@ -129,7 +129,7 @@ def test_graph_without_exchanges_is_unchanged_and_logged(caplog):
     gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
     names = [n.name for n in gm.graph.nodes]
     with use_streams(CheckedStreams()), caplog.at_level(logging.INFO, logger="moe_compile"):
-        result = Streams()(gm)
+        result = StreamsPass()(gm)
     assert not result.modified and [n.name for n in gm.graph.nodes] == names
     assert "no expert-parallel exchanges" in caplog.text
 
@@ -192,7 +192,7 @@ def test_unknown_comm_side_is_left_unchanged_and_logged(fake_group, caplog):
     del size.meta["val"]                       # a split size the pass cannot type
     names = [n.name for n in gm.graph.nodes]
     with use_streams(CheckedStreams()), caplog.at_level(logging.INFO, logger="moe_compile"):
-        result = Streams()(gm)
+        result = StreamsPass()(gm)
     assert not result.modified and [n.name for n in gm.graph.nodes] == names
     assert f"comm side not understood ({issue.name} reads {size.name}, neither a tensor nor a size)" in caplog.text
 

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 import moe_compile
-from moe_compile.passes.schedule import TASK_META, find_chains
+from moe_compile.passes.schedule import find_chains
 from moe_compile.schedule import AlphaBeta, CostModels, theorem1_order
 from moe_compile.schedule.simulator import COMM_KINDS, COMPUTE_KINDS, TASKS
+from moe_compile.tasks import TASK_META
 from moe_compile.testing import spawn
 from tests.models.gshard import GShardMoE
 from tests.passes.test_expert_parallel import fake_group  # noqa: F401  (fixture)
