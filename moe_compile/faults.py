@@ -25,7 +25,7 @@ task; the ``exchange`` pass); AOTAutograd drops those keys but keeps
 :class:`CollectiveSites` bridges the two: it records the stage-1 sites, attributes
 forward nodes through ``from_node`` (or ``seq_nr`` when a node has none), and
 backward nodes through ``seq_nr``. The result is
-``gm.meta["moe_sites"]`` on each AOTAutograd graph, read only when a step fails.
+``gm.meta["moe"].sites`` on each AOTAutograd graph, read only when a step fails.
 
 Contract: the success path costs one ``try``; an exception outside a collective
 node, or in a collective of no MoE layer, is re-raised unchanged. Inductor output
@@ -41,6 +41,7 @@ from typing import Any
 from torch.fx import GraphModule, Node
 
 from .collectives.nodes import is_wait
+from .passes.state import moe_state
 from .tasks import task_label
 
 __all__ = [
@@ -114,10 +115,10 @@ class CollectiveSites:
                 self.stage1[node.name] = site
 
     def annotate(self, gm: GraphModule, *, backward: bool) -> dict[str, Site]:
-        """``gm.meta["moe_sites"]``: the site of every node of an AOTAutograd graph that has one."""
+        """``gm.meta["moe"].sites``: the site of every node of an AOTAutograd graph that has one."""
         sites: dict[str, Site] = {}
         if not self.stage1:
-            gm.meta["moe_sites"] = sites
+            moe_state(gm).sites = sites
             return sites
         if not backward:
             for node in gm.graph.nodes:
@@ -136,7 +137,7 @@ class CollectiveSites:
                 site = self.by_seq_nr.get(node.meta.get("seq_nr"))
                 if site is not None:
                     sites[node.name] = dataclasses.replace(site, backward=True)
-        gm.meta["moe_sites"] = sites
+        moe_state(gm).sites = sites
         return sites
 
     def _from_node(self, node: Node) -> Site | None:
@@ -202,7 +203,7 @@ def describe_failure(gm: GraphModule, node: Node, error: BaseException) -> MoECo
     collective = issuing_collective(node)
     if collective is None:
         return None
-    sites: dict[str, Site] = gm.meta.get("moe_sites") or {}
+    sites: dict[str, Site] = moe_state(gm).sites
     site = sites.get(collective.name) or sites.get(node.name)
     if site is None:
         return None

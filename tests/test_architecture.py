@@ -1,4 +1,8 @@
-"""The package's module structure (issue 16): no module of ``moe_compile`` imports itself back.
+"""The package's module structure (issue 16): no import circle, and ``docs/architecture.md`` stays true.
+
+``docs/architecture.md`` names every module of the package by its path; the doc
+test imports each module it names and fails on a file of the package it does not
+name, and on every pass of the pipeline it does not show.
 
 The import graph is read from the source with :mod:`ast`, nothing is imported:
 every ``import a.b`` / ``from .x import y`` / ``from . import x`` statement of a
@@ -13,6 +17,8 @@ component, the shortest circle through it (``a -> b -> a``) and the lines that i
 from __future__ import annotations
 
 import ast
+import importlib
+import re
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -230,3 +236,27 @@ def test_no_import_cycles():
     graph = import_graph(modules)
     cycles = import_cycles(graph)
     assert not cycles, describe(cycles, graph, modules)
+
+
+# --------------------------------------------------------------------------- docs/architecture.md
+
+DOC = ROOT.parent / "docs" / "architecture.md"
+
+
+def test_architecture_doc_names_every_module_and_each_imports():
+    text = DOC.read_text()
+    named = set(re.findall(r"`(moe_compile/[\w/]+\.py)`", text))
+    files = {str(path.relative_to(ROOT.parent)) for path in ROOT.rglob("*.py")}
+    assert not sorted(files - named), f"modules missing from docs/architecture.md: {sorted(files - named)}"
+    assert not sorted(named - files), f"docs/architecture.md names files that do not exist: {sorted(named - files)}"
+    for path in sorted(named):
+        module = path[:-3].replace("/", ".").removesuffix(".__init__")
+        importlib.import_module(module)
+
+
+def test_architecture_doc_shows_the_pipeline():
+    from moe_compile.passes.pipeline import STAGE1, STAGE2
+
+    picture = DOC.read_text().split("## The pipeline in one picture", 1)[1].split("##", 1)[0]
+    shown = re.findall(r"^ │   (\w+) ", picture, flags=re.M)
+    assert tuple(shown) == STAGE1 + STAGE2, shown

@@ -83,6 +83,7 @@ from ..debug import log
 from ..tasks import TASK_META, TaskLabel
 from .graph_utils import reachable
 from .manager import PassResult
+from .state import moe_state
 
 __all__ = ["Chain", "SchedulePass", "find_chains", "label_tasks"]
 
@@ -251,7 +252,7 @@ class SchedulePass:
         if not chains:
             return PassResult(gm, False)
         label_tasks(chains)
-        gm.meta["moe_schedule"] = self.schedule
+        moe_state(gm).schedule = str(self.schedule)
         layers: dict[Node | None, list[Chain]] = {}
         for chain in chains:
             layers.setdefault(chain.layer, []).append(chain)

@@ -1,7 +1,7 @@
-"""The typed state the stage-1 passes hand each other: ``gm.meta["moe"]``.
+"""The typed state the passes hand each other: ``gm.meta["moe"]``.
 
-One :class:`MoEGraphState` per Dynamo graph, created by the first pass that asks
-(:func:`moe_state`)::
+One :class:`MoEGraphState` per graph, created by the first pass that asks
+(:func:`moe_state`). On the Dynamo graph (stage 1)::
 
     detect           → found, pending, skips          (the layers matched, and why others were not)
     canonicalize     → pending emptied, skips          (the layers left as written)
@@ -13,7 +13,10 @@ One :class:`MoEGraphState` per Dynamo graph, created by the first pass that asks
 The plans are frozen (:class:`moe_compile.passes.exchange_plan.ExchangePlan`): a pass
 that decides replaces a layer's plan with ``dataclasses.replace``; only the
 ``exchange`` pass edits the graph from them. ``summary.json`` and ``schedule.json``
-are written from this state.
+are written from this state. On each AOTAutograd graph (stage 2)::
+
+    schedule pass    → schedule                        (the order it applied)
+    CompileContext   → sites                           (moe_compile.faults: each node's layer / task / chunk)
 """
 from __future__ import annotations
 
@@ -41,6 +44,9 @@ class MoEGraphState:
     skips: list[Skip] = dataclasses.field(default_factory=list)         # layers left as the model wrote them
     layers: list[ExchangePlan] = dataclasses.field(default_factory=list)  # one plan per expert-parallel layer
     detected: bool = False                                              # detect ran on this graph
+    # stage 2 (AOTAutograd graphs)
+    schedule: str = ""                                                  # the schedule pass's order
+    sites: dict = dataclasses.field(default_factory=dict)               # node name → faults.Site
 
     def replace_plan(self, plan: ExchangePlan) -> None:
         """Put ``plan`` in place of the plan of the same layer."""

@@ -53,6 +53,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..collectives.nodes import is_wait
+from ..passes.state import moe_state
 from ..tasks import task_label
 from .simulator import COMPUTE_KINDS, TASKS, Event, Simulation
 
@@ -232,11 +233,11 @@ class _TaskTimer:
                     self.waits[node] = waits[0]
         self.watched = set(labels) | set(self.waits.values())
         self.names = self._layer_names()
-        self.schedule = gm.meta.get("moe_schedule", "")
+        self.schedule = moe_state(gm).schedule
 
     def _layer_names(self) -> dict[int, str]:
-        """Layer index → the layer's name (``gm.meta["moe_sites"]``, from stage 1), else ``layer<index>``."""
-        sites = self.gm.meta.get("moe_sites") or {}
+        """Layer index → the layer's name (``gm.meta["moe"].sites``, from stage 1), else ``layer<index>``."""
+        sites = moe_state(self.gm).sites
         names: dict[int, str] = {}
         for node, label in self.labels.items():
             site = sites.get(node.name)

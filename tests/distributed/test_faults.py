@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moe_compile.passes.state import moe_state
 from moe_compile.testing import _free_port
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -134,7 +135,7 @@ def test_collectives_are_attributed_to_layer_task_and_chunk(fake_world, aot_grap
     wait = torch.ops._c10d_functional.wait_tensor.default
     cause = RuntimeError("Connection closed by peer")
     for gm, graph in ((forward, "forward"), (backward, "backward")):
-        sites = gm.meta["moe_sites"]
+        sites = moe_state(gm).sites
         exchanges = [n for n in gm.graph.nodes if n.target is a2a]
         assert {(sites[n.name].task, sites[n.name].chunk) for n in exchanges} == {
             ("A1", 1), ("A1", 2), ("A2", 1), ("A2", 2)}
