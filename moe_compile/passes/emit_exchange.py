@@ -27,7 +27,7 @@ After (rank r, El = E / P local experts; Tutel §2.2, ScheMoE §3-4)::
 With ESP / MP groups the exchange of each chunk is Parm's (§III, Fig. 3): the
 DeepSpeed-MoE baseline (``pause="off"``), or the fused EP&ESP-AlltoAll of S1 / S2
 (:func:`emit_fused`); S1 also splits the layer's tokens over MP
-(:func:`split_tokens`). A ``compressor`` wraps every all-to-all as C → A → D; an
+(:mod:`.mp_split`). A ``compressor`` wraps every all-to-all as C → A → D; an
 algorithm other than flat is one call of :mod:`moe_compile.collectives.all_to_all_registry`;
 ``emulate_link`` issues the emulated exchange of :mod:`moe_compile.collectives.emulated`.
 
@@ -61,9 +61,9 @@ from ..debug import log
 from ..tasks import TASK_META, TaskLabel
 from .exchange_plan import ExchangePlan
 from .fake_values import propagate
-from .graph_utils import between, example_value
 from .local_weights import LocalWeights, hidden_shard, sharded_placeholders
 from .manager import PassResult
+from .mp_split import batch_kept, mask_dropped, split_tokens
 from .state import moe_state
 
 __all__ = ["SAA_PIECES", "Emitter", "Exchange", "build_layer"]
@@ -134,7 +134,7 @@ def build_layer(gm: GraphModule, plan: ExchangePlan, cfg: MoECompileConfig, loca
         rows = emit_all_reduce_max(graph, need, plan.group)
         for node in (rows.args[0], rows):
             propagate(node)
-        kept = _batch_kept(graph, plan, meta) if plan.split_tokens and layer.capacity != 0 else None
+        kept = batch_kept(graph, plan, meta) if plan.split_tokens and layer.capacity != 0 else None
     dispatch.args = (*dispatch.args[:3], plan.dispatch_capacity, rows)
     for node in (dispatch, *dispatch.users):
         propagate(node)
@@ -162,10 +162,7 @@ def build_layer(gm: GraphModule, plan: ExchangePlan, cfg: MoECompileConfig, loca
     if plan.split_tokens:
         split_tokens(gm, plan, output, meta)
         if kept is not None:
-            weights_in = combine.args[3]
-            with graph.inserting_before(combine):
-                masked = _node(graph, operator.mul, weights_in, kept, meta=meta)
-            combine.replace_input_with(weights_in, masked)
+            mask_dropped(graph, combine, kept, meta)
     counters["regions_expert_parallel"] += 1
     if plan.pause in ("s1", "s2"):
         counters[f"regions_pause_mp_{plan.pause}"] += 1
@@ -381,62 +378,3 @@ def emit_fused(emit: Emitter, buffer: Node, split_rows: bool) -> Node:
     joined = gathered[0] if pieces == 1 else call(torch.cat, gathered, 2, task="D2")  # [m, E, R/m, M]
     return call("reshape", call("transpose", joined, 0, 1, method=True, task="D2"),
                 (plan.num_experts, -1, model_dim), method=True, task="D2")
-
-
-# ---------------------------------------------------------------------------------- S1's token split
-def _batch_kept(graph: Graph, plan: ExchangePlan, meta: dict) -> Node:
-    """S1 with a capacity: which choices the MP group's whole batch keeps (``moe.slice_kept``).
-
-    The slice is dispatched dropless (every choice sent) and the gate weights of the
-    choices the batch drops are zeroed: their outputs and gradients are then exactly
-    0, as in the single-device model. The expert ids of the whole batch come from an
-    MP-AllGather of the slices' (``T·k`` integers)::
-
-        ids_all = wait_tensor(all_gather_into_tensor(ids_q, m, mp))        # [T, k]
-        kept    = moe.slice_kept(ids_all, E, C, q·T/m, T/m)                 # [T/m, k] bool
-        buf, loc = moe.dispatch(x_q, ids_q, E, 0, rows)                     # dropless slice
-        y = moe.combine(out, ids_q, loc, w_q * kept)
-    """
-    layout, layer = plan.layout, plan.layer
-    m, q = layout.replicas, layout.mp.rank
-    count = example_value(layer.tokens).shape[0] // m
-    issued = emit_all_gather(graph, layer.expert_ids, m, layout.mp.name)
-    issued.meta.update(meta)
-    propagate(issued)
-    ids_all = _node(graph, WAIT, issued, meta=meta)
-    return _node(graph, torch.ops.moe.slice_kept.default, ids_all, plan.num_experts, layer.capacity, q * count, count,
-                 meta=meta)
-
-
-def split_tokens(gm: GraphModule, plan: ExchangePlan, output: Node, meta: dict) -> None:
-    """S1 (Parm Fig. 3(b)): MP-Split of the tokens ``x`` for the layer, ``moe.mp_copy`` of the gate's
-    parameters (their gradient summed over MP), MP-AllGather of the combine's output."""
-    graph = gm.graph
-    x, combine = plan.layer.tokens, plan.layer.combine
-    region = between(x, combine)
-    exchange = between(plan.layer.buffer, output)
-    group = plan.layout.mp.name
-    with graph.inserting_after(x):
-        x_q = _node(graph, torch.ops.moe.mp_split.default, x, 0, group, meta=meta)
-    for node in region:
-        node.replace_input_with(x, x_q)
-    copies: dict[Node, Node] = {}
-    first = next(n for n in graph.nodes if n in region)
-    for node in [n for n in graph.nodes if n in region and n not in exchange]:
-        for param in node.all_input_nodes:
-            if param in region or param is x or param is x_q:
-                continue
-            value = example_value(param)
-            if not (isinstance(value, torch.Tensor) and value.requires_grad):
-                continue
-            if param not in copies:
-                with graph.inserting_before(first):
-                    copies[param] = _node(graph, torch.ops.moe.mp_copy.default, param, group, meta=meta)
-            node.replace_input_with(param, copies[param])
-    for node in [n for n in graph.nodes if n in region]:  # the layer's values now have T/m rows
-        propagate(node)
-    with graph.inserting_after(combine):
-        issued = _node(graph, torch.ops.moe.mp_all_gather.default, combine, group, meta=meta)
-    with graph.inserting_after(issued):
-        gathered = _node(graph, WAIT, issued, meta=meta)
-    combine.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not issued)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import operator
 
-import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Graph, Node
 from torch.fx.node import map_arg
