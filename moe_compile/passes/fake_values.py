@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
-__all__ = ["fake_mode_of", "propagate", "source_value"]
+__all__ = ["fake_mode_of", "fake_value", "propagate"]
 
 _KEYS = ("val", "example_value")
 
@@ -64,7 +64,9 @@ def propagate(node: Node) -> None:
 
     args = map_arg(node.args, value)
     kwargs = map_arg(node.kwargs, value)
-    if missing:
+    if missing:  # no value rather than a stale one (a copied node keeps its original's meta)
+        for key in (*_KEYS, "unbacked_bindings"):
+            node.meta.pop(key, None)
         return
     with mode:
         if node.op == "call_method":
@@ -84,9 +86,12 @@ def propagate(node: Node) -> None:
         node.meta[key] = result
 
 
-def source_value(node: Node):
-    """``node``'s example value or, for a node inserted without one (canonicalize's weight views:
-    transpose, slice, stack), the value of the first input that has one."""
-    while isinstance(node, Node) and _value(node) is None and node.all_input_nodes:
-        node = node.all_input_nodes[0]
-    return _value(node) if isinstance(node, Node) else None
+
+def fake_value(node: Node, tensor) -> None:
+    """Give ``node`` (a ``get_attr`` of a real tensor a pass registered) the fake of ``tensor`` as its value."""
+    mode = fake_mode_of(node.graph)
+    if mode is None:
+        return
+    fake = mode.from_tensor(tensor, static_shapes=True)
+    for key in _KEYS:
+        node.meta[key] = fake

@@ -24,7 +24,7 @@ from torch.fx import GraphModule, Node
 from ..collectives.group import EPGroup
 from ..config import ConfigError
 from ..shard_record import ExpertShard, expert_shard
-from .fake_values import propagate
+from .fake_values import fake_value, propagate
 
 __all__ = ["LocalWeights", "hidden_shard", "sharded_placeholders"]
 
@@ -108,6 +108,7 @@ class LocalWeights:
             with self.gm.graph.inserting_after(placeholders[-1]):
                 attr = self.gm.graph.get_attr(name)
             attr.meta.update({k: placeholder.meta[k] for k in ("nn_module_stack",) if k in placeholder.meta})
+            fake_value(attr, param)
             self.local_attrs[placeholder] = attr
         return self.local_attrs[placeholder]
 
