@@ -44,7 +44,6 @@ from ..counters import counters
 from ..debug import log
 from .detect import find_moe_regions
 from .graph_utils import example_value, is_inplace, shape_of
-from .fake_values import propagate
 from .manager import PassResult
 from .regions import ExpertLinear, MoERegion, Skip
 from .state import moe_state
@@ -139,7 +138,6 @@ def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
     def call(target, *args, method=False):
         node = graph.call_method(target, args) if method else graph.call_function(target, args)
         node.meta.update(meta)
-        propagate(node)  # meta["val"]: the canonical ops' fake values, in Dynamo's fake mode
         return node
 
     with graph.inserting_before(output):

@@ -14,13 +14,14 @@ no-op there, never an error.
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
-__all__ = ["fake_mode_of", "fake_value", "propagate"]
+__all__ = ["fake_mode_of", "fake_value", "propagate", "source_value"]
 
 _KEYS = ("val", "example_value")
 
@@ -68,14 +69,16 @@ def propagate(node: Node) -> None:
         for key in (*_KEYS, "unbacked_bindings"):
             node.meta.pop(key, None)
         return
-    with mode:
+    shape_env = mode.shape_env
+    # no guards: Dynamo has produced the graph's; a size this metadata compares must not specialize them
+    quiet = shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext()
+    with mode, quiet:
         if node.op == "call_method":
             result = getattr(args[0], node.target)(*args[1:], **kwargs)
         elif node.target is operator.getitem and isinstance(args[0], (list, tuple)):
             result = args[0][args[1]]
         else:
             result = node.target(*args, **kwargs)
-    shape_env = mode.shape_env
     if shape_env is not None:
         from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
 
@@ -95,3 +98,17 @@ def fake_value(node: Node, tensor) -> None:
     fake = mode.from_tensor(tensor, static_shapes=True)
     for key in _KEYS:
         node.meta[key] = fake
+
+
+def source_value(node: Node):
+    """``node``'s example value or, for a node canonicalize inserted without one (its weight views:
+    transpose, slice, stack; the ``[T, k]`` reshapes of ids and weights), the value of the first input
+    that has one.
+
+    Canonicalize does not propagate fake values: doing so in Dynamo's ShapeEnv made a later
+    compile specialize a ``mark_dynamic`` batch size (tests/test_dynamic.py, 2 ranks), through a
+    path this module could not find; the deciding passes read shapes and dtypes through here instead.
+    """
+    while isinstance(node, Node) and _value(node) is None and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return _value(node) if isinstance(node, Node) else None

@@ -72,6 +72,7 @@ from torch.fx import GraphModule
 from ..config import MoECompileConfig
 from ..debug import log
 from .exchange_plan import ExchangePlan
+from .fake_values import source_value
 from .graph_utils import between, example_value
 from .manager import PassResult
 from .state import moe_state
@@ -126,7 +127,7 @@ def parm_shape(plan: ExchangePlan):
     from ..schedule.parm import ParmShape
 
     layout, layer = plan.layout, plan.layer
-    x, ids = example_value(layer.tokens), example_value(layer.expert_ids)
+    x, ids = example_value(layer.tokens), source_value(layer.expert_ids)
     if not (isinstance(x, torch.Tensor) and isinstance(ids, torch.Tensor) and ids.dim() == 2):
         raise KeyError("the layer's token count and top-k (no example values)")
     tokens, top_k = int(x.shape[0]), int(ids.shape[-1])
