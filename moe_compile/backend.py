@@ -23,6 +23,7 @@ from .config import ConfigError, MoECompileConfig, config
 from .counters import counters
 from .faults import name_collective_faults
 from .passes import pipeline
+from .passes.checkpoint_bodies import checkpoint_bodies
 from .passes.graph_utils import on_cuda
 from .passes.manager import PassManager
 from .passes.registry import with_user_passes
@@ -48,6 +49,20 @@ def _run_stage(passes: list, context: CompileContext, gm: torch.fx.GraphModule, 
     return gm
 
 
+def _run_stage1(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.GraphModule):
+    """Stage 1 on the Dynamo graph and inside each of its activation-checkpoint bodies
+    (:mod:`moe_compile.passes.checkpoint_bodies`); the bodies' layers join the graph's state."""
+    bodies = checkpoint_bodies(gm)
+    for name, body in bodies:
+        manager = PassManager(stage1_passes(cfg), context.dumper, prefix=f"{name}_")
+        if manager(body) is not body:
+            raise RuntimeError(f"a stage-1 pass replaced the checkpoint body {name}; passes must edit graphs in place")
+        context.body_done(name, manager.effects, body)
+    if bodies:
+        gm.recompile()
+    return _run_stage(stage1_passes(cfg), context, gm)
+
+
 def moe_backend(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -60,7 +75,7 @@ def moe_backend(
     cfg = config.merged(options)
     counters["graphs"] += 1
     context = CompileContext(cfg)
-    gm = _run_stage(stage1_passes(cfg), context, gm)
+    gm = _run_stage1(cfg, context, gm)
 
     inner = cfg.inner
     if inner == "auto":

@@ -39,6 +39,14 @@ class CompileContext:
         self.summary: dict = {"graph": self.graph_id, "rank": rank(), "passes": {}}
         #: the layers' schedule plans (moe_compile.schedule.plan.LayerPlan), once stage 1 is done
         self.plans: list = []
+        #: the activation-checkpoint bodies stage 1 ran in: (name, body)
+        self.bodies: list[tuple[str, GraphModule]] = []
+
+    def body_done(self, name: str, effects: Sequence[tuple[str, bool]], body: GraphModule) -> None:
+        """Stage 1 ran inside the activation-checkpoint body ``name``: its passes are noted, its layers
+        join the graph's (when the graph's own stage 1 is done)."""
+        self.summary["passes"][f"stage1:{name}"] = [{"pass": p, "modified": m} for p, m in effects]
+        self.bodies.append((name, body))
 
     def stage_done(self, prefix: str, effects: Sequence[tuple[str, bool]], gm: GraphModule) -> None:
         """After a stage ran (``prefix`` "" = stage 1, "fw_" / "bw_" = stage 2): note the passes and their
@@ -48,7 +56,10 @@ class CompileContext:
         self.summary["passes"][stage] = [{"pass": name, "modified": modified} for name, modified in effects]
         directory = self.dumper.directory
         if stage == "stage1":
-            self.sites.record_stage1(gm)
+            state = moe_state(gm)
+            for _, body in self.bodies:
+                state.absorb(moe_state(body))
+            self.sites.record_stage1(gm, [body for _, body in self.bodies])
             self.summary.update(stage1_summary(gm, self.cfg))
             self.plans = [plan.schedule_plan for plan in moe_state(gm).layers if plan.schedule_plan is not None]
             if self.plans and directory is not None:

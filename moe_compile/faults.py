@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch.fx import GraphModule, Node
@@ -99,20 +99,20 @@ class CollectiveSites:
     """Stage-1 sites of one Dynamo graph, carried to its AOTAutograd forward and backward graphs."""
 
     def __init__(self) -> None:
-        self.graph_id: int | None = None
-        self.stage1: dict[str, Site] = {}
+        self.stage1: dict[tuple[int, str], Site] = {}   # (id of the stage-1 graph, node name) → site
         self.by_seq_nr: dict[int, Site] = {}
 
-    def record_stage1(self, gm: GraphModule) -> None:
-        """Sites of the rewritten Dynamo graph (its nodes' task labels and ``moe_region``)."""
-        self.graph_id = id(gm.graph)
+    def record_stage1(self, gm: GraphModule, bodies: Sequence[GraphModule] = ()) -> None:
+        """Sites of the rewritten Dynamo graph and of its activation-checkpoint ``bodies`` (their nodes'
+        task labels and ``moe_region``)."""
         self.stage1 = {}
-        for node in gm.graph.nodes:
-            site = _own_site(node)
-            if site is None and collective_name(node) is not None:
-                site = _neighbour_site(node)   # the capacity all_reduce is emitted untagged
-            if site is not None:
-                self.stage1[node.name] = site
+        for graph in (gm.graph, *(body.graph for body in bodies)):
+            for node in graph.nodes:
+                site = _own_site(node)
+                if site is None and collective_name(node) is not None:
+                    site = _neighbour_site(node)   # the capacity all_reduce is emitted untagged
+                if site is not None:
+                    self.stage1[(id(graph), node.name)] = site
 
     def annotate(self, gm: GraphModule, *, backward: bool) -> dict[str, Site]:
         """``gm.meta["moe"].sites``: the site of every node of an AOTAutograd graph that has one."""
@@ -144,8 +144,9 @@ class CollectiveSites:
         stack = list(node.meta.get("from_node") or ())
         while stack:
             source = stack.pop()
-            if source.graph_id == self.graph_id and source.name in self.stage1:
-                return self.stage1[source.name]
+            site = self.stage1.get((source.graph_id, source.name))
+            if site is not None:
+                return site
             stack.extend(source.from_node)
         return None
 

@@ -59,6 +59,7 @@ from ..config import ConfigError, MoECompileConfig
 from ..counters import counters
 from ..debug import log
 from ..tasks import TASK_META, TaskLabel
+from .checkpoint_bodies import CHECKPOINT_OP
 from .exchange_plan import ExchangePlan
 from .fake_values import propagate
 from .local_weights import LocalWeights, hidden_shard, sharded_placeholders
@@ -104,6 +105,14 @@ class Exchange:
                      "plain EP" if plan.pause == "ep" else f"pause_mp={plan.pause}", plan.chunks)
         local_weights.erase_dead()
         leftover = [p.name for p in shards if p.users]
+        checkpointed = [p.name for p in shards for u in p.users if u.target is CHECKPOINT_OP]
+        if checkpointed:
+            raise ConfigError(
+                f"sharded expert weights {checkpointed} are read inside an activation-checkpointed block "
+                f"(torch.utils.checkpoint / checkpoint_wrapper); the moe backend does not yet pass a local shard "
+                f"into a checkpoint body: keep those experts replicated (do not call shard_experts), or "
+                f"checkpoint the block's other modules and leave the MoE layer outside the checkpoint"
+            )
         if leftover:
             raise ConfigError(
                 f"sharded expert weights {leftover} are read outside a layer the moe backend made expert-parallel "

@@ -48,6 +48,12 @@ class MoEGraphState:
     schedule: str = ""                                                  # the schedule pass's order
     sites: dict = dataclasses.field(default_factory=dict)               # node name → faults.Site
 
+    def absorb(self, other: MoEGraphState) -> None:
+        """Add the stage-1 findings of a sub-graph (an activation-checkpoint body) to this graph's."""
+        self.found += other.found
+        self.skips += other.skips
+        self.layers += other.layers
+
     def replace_plan(self, plan: ExchangePlan) -> None:
         """Put ``plan`` in place of the plan of the same layer."""
         for i, old in enumerate(self.layers):
