@@ -28,8 +28,8 @@ def test_verify_regions_option_reaches_the_trace(fake_world):
     torch._dynamo.reset()
     model = _token_major()
     kept = moe_compile.shard_experts(model, "world", x, options={"ep_group": "world", "verify_regions": False})
-    assert kept == ["w1_ep_shard", "w2_ep_shard"]
-    assert model.w1_ep_shard.shape == (2, 16, 32)
+    assert kept == ["w1", "w2"]
+    assert model.state_dict()["w1"].to_local().shape == (2, 16, 32)  # a DTensor under the original name
 
 
 def test_a_bad_option_is_a_config_error_naming_it(fake_world):
@@ -40,13 +40,13 @@ def test_a_bad_option_is_a_config_error_naming_it(fake_world):
 def test_options_that_need_ep_group_are_accepted(fake_world):
     """The group argument is the trace's ep_group: options acting on the exchange validate without repeating it."""
     kept = moe_compile.shard_experts(GShardMoE(8, 16, 4), "world", torch.randn(6, 8), options={"compressor": "fp16"})
-    assert kept == ["w1_ep_shard", "w2_ep_shard"]
+    assert kept == ["w1", "w2"]
 
 
 def test_ep_group_option_in_another_form_of_the_same_group(fake_world):
     kept = moe_compile.shard_experts(GShardMoE(8, 16, 4), dist.group.WORLD, torch.randn(6, 8),
                                      options={"ep_group": "world"})
-    assert kept == ["w1_ep_shard", "w2_ep_shard"]
+    assert kept == ["w1", "w2"]
 
 
 def test_ep_group_option_other_than_the_group_is_an_error(fake_world):
