@@ -15,6 +15,7 @@ and checkpoint helpers read to tell expert parameters from replicated ones.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -54,6 +55,13 @@ class ExpertShard:
         """The parameter holding this rank's experts (the graph reads its local tensor), or None."""
         module = self.module()
         return None if module is None or self.local_name is None else module._parameters.get(self.local_name)
+
+    def __deepcopy__(self, memo: dict) -> ExpertShard:
+        """In a ``copy.deepcopy`` of the model, the record of a copied placeholder names the copied module
+        (the copy is in ``memo`` before its attributes are copied), so a copy compiles its own weights."""
+        module = self.module()
+        copied = memo.get(id(module), module) if module is not None else None
+        return dataclasses.replace(self, module=self.module if copied is None else weakref.ref(copied))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,3 +62,18 @@ def test_rewrite_false_is_an_error(fake_world):
 def test_options_not_a_dict_says_how_to_pass_a_model_input_named_options(fake_world):
     with pytest.raises(TypeError, match="must be given positionally"):
         moe_compile.shard_experts(GShardMoE(8, 16, 4), "world", torch.randn(6, 8), options=torch.ones(1))
+
+
+def test_a_deep_copy_of_a_sharded_model_owns_its_shards(fake_world):
+    """copy.deepcopy of a sharded model: its placeholders' records name the copied module, whose DTensor the
+    compiled copy reads (not the original's)."""
+    import copy
+
+    from moe_compile.shard_record import expert_shard
+
+    model = GShardMoE(8, 16, 4)
+    moe_compile.shard_experts(model, "world", torch.randn(6, 8))
+    twin = copy.deepcopy(model)
+    record = expert_shard(twin.w1)
+    assert record.module() is twin and record.local is dict(twin.named_parameters())["w1"]
+    assert expert_shard(model.w1).module() is model
