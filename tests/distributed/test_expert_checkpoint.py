@@ -1,4 +1,4 @@
-"""Checkpoints of sharded experts (moe_compile/expert_checkpoint.py): DCP save at EP = 2, load at EP = 4, EP = 1, unsharded.
+"""Checkpoints of sharded experts (moe_compile/expert_checkpoint.py): DCP saved at EP = 2, loaded at EP = 4, 1, unsharded.
 
 One training run: a global batch of 8 tokens per step, split evenly over the ranks; the
 loss is the sum over the global batch (so every split trains the same model); replicated
@@ -172,7 +172,8 @@ def test_dcp_save_at_ep2_load_at_ep4_ep1_and_unsharded(tmp_path):
     at_ep2 = spawn(_save_at_ep2, 2, paths)
     for kind in KINDS:
         for rank, losses in enumerate(at_ep2):
-            torch.testing.assert_close(losses[kind], eager[kind][0], **TOL, msg=lambda m: f"EP=2 {kind} rank {rank}: {m}")
+            torch.testing.assert_close(losses[kind], eager[kind][0], **TOL,
+                                       msg=lambda m: f"EP=2 {kind} rank {rank}: {m}")
 
     # one global tensor per stacked weight (not one replicated [El, ...] tensor), for the model and AdamW's moments
     metadata = dcp.FileSystemReader(paths["stacked"]["dcp"]).read_metadata().state_dict_metadata
