@@ -15,10 +15,11 @@ Gradients, as data parallelism (DDP) would give them:
   for its own E/P experts, summed over the tokens of all ranks; all-reducing
   (sum) every gradient and dividing by P gives exactly DDP's averaged gradients.
 - ``--shard-experts`` (``moe_compile.shard_experts``): each rank stores only
-  its E/P experts (``w1_ep_shard``); their gradient is already the sum over the
-  ranks, so it is only divided by P, not all-reduced. (DistributedDataParallel
-  skips those shards by itself: they are listed in
-  ``model._ddp_params_and_buffers_to_ignore``.)
+  its E/P experts (``blocks.0.moe.w1`` becomes a ``DTensor`` parameter, ``Shard(0)``
+  over the ranks); their gradient is already the sum over the ranks, so it is only
+  divided by P, not all-reduced. (Wrapped in DistributedDataParallel instead of
+  averaging by hand, the model needs none of this: DDP skips the expert parameters
+  and their gradients are divided by P for it; see the README's ``shard_experts``.)
 
 The reference is the eager model with all E experts on every rank, trained on
 the same local batches with DDP-averaged gradients. Rank 0 prints, e.g.::

@@ -12,6 +12,8 @@ from .collectives.all_to_all_registry import register_all_to_all
 from .config import MoECompileConfig, config
 from .counters import counters
 from .errors import ConfigError
+from .expert_checkpoint import full_expert_state_dict
+from .expert_grads import clip_grad_norm_
 from .faults import MoECollectiveError
 from .passes import PassResult
 from .passes.registry import register_pass, unregister_pass
@@ -22,12 +24,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AllToAll",
+    "clip_grad_norm_",
     "Compressor",
     "ConfigError",
     "MoECollectiveError",
     "MoECompileConfig",
     "config",
     "counters",
+    "full_expert_state_dict",
     "measure_tasks",
     "ops",
     "PassResult",

@@ -19,22 +19,45 @@ Before (rank r of P, ``El = E / P``)::
 
 After::
 
-    moe.w1_ep_shard : Parameter [El, M, H]  # rows r·El .. (r+1)·El-1, what the optimizer sees
-    moe.w1 : Tensor [E, M, H]               # a NaN placeholder, stride 0: one element of storage
+    moe._parameters["w1"] : DTensor [E, M, H], Shard(0) on the 1-D EP mesh
+                            # its local tensor: rows r·El .. (r+1)·El-1; what the optimizer,
+                            # state_dict() and DCP see, under the original name
+    moe.w1 : Tensor [E, M, H]               # what attribute access (the model's forward) reads:
+                            # a NaN placeholder, stride 0, one element of storage
     moe.experts[e].w1.weight                # unchanged for local e; a NaN placeholder otherwise
 
 The model's own code still reads ``moe.w1`` with its full shape, so Dynamo traces
-it unchanged; the expert-parallel pass replaces the placeholder by the local
-shard (a parameter of the compiled graph) and raises if a placeholder is used
-anywhere else. Run eagerly (not compiled), a sharded model gives NaN for every
-token a remote expert contributes to, never a silently wrong number. Parameter memory per rank is (non-expert) + (expert) / P.
+it unchanged; the expert-parallel pass replaces the placeholder by the DTensor's
+local tensor (``to_local()``, a parameter of the compiled graph) and raises if a
+placeholder is used anywhere else. Run eagerly (not compiled), a sharded model
+gives NaN for every token a remote expert contributes to, never a silently wrong
+number. Parameter memory per rank is (non-expert) + (expert) / P.
 
-Gradients: a local shard's gradient is the sum over the EP group of every rank's
-tokens routed to those experts, which is what a data-parallel all-reduce (sum) of
-replicated expert gradients gives. The shards are added to
-``model._ddp_params_and_buffers_to_ignore`` so DistributedDataParallel does not
-average them across ranks that hold different experts; to match DDP's average,
-divide their gradients by P (or scale the loss).
+Why a ``DTensor`` parameter (and not a plain ``[El, ...]`` parameter with
+``state_dict`` hooks): the shard is then an object the rest of PyTorch
+understands without help. ``torch.distributed.checkpoint`` saves one global
+tensor with its offsets and reshards it on load (any EP size, one process, an
+unsharded model); AdamW creates ``DTensor`` moments for it, so
+``get_state_dict`` / ``set_state_dict`` carry the optimizer state the same way;
+``full_tensor()`` gathers it. A plain local parameter would need every one of
+those paths patched, and the optimizer state (keyed by parameter, created by the
+user's optimizer) is out of a module hook's reach. The graph side stays one
+``to_local()`` (:mod:`moe_compile.passes.local_weights`). The costs: the model
+mixes ``DTensor`` and plain parameters, so ``torch.nn.utils.clip_grad_norm_`` and
+``foreach=True`` / ``fused=True`` optimizers raise (use
+:func:`moe_compile.clip_grad_norm_`; the optimizers' default picks the per-tensor
+path by itself); ``module.get_parameter("w1")`` finds the placeholder (use
+``named_parameters()``). Per-expert weights of local experts stay plain
+parameters under their own names (DCP saves each from its expert's rank).
+
+Gradients: an expert parameter's gradient is the sum over the EP group of every
+rank's tokens routed to its experts, which is what a data-parallel all-reduce
+(sum) of replicated expert gradients gives. Under DistributedDataParallel (either
+order: ``DDP(torch.compile(model))`` or ``model.compile(); DDP(model)``, after this
+call) the expert parameters are ignored by DDP and their gradients divided by P,
+so they are DDP's average (:mod:`moe_compile.expert_grads`). Checkpoints: see
+:mod:`moe_compile.expert_checkpoint` (``full_expert_state_dict``, and loading full
+weights into a sharded model).
 
 The record a placeholder carries (:class:`ExpertShard`, read with :func:`expert_shard`)
 lives in the leaf module :mod:`moe_compile.shard_record`, so the passes that read it
@@ -47,12 +70,17 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from .collectives.group import resolve_group
 from .config import ConfigError, MoECompileConfig, config
 from .debug import log
-from .shard_record import SHARD_ATTR, ExpertShard, expert_shard
+from .expert_checkpoint import load_full_experts
+from .expert_grads import ddp_ignore_names
+from .shard_record import EXPERT_PARAM_ATTR, SHARD_ATTR, ExpertParam, ExpertShard, expert_shard
 
 __all__ = ["ExpertShard", "expert_shard", "shard_experts"]  # the first two re-exported from .shard_record
 
@@ -68,7 +96,18 @@ def shard_experts(
 
     ``group`` takes the forms of ``options["ep_group"]``. ``example_args`` /
     ``example_kwargs`` are one input of the model, used to trace it (nothing is
-    run). Call this after moving the model to its device and before compiling it.
+    run). Call this after moving the model to its device and before compiling it
+    or wrapping it in DistributedDataParallel.
+
+    Contract: each stacked expert weight becomes a ``DTensor`` parameter under its
+    original name (global shape, ``Shard(0)`` on the 1-D EP mesh: ``group`` itself
+    when it is a DeviceMesh or a mesh dimension, else ``DeviceMesh.from_group``); a
+    local expert's own weight stays a plain parameter; remote experts' weights are
+    gone. The names returned are those expert parameters' names (as before the
+    call). They are listed for DDP to ignore (:mod:`moe_compile.expert_grads`), and
+    ``load_state_dict`` of a sharded model also takes full, unsharded weights
+    (:mod:`moe_compile.expert_checkpoint`). With P = 1 nothing changes and ``[]`` is
+    returned.
 
     ``options`` is the dict given to ``torch.compile(..., options=...)``: the layers
     are found and canonicalized with it (``capacity_factor``, ``verify_regions``,
@@ -101,6 +140,11 @@ def shard_experts(
         return []
     if any(expert_shard(t) is not None for t in _tensor_attributes(model)):
         raise ValueError("shard_experts: this model's experts are already sharded")
+    if any(isinstance(m, torch.nn.parallel.DistributedDataParallel) for m in model.modules()):
+        raise ValueError(
+            "shard_experts: the model is already wrapped in DistributedDataParallel, which has broadcast and "
+            "registered its expert weights; call shard_experts on the bare model, then wrap it in DDP"
+        )
     found = _trace_expert_weights(model, example_args, example_kwargs, cfg)
     if not found:
         raise ValueError(
@@ -109,8 +153,9 @@ def shard_experts(
         )
     owners = {id(p): (module, name) for module in model.modules() for name, p in module._parameters.items() if p is not None}
     names = {id(p): fqn for fqn, p in model.named_parameters(remove_duplicate=False)}
-    prefixes = {id(m): prefix for prefix, m in model.named_modules(remove_duplicate=False)}
     kept: list[str] = []
+    mesh = None
+    hooked: set[int] = set()  # modules given the load_state_dict pre-hook
     for weight, num_experts, expert_index in found:
         if id(weight) not in owners:
             raise ValueError(
@@ -124,25 +169,46 @@ def shard_experts(
         module, name = owners[id(weight)]
         fqn = names[id(weight)]
         local = ep.local_experts(num_experts)
-        if expert_index is None:  # stacked [E, ...]: keep rows local.start .. local.stop-1
-            shard = nn.Parameter(weight.detach()[local.start:local.stop].clone(), requires_grad=weight.requires_grad)
-            local_name = f"{name}_ep_shard"
+        mesh = mesh if mesh is not None else ep_mesh(group, weight.device.type)
+        record = ExpertParam(mesh, num_experts, expert_index)
+        if expert_index is None:  # stacked [E, ...]: a DTensor whose local tensor is rows local.start .. local.stop-1
+            rows = weight.detach()[local.start:local.stop].clone()
+            shard = nn.Parameter(DTensor.from_local(rows, mesh, [Shard(0)], run_check=False),
+                                 requires_grad=weight.requires_grad)
+            setattr(shard, EXPERT_PARAM_ATTR, record)
             del module._parameters[name]
-            module.register_parameter(local_name, shard)
-            prefix = prefixes[id(module)]
-            kept.append(f"{prefix}.{local_name}" if prefix else local_name)
-        elif expert_index in local:  # a per-expert weight of a local expert: unchanged
+            module.register_parameter(name, shard)  # before the placeholder shadows the name
+            local_name = name
+            kept.append(fqn)
+        elif expert_index in local:  # a per-expert weight of a local expert: unchanged, marked
+            setattr(weight, EXPERT_PARAM_ATTR, record)
             kept.append(fqn)
             continue
         else:  # a per-expert weight of a remote expert
             local_name = None
             del module._parameters[name]
         placeholder = torch.full((), float("nan"), dtype=weight.dtype, device=weight.device).expand(weight.shape)
-        setattr(placeholder, SHARD_ATTR, ExpertShard(weakref.ref(module), name, local_name, num_experts, ep.size, ep.rank))
+        setattr(placeholder, SHARD_ATTR, ExpertShard(weakref.ref(module), name, local_name, num_experts, ep.size,
+                                                     ep.rank, expert_index, mesh))
         object.__setattr__(module, name, placeholder)
-    ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", [])) + kept
+        if id(module) not in hooked:
+            module.register_load_state_dict_pre_hook(load_full_experts)
+            hooked.add(id(module))
+    ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", [])) + ddp_ignore_names(kept)
     torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     return kept
+
+
+def ep_mesh(group: Any, device_type: str) -> DeviceMesh:
+    """The 1-D DeviceMesh of the EP group ``group`` (the forms of ``options["ep_group"]``) for ``device_type``."""
+    if isinstance(group, DeviceMesh):
+        return group
+    if isinstance(group, tuple):
+        mesh, dim = group
+        if isinstance(dim, str) or mesh.mesh_dim_names is not None:
+            return mesh[dim if isinstance(dim, str) else mesh.mesh_dim_names[dim]]
+        return DeviceMesh.from_group(mesh.get_group(dim), mesh.device_type)
+    return DeviceMesh.from_group(dist.group.WORLD if isinstance(group, str) else group, device_type)
 
 
 def _tensor_attributes(model: nn.Module):

@@ -38,7 +38,8 @@ and each all-to-all costs the link's time for the whole buffer.
 A layer left unrewritten by ``canonicalize`` runs all its experts locally, which
 is still correct (data parallel) and logged at WARNING; with sharded weights it is an error.
 
-Steps: 1. check the group against sharded weights; 2. match the canonical layers;
+Steps: 1. check the group (and, compiled inside DistributedDataParallel's forward, DDP:
+:func:`moe_compile.expert_grads.check_data_parallel`) against sharded weights; 2. match the canonical layers;
 3. choose each layer's all-to-all algorithm; 4. write the plans.
 """
 from __future__ import annotations
@@ -54,6 +55,7 @@ from ..collectives.group import EPGroup
 from ..collectives.layout import MoELayout
 from ..config import ConfigError, MoECompileConfig
 from ..debug import log
+from ..expert_grads import check_data_parallel
 from .exchange_plan import CanonicalLayer, ExchangePlan
 from .fake_values import source_value
 from .graph_utils import example_value
@@ -116,6 +118,8 @@ class ExpertParallel:
                     f"{placeholder.name} was sharded for rank {shard.rank} of {shard.world_size} but options['ep_group'] "
                     f"is rank {self.group.rank} of {self.group.size}; shard and compile with the same group"
                 )
+        if shards:  # compiled inside a DDP forward: DDP must ignore the experts, whose gradients become its average
+            check_data_parallel()
         if self.group.size == 1 and self.cfg.emulate_link is None:
             log.info("moe_compile: expert-parallel group of size 1; no collectives inserted")
             return PassResult(gm, False)

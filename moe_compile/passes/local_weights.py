@@ -9,16 +9,20 @@ Replicated weights (every rank holds all E experts)::
 
 Sharded weights (:func:`moe_compile.shard_experts`; the graph reads a NaN
 placeholder of the full shape): the chain from the placeholder (transpose, the
-row slice of a fused gate/up weight) is re-applied to the local shard, a
-parameter registered on the graph module; per-expert weights stacked by
-canonicalize become ``torch.stack`` of the local experts' weights only. With ESP
-groups each rank then keeps its H-slice (:func:`hidden_shard`).
+row slice of a fused gate/up weight) is re-applied to the local shard, the
+module's ``DTensor`` parameter (``Shard(0)`` on the EP mesh) registered on the
+graph module and read through ``to_local()`` (AOTAutograd lifts the DTensor and
+gives the graph its local tensor; the gradient comes back as a ``Shard(0)``
+DTensor); per-expert weights stacked by canonicalize become ``torch.stack`` of the
+local experts' weights only. With ESP groups each rank then keeps its H-slice
+(:func:`hidden_shard`).
 """
 from __future__ import annotations
 
 import operator
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.fx import GraphModule, Node
 
 from ..collectives.group import EPGroup
@@ -101,14 +105,22 @@ class LocalWeights:
             source = getattr(placeholder, "_dynamo_source", None)
             if hasattr(self.gm, "_param_name_to_source") and source is not None:
                 # AOTAutograd lifts graph-module parameters as inputs and asks Dynamo where they come from
-                from torch._dynamo.source import AttrSource
+                # (the parameter sits in the module's _parameters under the name its placeholder shadows)
+                from torch._dynamo.source import AttrSource, DictGetItemSource
 
-                self.gm._param_name_to_source[name] = AttrSource(source.base, shard.local_name)
+                self.gm._param_name_to_source[name] = DictGetItemSource(
+                    AttrSource(source.base, "_parameters"), shard.local_name)
             placeholders = list(self.gm.graph.find_nodes(op="placeholder"))
             with self.gm.graph.inserting_after(placeholders[-1]):
                 attr = self.gm.graph.get_attr(name)
             attr.meta.update({k: placeholder.meta[k] for k in ("nn_module_stack",) if k in placeholder.meta})
             fake_value(attr, param)
+            if isinstance(param, DTensor):  # its local [El, ...] experts
+                with self.gm.graph.inserting_after(attr):
+                    local = self.gm.graph.call_method("to_local", (attr,))
+                local.meta.update({k: attr.meta[k] for k in ("nn_module_stack",) if k in attr.meta})
+                propagate(local)
+                attr = local
             self.local_attrs[placeholder] = attr
         return self.local_attrs[placeholder]
 

@@ -15,6 +15,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 from moe_compile.testing import spawn
 
@@ -70,7 +71,7 @@ def _batch(case: Case, rank: int) -> torch.Tensor:
 
 def _is_expert(name: str) -> bool:
     parts = name.split(".")
-    return "experts" in parts or parts[0] in ("w1", "w2", "w3", "w1_ep_shard", "w2_ep_shard", "w3_ep_shard")
+    return "experts" in parts or parts[0] in ("w1", "w2", "w3")
 
 
 def _run_case(rank: int, world_size: int, case: Case) -> None:
@@ -109,8 +110,11 @@ def _run_case(rank: int, world_size: int, case: Case) -> None:
         assert p.grad is not None, f"{case.name}: no grad for {name}"
         if not _is_expert(name):
             expected = eager_grads[name].grad                         # the router: data parallel
-        elif name.endswith("_ep_shard"):
-            expected = summed[name.removesuffix("_ep_shard")][local.start:local.stop]
+        elif isinstance(p, DTensor):                                  # sharded stacked: this rank's rows
+            assert case.sharded and p.grad.placements == (Shard(0),), (case.name, name)
+            torch.testing.assert_close(p.grad.to_local(), summed[name][local.start:local.stop], **TOL,
+                                       msg=lambda m: f"{case.name} rank {rank} grad {name}: {m}")
+            continue
         elif name.startswith("experts.") and name.split(".")[1].isdigit():
             expert = int(name.split(".")[1])
             expected = summed[name] if expert in local else torch.zeros_like(summed[name])
