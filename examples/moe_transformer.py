@@ -15,6 +15,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -54,19 +55,27 @@ class GShardMoE(nn.Module):
 class Block(nn.Module):
     """Pre-norm block: causal self-attention, then the MoE FFN, each with a residual."""
 
-    def __init__(self, dim: int, hidden: int, num_experts: int, num_heads: int, top_k: int):
+    def __init__(self, dim: int, hidden: int, num_experts: int, num_heads: int, top_k: int,
+                 checkpoint_attention: bool = False):
         super().__init__()
         self.num_heads = num_heads
+        self.checkpoint_attention = checkpoint_attention
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.proj = nn.Linear(dim, dim, bias=False)
         self.moe = GShardMoE(dim, hidden, num_experts, top_k)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
         B, S, M = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(B, S, 3, self.num_heads, M // self.num_heads).unbind(2)
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(B, S, M))
+        return self.proj(a.transpose(1, 2).reshape(B, S, M))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint_attention:  # activation checkpointing of the attention (recomputed in backward)
+            x = x + torch.utils.checkpoint.checkpoint(self.attention, x, use_reentrant=False)
+        else:
+            x = x + self.attention(x)
         return x + self.moe(self.norm2(x))
 
 
@@ -74,10 +83,11 @@ class MoETransformer(nn.Module):
     """Token embedding, ``num_layers`` MoE blocks, a final norm and an LM head; forward returns the LM loss."""
 
     def __init__(self, vocab: int = 128, dim: int = 32, hidden: int = 64, num_experts: int = 4,
-                 num_layers: int = 2, num_heads: int = 4, top_k: int = 2):
+                 num_layers: int = 2, num_heads: int = 4, top_k: int = 2, checkpoint_attention: bool = False):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim, hidden, num_experts, num_heads, top_k) for _ in range(num_layers))
+        self.blocks = nn.ModuleList(Block(dim, hidden, num_experts, num_heads, top_k, checkpoint_attention)
+                                    for _ in range(num_layers))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 

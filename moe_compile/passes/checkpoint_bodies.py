@@ -26,9 +26,10 @@ in backward is what the user asked for, the exchange included:
   (and ``all_reduce.default``, ``moe.capacity.default``, ``moe.dispatch.default`` to
   keep the routing) saves them: nothing of the exchange is re-issued in backward.
 
-Sharded expert weights (``shard_experts``) inside a checkpointed block are not
-supported: the local shard would have to enter the body as an argument of the
-higher-order op; the ``exchange`` pass of the outer graph raises a ConfigError
+Sharded expert weights (``shard_experts``) and activation checkpointing in one
+compiled graph are not supported yet (the local shard would have to enter the body
+as an argument of the higher-order op, and AOTAutograd cannot save the experts'
+DeviceMesh across a checkpoint): the ``expert_parallel`` pass raises a ConfigError
 that says so.
 """
 from __future__ import annotations

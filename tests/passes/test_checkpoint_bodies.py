@@ -166,3 +166,21 @@ def test_checkpointed_layers_train_like_eager_on_two_ranks():
     and the parameters equal eager data-parallel training (gradients summed over the ranks)."""
     results = spawn(_numerics, 2)
     assert results[0] == results[1] == ["gshard/function", "sort/wrapper", "loop/function", "gshard/sac"]
+
+
+def test_sharded_experts_with_activation_checkpointing_is_a_clear_error(fake_group):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "moe_transformer", Path(__file__).resolve().parents[2] / "examples" / "moe_transformer.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    fake_group(2)
+    model = example.MoETransformer(vocab=32, dim=8, hidden=16, num_experts=4, num_layers=1, num_heads=2,
+                                   checkpoint_attention=True)
+    tokens = example.synthetic_batch(2, 5, 32, torch.Generator().manual_seed(0))
+    moe_compile.shard_experts(model, "world", tokens, options={"ep_group": "world"})
+    compiled = torch.compile(model, backend="moe", fullgraph=True, options={"ep_group": "world"})
+    with pytest.raises(Exception, match="activation checkpointing .* in the same compiled graph are not supported yet"):
+        compiled(tokens)
