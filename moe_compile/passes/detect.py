@@ -205,7 +205,7 @@ def _layer_output(inputs: list[Node], outputs: list[Node]) -> tuple[Node | None,
         if shape is None or not value.is_floating_point():
             continue
         for node in inputs:
-            if shape_of(node) == shape and node.op != "get_attr" and not is_parameter(node):
+            if node.op != "get_attr" and not is_parameter(node) and _same_shape(shape_of(node), shape):
                 return out, node
     return None, None
 
@@ -240,6 +240,11 @@ def _numel(node: Node) -> int | torch.SymInt | None:
 def _same_size(a: int | torch.SymInt | None, b: int | torch.SymInt) -> bool:
     """``a == b`` when provable without adding a guard (a guard would specialise the graph's shapes)."""
     return a is not None and statically_known_true(a == b)
+
+
+def _same_shape(a: tuple | None, b: tuple) -> bool:
+    """``a == b`` dim by dim, when provable without adding a guard (see :func:`_same_size`)."""
+    return a is not None and len(a) == len(b) and all(_same_size(x, y) for x, y in zip(a, b))
 
 
 _ELEMENTWISE = (operator.truediv, operator.mul, operator.itruediv, operator.imul, torch.div, torch.mul)
