@@ -47,7 +47,7 @@ from .manager import PassResult
 from .regions import MoERegion, NoMatch, Skip
 from .state import moe_state
 
-__all__ = ["Detect", "find_moe_regions"]
+__all__ = ["Detect", "find_moe_regions", "rematch"]
 
 
 _TOPK = (torch.topk,)
@@ -100,6 +100,23 @@ def find_moe_regions(graph: Graph) -> tuple[list[MoERegion], list[Skip]]:
         claimed.update(region.nodes)
         regions.append(region)
     return regions, skips
+
+
+def rematch(graph: Graph, region: MoERegion) -> MoERegion:
+    """``region`` matched again from its router on ``graph`` as it is now (after other layers' rewrites).
+
+    Raises :class:`NoMatch` with the reason when its router is gone or no longer matches the same layer.
+    """
+    alive = set(graph.nodes)
+    if region.expert_ids not in alive:  # erased with its router (an erased node's args are cleared)
+        raise NoMatch(f"its router's top-k ids {region.expert_ids.name} are no longer in the graph")
+    topk = region.expert_ids.args[0]
+    if topk not in alive:
+        raise NoMatch(f"its router top-k {topk.name} is no longer in the graph")
+    fresh = _match(graph, topk)
+    if fresh.name != region.name:
+        raise NoMatch(f"its router top-k {topk.name} now matches layer {fresh.name}")
+    return fresh
 
 
 # --------------------------------------------------------------------------- matching
