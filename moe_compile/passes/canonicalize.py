@@ -25,9 +25,20 @@ of the layer's subgraph, checked against the original on random inputs
 (``config.verify_regions``), and only then spliced into the graph. A layer that
 fails any step is left untouched and logged once.
 
-Steps: 1. extract the layer into its own graph; 2. build the canonical ops in a
-second copy and drop what became dead; 3. verify; 4. splice the canonical copy in
-place of the layer.
+Regions are found once, by ``detect``, but rewriting one layer can change what
+another reads: Dynamo computes a symbolic size (the token count ``T = B·S``, the
+capacity ``C``) once, inside the first layer that needs it, and every later
+layer reads that node. The splice re-points such readers at its copies and
+erases the originals, so a later layer's record then names erased nodes. Each
+record is therefore checked against the current graph before its rewrite (every
+node it names is still there, its nodes read exactly its recorded inputs); a
+stale one is matched again from its router (:func:`.detect.rematch`), and one
+that no longer matches is left unchanged and logged with the reason.
+
+Steps: 0. check the record against the graph (re-match it if stale); 1. extract
+the layer into its own graph; 2. build the canonical ops in a second copy and
+drop what became dead; 3. verify; 4. splice the canonical copy in place of the
+layer.
 """
 from __future__ import annotations
 
@@ -42,13 +53,13 @@ from .. import ops  # noqa: F401  (registers torch.ops.moe.*)
 from ..config import MoECompileConfig
 from ..counters import counters
 from ..debug import log
-from .detect import find_moe_regions
-from .graph_utils import example_value, is_inplace, shape_of
+from .detect import find_moe_regions, rematch
+from .graph_utils import example_value, is_inplace, region_boundary, shape_of
 from .manager import PassResult
-from .regions import ExpertLinear, MoERegion, Skip
+from .regions import ExpertLinear, MoERegion, NoMatch, Skip
 from .state import moe_state
 
-__all__ = ["Canonicalize", "capacity_from_factor"]
+__all__ = ["Canonicalize", "capacity_from_factor", "stale_reason"]
 
 
 def capacity_from_factor(capacity_factor: float, num_tokens: int, num_experts: int, top_k: int) -> int:
@@ -86,6 +97,13 @@ class Canonicalize:
 
     def rewrite_region(self, gm: GraphModule, region: MoERegion) -> str | None:
         """Rewrite one region; the reason it was left alone, or None."""
+        stale = stale_reason(gm.graph, region)
+        if stale is not None:
+            try:
+                region = rematch(gm.graph, region)
+            except NoMatch as e:
+                return f"an earlier rewrite changed it ({stale}) and matching it again failed: {e}"
+            log.info("moe_compile: %s matched again: %s", region.name, stale)
         at = _splice_point(region)
         if at is None:
             return "its inputs are defined after the first use of its output"
@@ -109,6 +127,25 @@ class Canonicalize:
             canonical.recompile()
         _splice(gm, region, canonical, at)
         return None
+
+
+def stale_reason(graph: Graph, region: MoERegion) -> str | None:
+    """Why ``region`` no longer describes ``graph`` (a node it names is gone, or its nodes read other
+    inputs than recorded, or feed other outputs), or None when it still does."""
+    alive = set(graph.nodes)
+    experts = region.experts
+    weights = [w for linear in (experts.w1, experts.w2, experts.w3) if linear is not None for w in linear.weights]
+    named = [*region.nodes, *region.inputs, *region.outputs, region.hidden, region.tokens, region.expert_ids,
+             region.gate_weights, region.output, *weights]
+    gone = sorted({n.name for n in named if n not in alive})
+    if gone:
+        return f"it read {', '.join(gone)}, no longer in the graph"
+    inputs, outputs = region_boundary(list(region.nodes))
+    if set(inputs) != set(region.inputs):
+        return f"its nodes now read {', '.join(sorted(n.name for n in set(inputs) ^ set(region.inputs)))}"
+    if set(outputs) != set(region.outputs):
+        return f"its outputs changed ({', '.join(sorted(n.name for n in set(outputs) ^ set(region.outputs)))})"
+    return None
 
 
 # --------------------------------------------------------------------------- build

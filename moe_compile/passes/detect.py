@@ -47,7 +47,7 @@ from .manager import PassResult
 from .regions import MoERegion, NoMatch, Skip
 from .state import moe_state
 
-__all__ = ["Detect", "find_moe_regions"]
+__all__ = ["Detect", "find_moe_regions", "rematch"]
 
 
 _TOPK = (torch.topk,)
@@ -100,6 +100,23 @@ def find_moe_regions(graph: Graph) -> tuple[list[MoERegion], list[Skip]]:
         claimed.update(region.nodes)
         regions.append(region)
     return regions, skips
+
+
+def rematch(graph: Graph, region: MoERegion) -> MoERegion:
+    """``region`` matched again from its router on ``graph`` as it is now (after other layers' rewrites).
+
+    Raises :class:`NoMatch` with the reason when its router is gone or no longer matches the same layer.
+    """
+    alive = set(graph.nodes)
+    if region.expert_ids not in alive:  # erased with its router (an erased node's args are cleared)
+        raise NoMatch(f"its router's top-k ids {region.expert_ids.name} are no longer in the graph")
+    topk = region.expert_ids.args[0]
+    if topk not in alive:
+        raise NoMatch(f"its router top-k {topk.name} is no longer in the graph")
+    fresh = _match(graph, topk)
+    if fresh.name != region.name:
+        raise NoMatch(f"its router top-k {topk.name} now matches layer {fresh.name}")
+    return fresh
 
 
 # --------------------------------------------------------------------------- matching
@@ -205,7 +222,7 @@ def _layer_output(inputs: list[Node], outputs: list[Node]) -> tuple[Node | None,
         if shape is None or not value.is_floating_point():
             continue
         for node in inputs:
-            if shape_of(node) == shape and node.op != "get_attr" and not is_parameter(node):
+            if node.op != "get_attr" and not is_parameter(node) and _same_shape(shape_of(node), shape):
                 return out, node
     return None, None
 
@@ -240,6 +257,11 @@ def _numel(node: Node) -> int | torch.SymInt | None:
 def _same_size(a: int | torch.SymInt | None, b: int | torch.SymInt) -> bool:
     """``a == b`` when provable without adding a guard (a guard would specialise the graph's shapes)."""
     return a is not None and statically_known_true(a == b)
+
+
+def _same_shape(a: tuple | None, b: tuple) -> bool:
+    """``a == b`` dim by dim, when provable without adding a guard (see :func:`_same_size`)."""
+    return a is not None and len(a) == len(b) and all(_same_size(x, y) for x, y in zip(a, b))
 
 
 _ELEMENTWISE = (operator.truediv, operator.mul, operator.itruediv, operator.imul, torch.div, torch.mul)

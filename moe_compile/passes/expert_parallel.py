@@ -48,6 +48,7 @@ import operator
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from .. import ops  # noqa: F401  (registers torch.ops.moe.*)
 from ..collectives import all_to_all_registry
@@ -212,8 +213,9 @@ def _rows_hint(capacity: int, expert_ids, num_experts: int) -> int:
         return capacity
     if not isinstance(expert_ids, torch.Tensor) or expert_ids.dim() != 2:
         return 1
-    tokens, top_k = expert_ids.shape
-    return max(1, -(-int(tokens) * int(top_k) // num_experts))
+    # a symbolic T is read by its hint: int(T) would guard on it and recompile for every token count
+    tokens, top_k = (optimization_hint(d, fallback=1) for d in expert_ids.shape)
+    return max(1, -(-tokens * top_k // num_experts))
 
 
 def _hidden_dim(w1: Node, model_dim: int) -> int:

@@ -70,9 +70,10 @@ def expert_mlp(region: list[Node], num_experts: int, topk: Node) -> tuple[Expert
     if stacked:
         template = stacked
     else:
-        first = _expert_zero(linears)
+        first = _expert_zero(linears, num_experts)
         template = [lin for lin in linears if lin.weight in first]
     by_node = {lin.node: lin for lin in template}
+    among = {lin.weight for lin in linears}   # per-expert weights are looked up among this layer's only
     downs = [lin for lin in template if depends_on(lin.input, set(by_node) - {lin.node})]
     if len(downs) != 1 or len(template) not in (2, 3):
         raise NoMatch(
@@ -90,13 +91,13 @@ def expert_mlp(region: list[Node], num_experts: int, topk: Node) -> tuple[Expert
     w3 = None
     if gated:
         up3, rows3 = _linear_of(strip(h.args[1]), by_node)
-        w3 = _expert_linear(up3, rows3, num_experts)
+        w3 = _expert_linear(up3, rows3, num_experts, among)
     elif len(template) != 2:
         raise NoMatch("expert MLP has 3 linears but no gating product")
     experts = ExpertMLP(
         activation=activation,
-        w1=_expert_linear(up1, rows1, num_experts),
-        w2=_expert_linear(down, None, num_experts),
+        w1=_expert_linear(up1, rows1, num_experts, among),
+        w2=_expert_linear(down, None, num_experts, among),
         w3=w3,
     )
     return experts, up1.input
@@ -134,18 +135,26 @@ def _linear_of(node: object, by_node: dict[Node, _Linear]) -> tuple[_Linear, tup
     raise NoMatch("expert activation input is not the output of an expert linear (or a chunk of it)")
 
 
-def _expert_linear(lin: _Linear, rows, num_experts: int) -> ExpertLinear:
+def _expert_linear(lin: _Linear, rows, num_experts: int, among: set[Node]) -> ExpertLinear:
     if lin.stacked:
         return ExpertLinear((lin.weight,), lin.transposed, rows)
-    return ExpertLinear(_per_expert_weights(lin.weight, num_experts), lin.transposed, rows)
+    weights = _per_expert_weights(lin.weight, num_experts, among)
+    if weights is None:
+        raise NoMatch(f"could not find the {num_experts} per-expert weights matching {_source_key(lin.weight.name)}")
+    return ExpertLinear(weights, lin.transposed, rows)
 
 
-def _expert_zero(linears: list[_Linear]) -> set[Node]:
-    """Weights of expert 0 among per-expert (ModuleList) weights, found by parameter names."""
+def _expert_zero(linears: list[_Linear], num_experts: int) -> set[Node]:
+    """Weights of expert 0 among per-expert (ModuleList) weights, found by parameter names: a ``_0_``
+    segment that, set to every expert index, names weights of this layer's linears. (A ``_0_`` of an
+    enclosing list, ``layers.0.experts.1.w1``, names other layers' weights: it is not the expert index.)"""
     weights = {lin.weight for lin in linears}
-    zero = {w for w in weights if re.search(r"_0_", w.name)}
+    zero = {w for w in weights if _per_expert_weights(w, num_experts, weights) is not None}
     if not zero:
-        raise NoMatch("per-expert weights found but none named like expert 0 (e.g. experts.0.w1)")
+        raise NoMatch(
+            f"per-expert weights found but none named like expert 0 of {num_experts} (e.g. experts.0.w1 with "
+            "experts.1.w1 ... in the same layer)"
+        )
     return zero
 
 
@@ -158,16 +167,16 @@ def _source_key(name: str) -> str:
     return name.replace("_parameters_", "_").rstrip("_")
 
 
-def _per_expert_weights(weight0: Node, num_experts: int) -> tuple[Node, ...]:
-    placeholders = {
-        _source_key(n.name): n for n in weight0.graph.nodes if n.op in ("placeholder", "get_attr")
-    }
+def _per_expert_weights(weight0: Node, num_experts: int, among: set[Node]) -> tuple[Node, ...] | None:
+    """Expert 0's weight ``weight0`` and the same weight of experts 1 .. E-1, all from ``among``
+    (the weights this layer's linears read); None when ``weight0`` is not expert 0's."""
+    by_key = {_source_key(n.name): n for n in among}
     name = _source_key(weight0.name)
     for m in re.finditer(r"_0_", name):
         names = [name[: m.start()] + f"_{e}_" + name[m.end():] for e in range(num_experts)]
-        if all(n in placeholders for n in names):
-            return tuple(placeholders[n] for n in names)
-    raise NoMatch(f"could not find the {num_experts} per-expert weights matching {name}")
+        if all(n in by_key for n in names):
+            return tuple(by_key[n] for n in names)
+    return None
 
 
 def _as_linear(node: Node, num_experts: int) -> _Linear | None:

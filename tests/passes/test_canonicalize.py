@@ -132,3 +132,68 @@ def test_bfloat16_sort():
     model = SortMoE(16, 24, 4, top_k=2).to(torch.bfloat16)
     compile_and_compare(model, torch.randn(2, 8, 16, dtype=torch.bfloat16), rtol=2e-2, atol=2e-2)
     assert moe_compile.counters["regions_rewritten"] == 1
+
+
+class _Wrapped(torch.nn.Module):
+    """A layer under a module path (``moe``), as in any real model."""
+
+    def __init__(self, moe):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x):
+        return self.moe(x)
+
+
+# --------------------------------------------------------------------------- regions against the current graph
+
+
+class _TwoGShard(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.moes = torch.nn.ModuleList(GShardMoE(8, 16, 4, top_k=2) for _ in range(2))
+
+    def forward(self, x):
+        for moe in self.moes:
+            x = x + moe(x)
+        return x
+
+
+def test_a_layer_reading_a_size_the_previous_rewrite_moved_is_matched_again(caplog):
+    """dynamic=True: both layers read the token count T = B·S that Dynamo computes inside the first
+    one. Rewriting the first moves that node; the second's record is stale and is matched again
+    (regression: KeyError on the moved node)."""
+    caplog.set_level(logging.INFO, logger="moe_compile")
+    compile_and_compare(_TwoGShard(), torch.randn(2, 5, 8), dynamic=True)
+    assert moe_compile.counters["regions_rewritten"] == 2 * moe_compile.counters["graphs"], dict(moe_compile.counters)
+    assert moe_compile.counters["regions_skipped"] == 0, dict(moe_compile.counters)
+    assert any("moes.1 matched again" in m and "no longer in the graph" in m for m in caplog.messages), caplog.messages
+
+
+def test_a_region_whose_router_is_gone_is_left_unchanged_with_the_reason(caplog):
+    """A record whose router an earlier rewrite removed (here: the same layer twice) is not rewritten
+    again, and not a crash: a WARNING says why."""
+    from moe_compile.config import config
+    from moe_compile.passes.canonicalize import Canonicalize, stale_reason
+    from moe_compile.passes.detect import Detect
+    from moe_compile.passes.state import moe_state
+
+    seen = {}
+
+    def capture(gm, example_inputs):
+        Detect()(gm)
+        state = moe_state(gm)
+        (region,) = state.pending
+        state.pending = [region, region]
+        Canonicalize(config.merged({}))(gm)
+        seen["stale"] = stale_reason(gm.graph, region)
+        gm.graph.lint()
+        return gm.forward
+
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    torch.compile(_Wrapped(GShardMoE(8, 16, 4, top_k=2)), backend=capture, fullgraph=True)(torch.randn(10, 8))
+    assert moe_compile.counters["regions_rewritten"] == 1 and moe_compile.counters["regions_skipped"] == 1
+    assert "no longer in the graph" in seen["stale"]
+    (message,) = [m for m in caplog.messages if "left unchanged" in m]
+    assert "MoE layer moe left unchanged: an earlier rewrite changed it" in message, message
+    assert "matching it again failed: its router's top-k ids" in message, message

@@ -47,6 +47,27 @@ def test_loop_record_finds_every_expert_weight():
     assert all(f"experts_modules_{e}_" in n and "w2" in n for e, n in enumerate(names))
 
 
+def test_loop_layer_zero_of_a_module_list_finds_its_own_experts():
+    """``moes.0.experts.1.w1``: the ``_0_`` of the layer index is not expert 0's (regression: layer 0 took
+    every expert's weights for expert 0's and was skipped; a later layer could take other layers' weights)."""
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.moes = torch.nn.ModuleList(LoopMoE(8, 12, 4, top_k=2) for _ in range(4))
+
+        def forward(self, x):
+            for moe in self.moes:
+                x = x + moe(x)
+            return x
+
+    regions, skips = _regions(Stack(), torch.randn(10, 8))
+    assert not skips and [r.name for r in regions] == ["moes.0", "moes.1", "moes.2", "moes.3"]
+    for layer, region in enumerate(regions):
+        for linear in (region.experts.w1, region.experts.w2, region.experts.w3):
+            names = [w.name for w in linear.weights]
+            assert all(f"moes_modules_{layer}_modules_experts_modules_{e}_" in n for e, n in enumerate(names)), names
+
+
 def test_loop_down_projection_shaped_like_a_router_is_an_expert():
     """E == model_dim: an expert's down projection [M, H] = [E, H] outputs E features, like a router; it is
     downstream of the top-k, so it is an expert linear (regression: was taken for the router)."""
