@@ -55,6 +55,7 @@ from ..counters import counters
 from ..debug import log
 from .detect import find_moe_regions, rematch
 from .graph_utils import example_value, is_inplace, region_boundary, shape_of
+from .fake_values import propagate
 from .manager import PassResult
 from .regions import ExpertLinear, MoERegion, NoMatch, Skip
 from .state import moe_state
@@ -175,6 +176,7 @@ def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
     def call(target, *args, method=False):
         node = graph.call_method(target, args) if method else graph.call_function(target, args)
         node.meta.update(meta)
+        propagate(node)  # meta["val"]: the canonical ops' fake values, in Dynamo's fake mode
         return node
 
     with graph.inserting_before(output):

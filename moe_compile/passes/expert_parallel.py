@@ -59,7 +59,6 @@ from ..debug import log
 from ..expert_grads import check_data_parallel
 from .checkpoint_bodies import CHECKPOINT_OP
 from .exchange_plan import CanonicalLayer, ExchangePlan
-from .fake_values import source_value
 from .graph_utils import example_value
 from .local_weights import sharded_placeholders
 from .manager import PassResult
@@ -220,7 +219,7 @@ def _rows_hint(capacity: int, expert_ids, num_experts: int) -> int:
 
 def _hidden_dim(w1: Node, model_dim: int) -> int:
     """H of ``w1: [E, M, H]`` (or ``[E, H, M]``, or one expert's ``[H, M]``): its dimension that is not M."""
-    value = source_value(w1)
+    value = example_value(w1)
     if not isinstance(value, torch.Tensor) or value.dim() not in (2, 3):
         return model_dim
     dims = [int(d) for d in value.shape[-2:]]
@@ -228,8 +227,8 @@ def _hidden_dim(w1: Node, model_dim: int) -> int:
 
 
 def _dtype(node: Node) -> torch.dtype:
-    """dtype of a node (through meta-less views, see :func:`.fake_values.source_value`)."""
-    value = source_value(node)
+    """dtype of a node (its ``meta["val"]``: canonicalize gives every node it builds one)."""
+    value = example_value(node)
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"no dtype known for {node.name}")
     return value.dtype

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
-__all__ = ["fake_mode_of", "fake_value", "propagate", "source_value"]
+__all__ = ["fake_mode_of", "fake_value", "propagate"]
 
 _KEYS = ("val", "example_value")
 
@@ -99,16 +99,3 @@ def fake_value(node: Node, tensor) -> None:
     for key in _KEYS:
         node.meta[key] = fake
 
-
-def source_value(node: Node):
-    """``node``'s example value or, for a node canonicalize inserted without one (its weight views:
-    transpose, slice, stack; the ``[T, k]`` reshapes of ids and weights), the value of the first input
-    that has one.
-
-    Canonicalize does not propagate fake values: doing so in Dynamo's ShapeEnv made a later
-    compile specialize a ``mark_dynamic`` batch size (tests/test_dynamic.py, 2 ranks), through a
-    path this module could not find; the deciding passes read shapes and dtypes through here instead.
-    """
-    while isinstance(node, Node) and _value(node) is None and node.all_input_nodes:
-        node = node.all_input_nodes[0]
-    return _value(node) if isinstance(node, Node) else None

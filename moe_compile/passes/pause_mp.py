@@ -68,11 +68,11 @@ import dataclasses
 
 import torch
 from torch.fx import GraphModule
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from ..config import MoECompileConfig
 from ..debug import log
 from .exchange_plan import ExchangePlan
-from .fake_values import source_value
 from .graph_utils import between, example_value
 from .manager import PassResult
 from .state import moe_state
@@ -127,10 +127,11 @@ def parm_shape(plan: ExchangePlan):
     from ..schedule.parm import ParmShape
 
     layout, layer = plan.layout, plan.layer
-    x, ids = example_value(layer.tokens), source_value(layer.expert_ids)
+    x, ids = example_value(layer.tokens), example_value(layer.expert_ids)
     if not (isinstance(x, torch.Tensor) and isinstance(ids, torch.Tensor) and ids.dim() == 2):
         raise KeyError("the layer's token count and top-k (no example values)")
-    tokens, top_k = int(x.shape[0]), int(ids.shape[-1])
+    # sizes read by their hints: int() of a symbolic size would guard on it
+    tokens, top_k = optimization_hint(x.shape[0], fallback=1), optimization_hint(ids.shape[-1], fallback=1)
     capacity = layer.capacity
     factor = capacity * plan.num_experts / (top_k * tokens) if capacity > 0 else 1.0
     return ParmShape(

@@ -217,3 +217,36 @@ def test_sharded_with_another_group_is_an_error(fake_group):
     moe_compile.shard_experts(model, (mesh, "ep"), torch.randn(6, 8))
     with pytest.raises(Exception, match=r"sharded for rank 0 of 2 but options\['ep_group'\] is rank 0 of 4"):
         _train_step(model, torch.randn(6, 8), {"ep_group": "world"})
+
+
+@pytest.mark.parametrize("model, options", [
+    ("gshard", {}), ("sort", {"num_chunks": 2, "compressor": "int8"}), ("loop", {}),
+])
+def test_every_node_of_a_layer_carries_its_fake_value(fake_group, model, options):
+    """canonicalize and the exchange pass give each node they insert ``meta["val"]`` (issue 16): the
+    deciding passes read shapes and dtypes from it, and a user pass after "exchange" sees them."""
+    from moe_compile.tasks import task_label
+
+    fake_group(2)
+    seen = []
+
+    class Check:
+        name = "check_values"
+
+        def __call__(self, gm):
+            layer = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")
+                     and ("moe_region" in n.meta or task_label(n) is not None)]
+            seen.append((len(layer), [n.name for n in layer if "val" not in n.meta and "example_value" not in n.meta]))
+            return moe_compile.PassResult(gm, False)
+
+    make = {"gshard": GShardMoE, "sort": SortMoE, "loop": LoopMoE}[model]
+    moe_compile.register_pass(Check(), after="exchange")
+    try:
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+            compiled = torch.compile(make(8, 16, 4, top_k=2), backend="moe", fullgraph=True,
+                                     options={"ep_group": "world", "inner": "eager", **options})
+            compiled(torch.randn(12, 8)).sum().backward()
+    finally:
+        moe_compile.unregister_pass("check_values")
+    ((count, missing),) = seen
+    assert count > 20 and missing == [], (count, missing)
