@@ -46,8 +46,8 @@ def stage1_passes(cfg: MoECompileConfig) -> list:
         return []
     group = resolve_group(cfg.ep_group)
     layout = resolve_layout(cfg.ep_group, cfg.esp_group, cfg.mp_group) if group is not None else None
-    passes = [Detect(), Canonicalize(cfg), ExpertParallel(cfg, group, layout), PauseMP(cfg), Chunk(cfg),
-              Exchange(cfg, group)]
+    passes = [Detect(expert_parallel=group is not None), Canonicalize(cfg), ExpertParallel(cfg, group, layout),
+              PauseMP(cfg), Chunk(cfg), Exchange(cfg, group)]
     assert tuple(p.name for p in passes) == STAGE1
     return passes
 

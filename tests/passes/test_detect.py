@@ -131,3 +131,84 @@ def test_hf_mixtral(tmp_path, experts_implementation, top_k):
     code = sorted(tmp_path.glob("rank0/graph*/*_canonicalize_after.py"))[-1].read_text()
     assert code.count("torch.ops.moe.dispatch.default(") == 2
     assert "torch.ops.transformers.grouped_mm_fallback" not in code and "= torch.sort(" not in code
+
+
+# --------------------------------------------------------------------------- layers detection cannot reach
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
+        self.moe = GShardMoE(8, 16, 4, top_k=2)
+
+    def forward(self, x):
+        return x + self.moe(self.norm(x))
+
+
+class _CheckpointedBlocks(torch.nn.Module):
+    """Two residual MoE blocks under non-reentrant activation checkpointing, by ``checkpoint(block, x)``
+    or ``checkpoint_wrapper(block)``: Dynamo puts each block in a ``tag_activation_checkpoint`` body,
+    out of the top graph's reach."""
+
+    def __init__(self, how: str = "checkpoint"):
+        super().__init__()
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        self.how = how
+        wrap = checkpoint_wrapper if how == "checkpoint_wrapper" else (lambda block: block)
+        self.blocks = torch.nn.ModuleList(wrap(_Block()) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.how == "checkpoint" else block(x)
+        return x
+
+
+_LAYERS = {"checkpoint": ["blocks.0.moe", "blocks.1.moe"],
+           "checkpoint_wrapper": ["blocks.0._checkpoint_wrapped_module.moe", "blocks.1._checkpoint_wrapped_module.moe"]}
+
+
+def _moe_records(caplog, level):
+    return [r.getMessage() for r in caplog.records if r.name == "moe_compile" and r.levelno == level]
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "checkpoint_wrapper"])
+def test_checkpointed_moe_under_ep_group_is_a_warning_naming_layer_and_reason(fake_world, caplog, how):
+    """Under ep_group a layer left in a checkpoint body stays local on every rank: one WARNING per layer
+    that names it (its module path), says why (a higher-order-op body) and what to do; the graph runs
+    as written."""
+    caplog.set_level(logging.INFO, logger="moe_compile")
+    compile_and_compare(_CheckpointedBlocks(how), torch.randn(2, 5, 8), options={"ep_group": "world"})
+    assert moe_compile.counters["regions_rewritten"] == 0
+    assert moe_compile.counters["regions_skipped"] == 2
+    warnings = _moe_records(caplog, logging.WARNING)
+    for layer in _LAYERS[how]:
+        (message,) = [m for m in warnings if f"layer {layer} left unchanged" in m]
+        assert "gshard MoE layer inside an activation-checkpoint region" in message, message
+        assert "tag_activation_checkpoint" in message and "read the top graph only" in message, message
+        assert "keep the MoE layer outside the checkpointed function" in message, message
+        assert "every rank runs all of its experts locally" in message, message
+    assert not any("no MoE layer" in m for m in caplog.messages), caplog.messages
+
+
+def test_checkpointed_moe_without_ep_group_is_still_logged_as_left_unchanged(caplog):
+    """Without ep_group local is the normal case, but the layer is not rewritten: the usual skip warning."""
+    caplog.set_level(logging.INFO, logger="moe_compile")
+    compile_and_compare(_CheckpointedBlocks(), torch.randn(2, 5, 8))
+    warnings = _moe_records(caplog, logging.WARNING)
+    assert sum("left unchanged" in m and "activation-checkpoint region" in m for m in warnings) == 2, warnings
+    assert not any("ep_group" in m for m in warnings), warnings
+
+
+@pytest.mark.parametrize("ep_group", [None, "world"], ids=["local", "ep_group"])
+def test_no_moe_layer_is_info_locally_and_a_warning_under_ep_group(fake_world, caplog, ep_group):
+    caplog.set_level(logging.INFO, logger="moe_compile")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    compile_and_compare(model, torch.randn(2, 5, 8), options={"ep_group": ep_group})
+    (record,) = [r for r in caplog.records if "no MoE layer in this graph" in r.getMessage()]
+    if ep_group is None:
+        assert record.levelno == logging.INFO
+    else:
+        assert record.levelno == logging.WARNING
+        assert "experts locally on every rank" in record.getMessage() and "top-k" in record.getMessage()
