@@ -31,9 +31,10 @@ from .passes.registry import with_user_passes
 __all__ = ["moe_backend", "stage1_passes", "stage2_passes"]
 
 
-def stage1_passes(cfg: MoECompileConfig) -> list:
-    """Semantic rewrites on the Dynamo graph (every new op is autograd-aware), with the user's passes."""
-    return with_user_passes(pipeline.stage1_passes(cfg))
+def stage1_passes(cfg: MoECompileConfig, body: bool = False) -> list:
+    """Semantic rewrites on the Dynamo graph (every new op is autograd-aware), with the user's passes
+    (``body``: inside an activation-checkpoint body)."""
+    return with_user_passes(pipeline.stage1_passes(cfg, body))
 
 
 def stage2_passes(cfg: MoECompileConfig) -> list:
@@ -54,7 +55,7 @@ def _run_stage1(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.Gra
     (:mod:`moe_compile.passes.checkpoint_bodies`); the bodies' layers join the graph's state."""
     bodies = checkpoint_bodies(gm)
     for name, body in bodies:
-        manager = PassManager(stage1_passes(cfg), context.dumper, prefix=f"{name}_")
+        manager = PassManager(stage1_passes(cfg, body=True), context.dumper, prefix=f"{name}_")
         if manager(body) is not body:
             raise RuntimeError(f"a stage-1 pass replaced the checkpoint body {name}; passes must edit graphs in place")
         context.body_done(name, manager.effects, body)

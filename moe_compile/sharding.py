@@ -228,13 +228,13 @@ def _trace_expert_weights(model, args, kwargs, cfg: MoECompileConfig) -> list[tu
     """Trace ``model`` with Dynamo; (weight, E, expert index or None if stacked) of each layer that
     canonicalization with ``cfg`` (the user's options) rewrites."""
     from .passes.canonicalize import Canonicalize
-    from .passes.detect import find_moe_regions
+    from .passes.detect import find_moe_regions, layers_in_bodies
 
     def capture(gm, example_inputs):
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         real = dict(zip(placeholders, example_inputs))
         regions, skips = find_moe_regions(gm.graph)
-        for skip in skips:
+        for skip in skips + layers_in_bodies(gm):
             log.info("moe_compile: shard_experts: %s not sharded: %s", skip.name, skip.reason)
         canonicalize = Canonicalize(cfg)
         found, seen = [], set()

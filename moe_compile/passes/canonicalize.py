@@ -53,7 +53,7 @@ from .. import ops  # noqa: F401  (registers torch.ops.moe.*)
 from ..config import MoECompileConfig
 from ..counters import counters
 from ..debug import log
-from .detect import find_moe_regions, rematch
+from .detect import RUNS_LOCALLY, find_moe_regions, rematch
 from .graph_utils import example_value, is_inplace, region_boundary, shape_of
 from .fake_values import propagate
 from .manager import PassResult
@@ -92,7 +92,8 @@ class Canonicalize:
             else:
                 counters["regions_skipped"] += 1
                 state.skips.append(Skip(region.name, reason, stage="canonicalize"))
-                log.warning("moe_compile: MoE layer %s left unchanged: %s", region.name, reason)
+                log.warning("moe_compile: MoE layer %s left unchanged: %s%s", region.name, reason,
+                            RUNS_LOCALLY if self.cfg.ep_group is not None else "")
         state.pending = []
         return PassResult(gm, modified)
 

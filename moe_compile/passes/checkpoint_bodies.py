@@ -44,16 +44,20 @@ CHECKPOINT_OP = torch.ops.higher_order.tag_activation_checkpoint
 
 
 def checkpoint_bodies(gm: GraphModule, prefix: str = "") -> list[tuple[str, GraphModule]]:
-    """(dump name, body) of every activation-checkpoint body of ``gm``, nested ones first."""
-    bodies = []
+    """(dump name, body) of every activation-checkpoint body of ``gm``, nested ones first, each once
+    (Dynamo calls one body from several checkpoints when their code is the same: two blocks of a loop)."""
+    bodies: list[tuple[str, GraphModule]] = []
+    seen: set[int] = set()
     for node in gm.graph.find_nodes(op="call_function", target=CHECKPOINT_OP):
         target = node.args[0]
         if target.op != "get_attr":
             continue
         body = getattr(gm, target.target, None)
-        if not isinstance(body, GraphModule):
+        if not isinstance(body, GraphModule) or id(body) in seen:
             continue
+        seen.add(id(body))
         name = f"{prefix}{target.target}"
-        bodies.extend(checkpoint_bodies(body, f"{name}."))
+        bodies.extend(b for b in checkpoint_bodies(body, f"{name}.") if id(b[1]) not in seen)
+        seen.update(id(b) for _, b in bodies)
         bodies.append((name, body))
     return bodies

@@ -30,6 +30,7 @@ semantics wrong is still caught.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 import re
@@ -44,30 +45,53 @@ from ..debug import log
 from .expert_weights import LINEAR, MATMUL, expert_mlp, is_parameter
 from .graph_utils import depends_on, example_value, is_call, module_region, region_boundary, shape_of, strip
 from .manager import PassResult
+from .checkpoint_bodies import checkpoint_bodies
 from .regions import MoERegion, NoMatch, Skip
 from .state import moe_state
 
-__all__ = ["Detect", "find_moe_regions", "rematch"]
+__all__ = ["Detect", "find_moe_regions", "layers_in_bodies", "rematch"]
 
 
 _TOPK = (torch.topk,)
 _SCORE_OPS = (F.softmax, torch.softmax, torch.sigmoid, F.sigmoid, torch.log_softmax, F.log_softmax)
 
 
+#: what a layer left unchanged means under ``options["ep_group"]`` (appended to its warning)
+RUNS_LOCALLY = "; under options['ep_group'] every rank runs all of its experts locally (no all-to-all)"
+
+
 class Detect:
-    """Stage-1 pass: find MoE layers, record them in ``gm.meta["moe"]`` (found, pending, skips); never edits."""
+    """Stage-1 pass: find MoE layers, record them in ``gm.meta["moe"]`` (found, pending, skips); never edits.
+
+    ``expert_parallel``: the graph is compiled under ``options["ep_group"]``, where a layer left
+    as written stays local on every rank; then a graph without any MoE layer is a WARNING too.
+    """
 
     name = "detect"
 
+    def __init__(self, expert_parallel: bool = False, report_empty: bool = True):
+        self.expert_parallel = expert_parallel
+        #: say when the graph has no MoE layer (not for an activation-checkpoint body, which often has none)
+        self.report_empty = report_empty
+
     def __call__(self, gm: GraphModule) -> PassResult:
         regions, skips = find_moe_regions(gm.graph)
+        skips += layers_in_bodies(gm, checkpoints=False)  # checkpoint bodies: the backend runs stage 1 in them
         state = moe_state(gm)
         state.found, state.pending, state.skips, state.detected = list(regions), list(regions), list(skips), True
         counters["regions_found"] += len(regions)
+        local = RUNS_LOCALLY if self.expert_parallel else ""
         for skip in skips:
             counters["regions_skipped"] += 1
-            log.warning("moe_compile: MoE-like layer %s left unchanged: %s", skip.name, skip.reason)
-        if not regions and not skips:
+            log.warning("moe_compile: MoE-like layer %s left unchanged: %s%s", skip.name, skip.reason, local)
+        empty = not regions and not skips and self.report_empty and not checkpoint_bodies(gm)  # bodies report theirs
+        if empty and self.expert_parallel:
+            log.warning(
+                "moe_compile: no MoE layer in this graph (no top-k over [T, E] router scores); compiled unchanged: "
+                "under options['ep_group'] an MoE layer in it would run all of its experts locally on every rank. "
+                "If the model has one here, its router must be a top-k over [T, E] gate scores"
+            )
+        elif empty:
             log.info("moe_compile: no MoE layer in this graph (no top-k router); compiled unchanged")
         for region in regions:
             counters[f"pattern:{region.pattern}"] += 1
@@ -119,6 +143,41 @@ def rematch(graph: Graph, region: MoERegion) -> MoERegion:
     return fresh
 
 
+def layers_in_bodies(gm: GraphModule, checkpoints: bool = True) -> list[Skip]:
+    """MoE layers inside higher-order-op bodies, each a :class:`Skip` saying why it is not rewritten:
+    detection reads the top graph only. Activation-checkpoint bodies (``tag_activation_checkpoint``) are
+    left out with ``checkpoints=False``: the backend runs stage 1 inside them
+    (:mod:`.checkpoint_bodies`); ``shard_experts``' trace reads them (sharded experts cannot go there)."""
+    skips: list[Skip] = []
+    for node in gm.graph.nodes:
+        body = getattr(gm, node.target, None) if node.op == "get_attr" and isinstance(node.target, str) else None
+        if not isinstance(body, GraphModule):
+            continue
+        hops = sorted({getattr(u.target, "__name__", str(u.target)) for u in node.users if u.op == "call_function"})
+        if not checkpoints and "tag_activation_checkpoint" in hops:
+            continue
+        where = f"the body {node.target} of {', '.join(hops) or 'a higher-order op'}"
+        todo = f"call the MoE layer outside {', '.join(hops) or 'the higher-order op'}"
+        if "tag_activation_checkpoint" in hops:
+            where = f"an activation-checkpoint region (torch.utils.checkpoint; {where})"
+            todo = "keep the MoE layer outside the checkpointed function (e.g. checkpoint the attention only)"
+        try:
+            regions, body_skips = find_moe_regions(body.graph)
+        except Exception as e:  # noqa: BLE001 - a body form the matcher was not written for: name its routers
+            regions = []
+            body_skips = [Skip(_module_name(n), f"a top-k router; matching it raised {type(e).__name__}: {e}")
+                          for n in body.graph.nodes if is_call(n, *_TOPK, method=("topk",))]
+        found = [(r.name, f"a {r.pattern} MoE layer") for r in regions]
+        found += [(s.name, f"an MoE-like layer ({s.reason})") for s in body_skips]
+        for name, what in found:
+            skips.append(Skip(name, (
+                f"{what} inside {where}; detection and rewrite read the top graph only, not higher-order-op "
+                f"bodies. To have it rewritten, {todo}"
+            )))
+        skips += [dataclasses.replace(s, reason=f"{s.reason} (nested in {node.target})") for s in layers_in_bodies(body)]
+    return skips
+
+
 # --------------------------------------------------------------------------- matching
 
 
@@ -131,8 +190,11 @@ def _module_name(node: Node) -> str:
 
 
 def _clean_path(path: str) -> str:
-    path = re.sub(r"L\['self'\]\.?", "", path)
-    path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
+    """Dynamo's source of a module as its ``named_modules`` path: ``L['self'].blocks.0.moe`` (or
+    ``L['fn']``, an ``nn.Sequential``'s) → ``blocks.0.moe``; ``checkpoint_wrapper``'s
+    ``__dict__['_modules']['_checkpoint_wrapped_module']`` → ``._checkpoint_wrapped_module``."""
+    path = re.sub(r"(?:\.__dict__\['_modules'\]|\._modules)\['([^']+)'\]", r".\1", path)
+    path = re.sub(r"^L\['[^']+'\]\.?", "", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     return path.strip(".") or "<root>"
 

@@ -134,7 +134,8 @@ class ExpertParallel:
         # 2. the canonical layers
         matches, skips = match_layers(gm)
         for dispatch, reason in skips:
-            log.warning("moe_compile: %s not made expert-parallel (%s); its experts run locally", dispatch.name, reason)
+            log.warning("moe_compile: MoE layer %s (%s) not made expert-parallel: %s; every rank runs all of its "
+                        "experts locally", dispatch.meta.get("moe_region", "?"), dispatch.name, reason)
         # 3. each layer's all-to-all algorithm
         algorithms = {m.name: self._algorithm(m) for m in matches}
         if self.layout is not None and any(a != "flat" for a in algorithms.values()):

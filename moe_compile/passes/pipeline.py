@@ -40,14 +40,15 @@ STAGE1 = ("detect", "canonicalize", "expert_parallel", "pause_mp", "chunk", "exc
 STAGE2 = ("drop_dead_collectives", "schedule", "lower", "streams")
 
 
-def stage1_passes(cfg: MoECompileConfig) -> list:
-    """The built-in stage-1 passes for ``cfg`` (none with ``rewrite=False``)."""
+def stage1_passes(cfg: MoECompileConfig, body: bool = False) -> list:
+    """The built-in stage-1 passes for ``cfg`` (none with ``rewrite=False``); ``body``: for an
+    activation-checkpoint body (:mod:`.checkpoint_bodies`)."""
     if not cfg.rewrite:
         return []
     group = resolve_group(cfg.ep_group)
     layout = resolve_layout(cfg.ep_group, cfg.esp_group, cfg.mp_group) if group is not None else None
-    passes = [Detect(), Canonicalize(cfg), ExpertParallel(cfg, group, layout), PauseMP(cfg), Chunk(cfg),
-              Exchange(cfg, group)]
+    passes = [Detect(expert_parallel=group is not None, report_empty=not body), Canonicalize(cfg), ExpertParallel(cfg, group, layout),
+              PauseMP(cfg), Chunk(cfg), Exchange(cfg, group)]
     assert tuple(p.name for p in passes) == STAGE1
     return passes
 

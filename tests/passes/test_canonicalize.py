@@ -145,6 +145,21 @@ class _Wrapped(torch.nn.Module):
         return self.moe(x)
 
 
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "moe_compile" and r.levelno == logging.WARNING]
+
+
+def test_rejection_under_ep_group_warns_that_the_layer_runs_locally(fake_world, caplog):
+    """A rejected layer under ep_group: the WARNING names it, the reason, and that its experts stay local."""
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    compile_and_compare(_Wrapped(TokenMajorGShard(16, 32, 4, top_k=2, capacity_factor=0.5)), torch.randn(2, 8, 16),
+                        options={"ep_group": "world"})
+    assert moe_compile.counters["regions_rewritten"] == 0
+    (message,) = [m for m in _warnings(caplog) if "left unchanged" in m]
+    assert "MoE layer moe left unchanged" in message and "does not reproduce" in message, message
+    assert "under options['ep_group'] every rank runs all of its experts locally" in message, message
+
+
 # --------------------------------------------------------------------------- regions against the current graph
 
 

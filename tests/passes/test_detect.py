@@ -131,3 +131,72 @@ def test_hf_mixtral(tmp_path, experts_implementation, top_k):
     code = sorted(tmp_path.glob("rank0/graph*/*_canonicalize_after.py"))[-1].read_text()
     assert code.count("torch.ops.moe.dispatch.default(") == 2
     assert "torch.ops.transformers.grouped_mm_fallback" not in code and "= torch.sort(" not in code
+
+
+# --------------------------------------------------------------------------- layers detection cannot reach
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
+        self.moe = GShardMoE(8, 16, 4, top_k=2)
+
+    def forward(self, x):
+        return x + self.moe(self.norm(x))
+
+
+class _CheckpointedBlocks(torch.nn.Module):
+    """Two residual MoE blocks under non-reentrant activation checkpointing, by ``checkpoint(block, x)``
+    or ``checkpoint_wrapper(block)``: Dynamo puts each block in a ``tag_activation_checkpoint`` body,
+    out of the top graph's reach."""
+
+    def __init__(self, how: str = "checkpoint"):
+        super().__init__()
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        self.how = how
+        wrap = checkpoint_wrapper if how == "checkpoint_wrapper" else (lambda block: block)
+        self.blocks = torch.nn.ModuleList(wrap(_Block()) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.how == "checkpoint" else block(x)
+        return x
+
+
+def _moe_records(caplog, level):
+    return [r.getMessage() for r in caplog.records if r.name == "moe_compile" and r.levelno == level]
+
+
+@pytest.mark.parametrize("ep_group", [None, "world"], ids=["local", "ep_group"])
+@pytest.mark.parametrize("how", ["checkpoint", "checkpoint_wrapper"])
+def test_checkpointed_moe_is_rewritten_and_nothing_warns(fake_world, caplog, how, ep_group):
+    """A layer inside an activation-checkpoint body is rewritten there (``passes/checkpoint_bodies.py``),
+    expert-parallel under ep_group: no layer is reported left unchanged, no graph reported without MoE."""
+    caplog.set_level(logging.INFO, logger="moe_compile")
+    if ep_group is None:
+        compile_and_compare(_CheckpointedBlocks(how), torch.randn(2, 5, 8))
+    else:  # the fake process group exchanges nothing: values on real ranks in tests/passes/test_checkpoint_bodies.py
+        compiled = torch.compile(_CheckpointedBlocks(how), backend="moe", fullgraph=True, options={"ep_group": ep_group})
+        compiled(torch.randn(2, 5, 8)).sum().backward()
+    assert moe_compile.counters["regions_rewritten"] >= 1
+    assert moe_compile.counters["regions_rewritten"] == moe_compile.counters["regions_found"]
+    assert moe_compile.counters["regions_skipped"] == 0
+    if ep_group is not None:
+        assert moe_compile.counters["regions_expert_parallel"] == moe_compile.counters["regions_found"]
+    warnings = _moe_records(caplog, logging.WARNING)
+    assert not any("left unchanged" in m or "no MoE layer" in m for m in warnings), warnings
+
+
+@pytest.mark.parametrize("ep_group", [None, "world"], ids=["local", "ep_group"])
+def test_no_moe_layer_is_info_locally_and_a_warning_under_ep_group(fake_world, caplog, ep_group):
+    caplog.set_level(logging.INFO, logger="moe_compile")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    compile_and_compare(model, torch.randn(2, 5, 8), options={"ep_group": ep_group})
+    (record,) = [r for r in caplog.records if "no MoE layer in this graph" in r.getMessage()]
+    if ep_group is None:
+        assert record.levelno == logging.INFO
+    else:
+        assert record.levelno == logging.WARNING
+        assert "experts locally on every rank" in record.getMessage() and "top-k" in record.getMessage()
