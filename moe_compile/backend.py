@@ -89,7 +89,10 @@ def moe_backend(
             graph = _run_stage(stage2_passes(cfg), context, graph, prefix)
             return compile_fx_inner(graph, inputs, **kwargs)
 
-        return compile_fx(gm, list(example_inputs), inner_compile=inductor_inner)
+        # no AOTAutograd cache: a hit (from an earlier process) would skip inductor_inner, so the stage-2
+        # passes would not run and the streams pass's programs would not be registered in this process
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, list(example_inputs), inner_compile=inductor_inner)
 
     def eager_inner(graph, inputs, prefix):
         from .schedule.measure import timed_graph

@@ -12,3 +12,17 @@ def test_inductor_inner_with_dropless_capacity():
     """A dropless layer has a data-dependent capacity (an unbacked size) that inductor must lower."""
     compile_and_compare(SortMoE(16, 24, 4, top_k=2), torch.randn(2, 8, 16), options={"inner": "inductor"})
     assert moe_compile.counters["regions_rewritten"] == 1
+
+
+def test_stage2_runs_on_every_compile_even_with_the_autograd_cache_warm(tmp_path):
+    """AOTAutograd's cache would hand a later compile (another process, or after a reset) the compiled
+    graphs without calling the inner compiler: the stage-2 passes and the streams pass's program
+    registry would be skipped. The backend turns that cache off, so the second compile dumps stage 2 too."""
+    for run in ("first", "second"):
+        torch._dynamo.reset()
+        with torch._functorch.config.patch(enable_autograd_cache=True):
+            compiled = torch.compile(SortMoE(8, 16, 4, top_k=2), backend="moe", fullgraph=True,
+                                     options={"inner": "inductor", "debug_dir": str(tmp_path / run)})
+            compiled(torch.randn(12, 8, requires_grad=True)).sum().backward()
+        assert list((tmp_path / run).glob("rank0/graph*/*_fw_lower_after.py")), run
+        assert list((tmp_path / run).glob("rank0/graph*/*_bw_lower_after.py")), run
