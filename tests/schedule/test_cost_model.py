@@ -27,10 +27,12 @@ def test_fit_recovers_alpha_beta_from_noisy_samples(alpha, beta, seed):
     clean = alpha + beta * sizes
     noisy = clean * (1 + rng.normal(0, 0.01, sizes.shape))        # 1% multiplicative noise
     fit = AlphaBeta.fit(sizes, noisy)
-    assert fit.beta == pytest.approx(beta, rel=0.02)
-    # α is only seen next to β·n; the fit must predict every sampled size within the noise
-    assert np.allclose([fit(n) for n in sizes], clean, rtol=0.01)
-    if alpha > 0.05 * beta * sizes.min():                          # α visible against the smallest size
+    # the fit must predict every sampled size within twice the noise (60 samples of 1% noise: a point's
+    # prediction error reaches 1% in the tails, e.g. alpha=0.0078125, beta=1e-11, seed=849342626)
+    assert np.allclose([fit(n) for n in sizes], clean, rtol=0.02)
+    if beta * sizes.max() > 20 * alpha:                            # β visible against α at the largest size
+        assert fit.beta == pytest.approx(beta, rel=0.02)
+    if alpha > beta * sizes.min():                                 # α visible against the smallest size
         assert fit.alpha == pytest.approx(alpha, rel=0.1)
 
 
