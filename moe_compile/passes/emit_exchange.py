@@ -59,9 +59,8 @@ from ..config import ConfigError, MoECompileConfig
 from ..counters import counters
 from ..debug import log
 from ..tasks import TASK_META, TaskLabel
-from .checkpoint_bodies import CHECKPOINT_OP
 from .exchange_plan import ExchangePlan
-from .fake_values import propagate
+from .fake_values import insert_node, propagate
 from .local_weights import LocalWeights, hidden_shard, sharded_placeholders
 from .manager import PassResult
 from .mp_split import batch_kept, mask_dropped, split_tokens
@@ -104,15 +103,7 @@ class Exchange:
                      "sharded" if local_weights.used_shards else "replicated",
                      "plain EP" if plan.pause == "ep" else f"pause_mp={plan.pause}", plan.chunks)
         local_weights.erase_dead()
-        leftover = [p.name for p in shards if p.users]
-        checkpointed = [p.name for p in shards for u in p.users if u.target is CHECKPOINT_OP]
-        if checkpointed:
-            raise ConfigError(
-                f"sharded expert weights {checkpointed} are read inside an activation-checkpointed block "
-                f"(torch.utils.checkpoint / checkpoint_wrapper); the moe backend does not yet pass a local shard "
-                f"into a checkpoint body: keep those experts replicated (do not call shard_experts), or "
-                f"checkpoint the block's other modules and leave the MoE layer outside the checkpoint"
-            )
+        leftover = [p.name for p in shards if p.users]  # (with activation checkpointing expert_parallel raised)
         if leftover:
             raise ConfigError(
                 f"sharded expert weights {leftover} are read outside a layer the moe backend made expert-parallel "
@@ -138,7 +129,7 @@ def build_layer(gm: GraphModule, plan: ExchangePlan, cfg: MoECompileConfig, loca
 
     # 1. agree on the rows R: the largest need over the exchange group (bucketed when data-dependent)
     with graph.inserting_before(dispatch):
-        need = _node(graph, torch.ops.moe.capacity.default, layer.expert_ids, plan.num_experts,
+        need = insert_node(graph, torch.ops.moe.capacity.default, layer.expert_ids, plan.num_experts,
                      plan.dispatch_capacity, plan.rows_bucket, meta=meta)
         rows = emit_all_reduce_max(graph, need, plan.group)
         for node in (rows.args[0], rows):
@@ -180,32 +171,25 @@ def build_layer(gm: GraphModule, plan: ExchangePlan, cfg: MoECompileConfig, loca
     return dataclasses.replace(plan, output=output)
 
 
-def _node(graph: Graph, target, *args, meta: dict, method: bool = False, kwargs: dict | None = None) -> Node:
-    node = (graph.call_method if method else graph.call_function)(target, args, kwargs or {})
-    node.meta.update(meta)
-    propagate(node)
-    return node
-
-
 def _scaled(graph: Graph, weight: Node | None, scale: float, meta: dict) -> Node | None:
     """The baseline's expert weight with gradient scaled by 1/m: every token is computed m times."""
     if weight is None:
         return None
     with graph.inserting_after(weight):
-        return _node(graph, grad_scale, weight, scale, meta=meta)
+        return insert_node(graph, grad_scale, weight, scale, meta=meta)
 
 
 def _chunked(graph: Graph, plan: ExchangePlan, cfg, experts: Node, experts_args: tuple, meta: dict) -> Node:
     """ScheMoE §4 / Tutel §3.3: the buffer split along capacity into r chunks, each exchanged on its own."""
     buffer = plan.layer.buffer
     whole = {**meta, TASK_META: TaskLabel(plan.name, 0, "C1")}
-    total = _node(graph, torch.ops.aten.sym_size.int, buffer, 1, meta=meta)
-    parts = _node(graph, torch.ops.moe.chunk_rows.default, buffer, plan.chunks, meta=whole)
+    total = insert_node(graph, torch.ops.aten.sym_size.int, buffer, 1, meta=meta)
+    parts = insert_node(graph, torch.ops.moe.chunk_rows.default, buffer, plan.chunks, meta=whole)
     outputs = []
     for i in range(1, plan.chunks + 1):
-        part = _node(graph, operator.getitem, parts, i - 1, meta={TASK_META: TaskLabel(plan.name, i, "C1")})
+        part = insert_node(graph, operator.getitem, parts, i - 1, meta={TASK_META: TaskLabel(plan.name, i, "C1")})
         outputs.append(Emitter(graph, plan, cfg, experts, experts_args, chunk=i).exchange(part))
-    return _node(graph, torch.ops.moe.cat_rows.default, outputs, total, meta={**meta, TASK_META: TaskLabel(plan.name, 0, "D2")})
+    return insert_node(graph, torch.ops.moe.cat_rows.default, outputs, total, meta={**meta, TASK_META: TaskLabel(plan.name, 0, "D2")})
 
 
 class Emitter:
@@ -220,10 +204,8 @@ class Emitter:
 
     # ------------------------------------------------------------------ nodes
     def call(self, target, *args, task: str, method: bool = False, kwargs: dict | None = None) -> Node:
-        node = (self.graph.call_method if method else self.graph.call_function)(target, args, kwargs or {})
-        self.tag(node, task)
-        propagate(node)
-        return node
+        meta = {**self.meta, TASK_META: TaskLabel(self.plan.name, self.chunk, task)}
+        return insert_node(self.graph, target, *args, meta=meta, method=method, kwargs=kwargs)
 
     def tag(self, node: Node, task: str) -> None:
         node.meta.update(self.meta)

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
-__all__ = ["fake_mode_of", "fake_value", "propagate"]
+__all__ = ["fake_mode_of", "fake_value", "insert_node", "propagate"]
 
 _KEYS = ("val", "example_value")
 
@@ -99,3 +99,11 @@ def fake_value(node: Node, tensor) -> None:
     for key in _KEYS:
         node.meta[key] = fake
 
+
+def insert_node(graph: Graph, target, *args, meta: dict, method: bool = False, kwargs: dict | None = None) -> Node:
+    """Insert ``target(*args)`` at the graph's insertion point with ``meta`` (the layer's
+    ``nn_module_stack`` / ``stack_trace`` / ``moe_region``) and its ``meta["val"]``."""
+    node = (graph.call_method if method else graph.call_function)(target, args, kwargs or {})
+    node.meta.update(meta)
+    propagate(node)
+    return node

@@ -23,17 +23,10 @@ from torch.fx import Graph, GraphModule, Node
 from ..collectives import model_parallel  # noqa: F401  (registers torch.ops.moe.mp_*)
 from ..collectives.nodes import WAIT, emit_all_gather
 from .exchange_plan import ExchangePlan
-from .fake_values import propagate
+from .fake_values import insert_node, propagate
 from .graph_utils import between, example_value
 
 __all__ = ["batch_kept", "mask_dropped", "split_tokens"]
-
-
-def _node(graph: Graph, target, *args, meta: dict) -> Node:
-    node = graph.call_function(target, args)
-    node.meta.update(meta)
-    propagate(node)
-    return node
 
 
 def batch_kept(graph: Graph, plan: ExchangePlan, meta: dict) -> Node:
@@ -55,8 +48,8 @@ def batch_kept(graph: Graph, plan: ExchangePlan, meta: dict) -> Node:
     issued = emit_all_gather(graph, layer.expert_ids, m, layout.mp.name)
     issued.meta.update(meta)
     propagate(issued)
-    ids_all = _node(graph, WAIT, issued, meta=meta)
-    return _node(graph, torch.ops.moe.slice_kept.default, ids_all, plan.num_experts, layer.capacity, q * count, count,
+    ids_all = insert_node(graph, WAIT, issued, meta=meta)
+    return insert_node(graph, torch.ops.moe.slice_kept.default, ids_all, plan.num_experts, layer.capacity, q * count, count,
                  meta=meta)
 
 
@@ -69,7 +62,7 @@ def split_tokens(gm: GraphModule, plan: ExchangePlan, output: Node, meta: dict) 
     exchange = between(plan.layer.buffer, output)
     group = plan.layout.mp.name
     with graph.inserting_after(x):
-        x_q = _node(graph, torch.ops.moe.mp_split.default, x, 0, group, meta=meta)
+        x_q = insert_node(graph, torch.ops.moe.mp_split.default, x, 0, group, meta=meta)
     for node in region:
         node.replace_input_with(x, x_q)
     copies: dict[Node, Node] = {}
@@ -83,14 +76,14 @@ def split_tokens(gm: GraphModule, plan: ExchangePlan, output: Node, meta: dict) 
                 continue
             if param not in copies:
                 with graph.inserting_before(first):
-                    copies[param] = _node(graph, torch.ops.moe.mp_copy.default, param, group, meta=meta)
+                    copies[param] = insert_node(graph, torch.ops.moe.mp_copy.default, param, group, meta=meta)
             node.replace_input_with(param, copies[param])
     for node in [n for n in graph.nodes if n in region]:  # the layer's values now have T/m rows
         propagate(node)
     with graph.inserting_after(combine):
-        issued = _node(graph, torch.ops.moe.mp_all_gather.default, combine, group, meta=meta)
+        issued = insert_node(graph, torch.ops.moe.mp_all_gather.default, combine, group, meta=meta)
     with graph.inserting_after(issued):
-        gathered = _node(graph, WAIT, issued, meta=meta)
+        gathered = insert_node(graph, WAIT, issued, meta=meta)
     combine.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not issued)
 
 
@@ -98,5 +91,5 @@ def mask_dropped(graph: Graph, combine: Node, kept: Node, meta: dict) -> None:
     """``moe.combine``'s gate weights times ``kept``: the choices the batch drops contribute exactly 0."""
     weights = combine.args[3]
     with graph.inserting_before(combine):
-        masked = _node(graph, operator.mul, weights, kept, meta=meta)
+        masked = insert_node(graph, operator.mul, weights, kept, meta=meta)
     combine.replace_input_with(weights, masked)
