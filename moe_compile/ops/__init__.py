@@ -24,14 +24,16 @@ from .dispatch import (
 )
 from .chunk import cat_rows, chunk_bounds, chunk_rows, split_rows
 from .esp import esp_combine, esp_dump
-from .experts import ACTIVATIONS, experts, experts_torch
+from .experts import ACTIVATIONS, GATED, check_activation, experts, experts_torch
 
 __all__ = [
     "ACTIVATIONS",
+    "GATED",
     "capacity",
     "cat_rows",
     "chunk_bounds",
     "chunk_rows",
+    "check_activation",
     "combine",
     "combine_torch",
     "dispatch",

@@ -1,10 +1,20 @@
 """``moe::experts``: the batched expert MLP over the ``[E, C, M]`` buffer.
 
 The expert function of the matched model is kept (DESIGN.md "Canonical ops"):
-a plain MLP ``y = act(x W1ᵀ) W2ᵀ`` (GShard, Switch: ReLU / GELU) or a gated one
-``y = (act(x W1ᵀ) ⊙ x W3ᵀ) W2ᵀ`` (Mixtral, torchtitan: SwiGLU), with weights in
-``nn.Linear`` layout stacked over experts: ``w1, w3: [E, H, M]``, ``w2: [E, M, H]``.
-The ScheMoE expert task E (§3) runs on a buffer ``x: [E, C, M]``.
+a plain MLP ``y = act(x W1ᵀ + b1) W2ᵀ + b2`` (GShard, Switch: ReLU / GELU) or a
+gated one ``y = glu(x W1ᵀ + b1, x W3ᵀ + b3) W2ᵀ + b2`` (Mixtral, torchtitan:
+SwiGLU, ``glu(g, u) = act(g) ⊙ u``; gpt-oss: its clamped SwiGLU), with weights in
+``nn.Linear`` layout stacked over experts: ``w1, w3: [E, H, M]``, ``w2: [E, M, H]``,
+and optional per-expert biases ``b1, b3: [E, H]``, ``b2: [E, M]``. The ScheMoE
+expert task E (§3) runs on a buffer ``x: [E, C, M]``.
+
+The activation is a name (:data:`ACTIVATIONS`, or a gated form of :data:`GATED`,
+which needs ``w3``) and its numeric parameters ``act_args`` (typed floats, not
+parsed from the name)::
+
+    relu, relu2 (relu²), gelu, gelu_tanh, silu, sigmoid     act(g) [⊙ u]       act_args = []
+    swiglu_oai   (gpt-oss)      g' = min(g, limit); u' = clamp(u, -limit, limit)
+                                (u' + 1) ⊙ g' σ(α g')                      act_args = [α, limit]
 
 Registered as a CompositeImplicitAutograd op: it shows as ``moe.experts`` in the
 stage-1 graph (dumps, and the expert-parallel / chunk passes find it by name) and
@@ -13,38 +23,86 @@ saves activations instead of recomputing them.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["ACTIVATIONS", "experts", "experts_torch"]
+__all__ = ["ACTIVATIONS", "GATED", "check_activation", "experts", "experts_torch"]
 
+#: ``act(g)``, then ``⊙ u`` when the MLP is gated (``w3`` given)
 ACTIVATIONS = {
     "relu": F.relu,
+    "relu2": lambda h: F.relu(h).square(),
     "gelu": F.gelu,
     "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
     "silu": F.silu,
+    "sigmoid": torch.sigmoid,
+}
+
+
+def _swiglu_oai(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:
+    """gpt-oss's SwiGLU: ``(clamp(u, -limit, limit) + 1) · g' σ(α g')`` with ``g' = min(g, limit)``."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+#: gated forms ``glu(g, u, *act_args)`` other than ``act(g) ⊙ u``: name → (function, names of its act_args)
+GATED = {
+    "swiglu_oai": (_swiglu_oai, ("alpha", "limit")),
 }
 
 _lib = torch.library.Library("moe", "FRAGMENT")
-_lib.define("experts(Tensor x, Tensor w1, Tensor w2, Tensor? w3, str activation) -> Tensor")
+_lib.define(
+    "experts(Tensor x, Tensor w1, Tensor w2, Tensor? w3, str activation, Tensor? b1=None, Tensor? b2=None, "
+    "Tensor? b3=None, float[] act_args=[]) -> Tensor"
+)
 
 
-def experts_torch(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, activation: str) -> Tensor:
+def check_activation(activation: str, act_args: Sequence[float] = (), gated: bool = True, where: str = "moe.experts"):
+    """Raise ``ValueError`` naming the problem unless ``activation`` with ``act_args`` is a known expert activation."""
+    if activation in ACTIVATIONS:
+        if act_args:
+            raise ValueError(f"{where}: activation {activation!r} takes no act_args, got {list(act_args)}")
+        return
+    if activation in GATED:
+        names = GATED[activation][1]
+        if len(act_args) != len(names):
+            raise ValueError(f"{where}: activation {activation!r} takes act_args {list(names)}, got {list(act_args)}")
+        if not gated:
+            raise ValueError(f"{where}: activation {activation!r} is a gated form: it needs w3")
+        return
+    raise ValueError(f"{where}: activation {activation!r} is not one of {sorted([*ACTIVATIONS, *GATED])}")
+
+
+def _add_bias(h: Tensor, bias: Tensor | None) -> Tensor:
+    return h if bias is None else h + bias.to(h.dtype).unsqueeze(1)
+
+
+def experts_torch(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, activation: str,
+                  b1: Tensor | None = None, b2: Tensor | None = None, b3: Tensor | None = None,
+                  act_args: Sequence[float] = ()) -> Tensor:
     """Reference: ``[E, C, M]`` → ``[E, C, M]``, one MLP per expert."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"moe.experts: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
+    check_activation(activation, act_args, gated=w3 is not None)
     dtype = w1.dtype
     x = x.to(dtype)
-    h = ACTIVATIONS[activation](torch.bmm(x, w1.transpose(1, 2)))
-    if w3 is not None:
-        h = h * torch.bmm(x, w3.transpose(1, 2))
-    return torch.bmm(h, w2.transpose(1, 2))
+    h1 = _add_bias(torch.bmm(x, w1.transpose(1, 2)), b1)
+    if activation in GATED:
+        h = GATED[activation][0](h1, _add_bias(torch.bmm(x, w3.transpose(1, 2)), b3), *act_args)
+    else:
+        h = ACTIVATIONS[activation](h1)
+        if w3 is not None:
+            h = h * _add_bias(torch.bmm(x, w3.transpose(1, 2)), b3)
+    return _add_bias(torch.bmm(h, w2.transpose(1, 2)), b2)
 
 
 _lib.impl("experts", experts_torch, "CompositeImplicitAutograd")
 
 
-def experts(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None = None, activation: str = "relu") -> Tensor:
+def experts(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None = None, activation: str = "relu",
+            b1: Tensor | None = None, b2: Tensor | None = None, b3: Tensor | None = None,
+            act_args: Sequence[float] = ()) -> Tensor:
     """``torch.ops.moe.experts``; see the module docstring."""
-    return torch.ops.moe.experts(x, w1, w2, w3, activation)
+    return torch.ops.moe.experts(x, w1, w2, w3, activation, b1, b2, b3, list(act_args))

@@ -54,7 +54,7 @@ from ..config import MoECompileConfig
 from ..counters import counters
 from ..debug import log
 from .detect import RUNS_LOCALLY, find_moe_regions, rematch
-from .graph_utils import example_value, is_inplace, region_boundary, shape_of
+from .graph_utils import example_value, is_inplace, reachable, region_boundary, shape_of
 from .fake_values import propagate
 from .manager import PassResult
 from .regions import ExpertLinear, MoERegion, NoMatch, Skip
@@ -136,9 +136,10 @@ def stale_reason(graph: Graph, region: MoERegion) -> str | None:
     inputs than recorded, or feed other outputs), or None when it still does."""
     alive = set(graph.nodes)
     experts = region.experts
-    weights = [w for linear in (experts.w1, experts.w2, experts.w3) if linear is not None for w in linear.weights]
+    weights = [w for linear in (experts.w1, experts.w2, experts.w3) if linear is not None
+               for w in (*linear.weights, *linear.bias)]
     named = [*region.nodes, *region.inputs, *region.outputs, region.hidden, region.tokens, region.expert_ids,
-             region.gate_weights, region.output, *weights]
+             region.gate_weights, region.output, *weights] + ([region.routed] if region.routed is not None else [])
     gone = sorted({n.name for n in named if n not in alive})
     if gone:
         return f"it read {', '.join(gone)}, no longer in the graph"
@@ -167,11 +168,14 @@ def _extract(gm: GraphModule, region: MoERegion) -> tuple[GraphModule, dict[Node
 
 
 def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
-    """Add the canonical ops to ``sub`` (a copy of the layer), route the output through them."""
+    """Add the canonical ops to ``sub`` (a copy of the layer) and route the layer's routed output
+    (``region.routed``: the experts' ``[T, M]`` result, or the whole output) through them; what the layer
+    computes after it (a shared expert, its gate, the add) stays, moved after the canonical ops."""
     graph = sub.graph
     output = next(n for n in graph.nodes if n.op == "output")
     k, num_experts = region.top_k, region.num_experts
-    meta = {key: region.output.meta[key] for key in ("nn_module_stack", "stack_trace") if key in region.output.meta}
+    routed = region.routed if region.routed is not None else region.output
+    meta = {key: routed.meta[key] for key in ("nn_module_stack", "stack_trace") if key in routed.meta}
     meta["moe_region"] = region.name
 
     def call(target, *args, method=False):
@@ -180,23 +184,30 @@ def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
         propagate(node)  # meta["val"]: the canonical ops' fake values, in Dynamo's fake mode
         return node
 
+    experts = region.experts
     with graph.inserting_before(output):
         tokens = env[region.tokens]
         ids = call("reshape", env[region.expert_ids], (-1, k), method=True)
         weights = call("reshape", env[region.gate_weights], (-1, k), method=True)
-        w1 = _canonical_weight(call, region.experts.w1, env)
-        w2 = _canonical_weight(call, region.experts.w2, env)
-        w3 = _canonical_weight(call, region.experts.w3, env) if region.experts.w3 else None
+        linears = (experts.w1, experts.w2, experts.w3)
+        w1, w2, w3 = (_canonical_weight(call, lin, env) if lin is not None else None for lin in linears)
+        b1, b2, b3 = (_canonical_bias(call, lin, env) if lin is not None else None for lin in linears)
         dispatch = call(torch.ops.moe.dispatch.default, tokens, ids, num_experts, region.capacity)
         buffer = call(operator.getitem, dispatch, 0)
         locations = call(operator.getitem, dispatch, 1)
-        expert_out = call(torch.ops.moe.experts.default, buffer, w1, w2, w3, region.experts.activation)
+        args = [buffer, w1, w2, w3, experts.activation, b1, b2, b3, list(experts.activation_args)]
+        while len(args) > 5 and args[-1] in (None, []):  # the schema's defaults left out
+            args.pop()
+        expert_out = call(torch.ops.moe.experts.default, *args)
         combined = call(torch.ops.moe.combine.default, expert_out, ids, locations, weights)
-        out_dtype = example_value(region.output).dtype
-        combined = call("to", combined, out_dtype, method=True)
-        result = call("reshape_as", combined, env[region.hidden], method=True)
-    old = env[region.output]
-    output.args = (tuple(result if a is old else a for a in output.args[0]),)
+        combined = call("to", combined, example_value(routed).dtype, method=True)
+        if shape_of(routed) != shape_of(region.tokens):
+            combined = call("reshape_as", combined, env[region.hidden], method=True)
+    old = env[routed]
+    later = reachable(old.users, stop=lambda n: n is output) - {output}
+    old.replace_all_uses_with(combined)
+    for node in [n for n in graph.nodes if n in later]:  # after the canonical ops, in their order
+        output.prepend(node)
     _eliminate_dead_code(graph)
     sub.recompile()
     return dispatch
@@ -212,8 +223,19 @@ def _canonical_weight(call, linear: ExpertLinear, env: dict[Node, Node]) -> Node
         weight = call("transpose", weight, 1, 2, method=True)
     if linear.rows is not None:
         start, stop = linear.rows
-        weight = call(operator.getitem, weight, (slice(None), slice(start, stop)))
+        weight = call(operator.getitem, weight, (slice(None), slice(start, stop, linear.row_step)))
     return weight
+
+
+def _canonical_bias(call, linear: ExpertLinear, env: dict[Node, Node]) -> Node | None:
+    """The linear's bias as one ``[E, out]`` tensor (the same feature slice as its weight), or None."""
+    if not linear.bias:
+        return None
+    bias = env[linear.bias[0]] if len(linear.bias) == 1 else call(torch.stack, [env[b] for b in linear.bias])
+    if linear.rows is not None:
+        start, stop = linear.rows
+        bias = call(operator.getitem, bias, (slice(None), slice(start, stop, linear.row_step)))
+    return bias
 
 
 def _eliminate_dead_code(graph: Graph) -> None:

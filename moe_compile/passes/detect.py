@@ -42,7 +42,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..counters import counters
 from ..debug import log
-from .expert_weights import LINEAR, MATMUL, expert_mlp, is_parameter
+from .expert_weights import LINEAR, MATMUL, expert_mlp, is_parameter, routed_output
 from .graph_utils import depends_on, example_value, is_call, module_region, region_boundary, shape_of, strip
 from .manager import PassResult
 from .checkpoint_bodies import checkpoint_bodies
@@ -244,6 +244,7 @@ def _match(graph: Graph, topk: Node) -> MoERegion:
             capacity=capacity,
             experts=experts,
             output=output,
+            routed=routed_output(region, topk, output, experts, (shape_of(tokens), shape_of(hidden))),
         )
     raise NoMatch(f"top-k {topk.name}: no enclosing module returns a tensor shaped like its input")
 

@@ -28,12 +28,13 @@ import re
 import torch
 import torch.nn.functional as F
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..shard_record import expert_shard
 from .graph_utils import depends_on, example_value, is_call, reachable, shape_of, strip
 from .regions import ExpertLinear, ExpertMLP, NoMatch
 
-__all__ = ["LINEAR", "MATMUL", "expert_mlp", "is_parameter"]
+__all__ = ["LINEAR", "MATMUL", "expert_mlp", "is_parameter", "routed_output"]
 
 #: linear layers and matmuls, as Dynamo records them (the router's gate is one too)
 LINEAR = (torch._C._nn.linear, F.linear)
@@ -48,6 +49,8 @@ class _Linear:
     weight: Node        # the parameter placeholder
     transposed: bool    # stored [in, out]
     stacked: bool       # weight is [E, a, b]
+    output: Node        # the node holding the result, its bias added (``node`` itself for an in-place add)
+    bias: Node | None = None  # the bias parameter ([E, out] stacked, [out] per expert)
 
 
 def expert_mlp(region: list[Node], num_experts: int, topk: Node) -> tuple[ExpertMLP, Node]:
@@ -72,76 +75,189 @@ def expert_mlp(region: list[Node], num_experts: int, topk: Node) -> tuple[Expert
     else:
         first = _expert_zero(linears, num_experts)
         template = [lin for lin in linears if lin.weight in first]
-    by_node = {lin.node: lin for lin in template}
+    by_node = {lin.output: lin for lin in template}
     among = {lin.weight for lin in linears}   # per-expert weights are looked up among this layer's only
-    downs = [lin for lin in template if depends_on(lin.input, set(by_node) - {lin.node})]
+    among_biases = {lin.bias for lin in linears if lin.bias is not None}
+    nodes = {lin.node for lin in template}
+    downs = [lin for lin in template if depends_on(lin.input, nodes - {lin.node})]
     if len(downs) != 1 or len(template) not in (2, 3):
         raise NoMatch(
             f"expert function is not an MLP of 2 or 3 linear layers (found {len(template)} expert linears, "
             f"{len(downs)} reading another)"
         )
     down = downs[0]
-    h = strip(down.input, methods=("to", "float", "contiguous", "unsqueeze", "squeeze", "view", "reshape"))
-    gated = is_call(h, operator.mul, torch.mul, method=("mul",))
-    act_node = h.args[0] if gated else h
-    act_node = strip(act_node)
-    activation = _activation(act_node)
-    up1_out = strip(act_node.args[0])
-    up1, rows1 = _linear_of(up1_out, by_node)
+    h = strip(down.input, methods=_VIEWS)
+    act_args: tuple[float, ...] = ()
+    oai = _swiglu_oai(h)
+    if oai is not None:
+        gate_in, up_in, act_args = oai
+        activation, gated = "swiglu_oai", True
+        up1_out, up3_out = strip(gate_in, methods=_VIEWS), up_in
+    else:
+        gated = is_call(h, operator.mul, torch.mul, method=("mul",))
+        act_side, up3_out = (h.args[0], h.args[1]) if gated else (h, None)
+        if gated and _activation_or_none(strip(act_side)) is None and _activation_or_none(strip(up3_out)) is not None:
+            act_side, up3_out = up3_out, act_side  # up * act(gate)
+        activation, act_in = _activation(strip(act_side))
+        up1_out = strip(act_in, methods=_VIEWS)
+    up1, rows1, step1 = _linear_of(up1_out, by_node)
     w3 = None
     if gated:
-        up3, rows3 = _linear_of(strip(h.args[1]), by_node)
-        w3 = _expert_linear(up3, rows3, num_experts, among)
+        up3, rows3, step3 = _linear_of(strip(up3_out, methods=_VIEWS), by_node)
+        w3 = _expert_linear(up3, rows3, step3, num_experts, among, among_biases)
     elif len(template) != 2:
         raise NoMatch("expert MLP has 3 linears but no gating product")
     experts = ExpertMLP(
         activation=activation,
-        w1=_expert_linear(up1, rows1, num_experts, among),
-        w2=_expert_linear(down, None, num_experts, among),
+        w1=_expert_linear(up1, rows1, step1, num_experts, among, among_biases),
+        w2=_expert_linear(down, None, 1, num_experts, among, among_biases),
         w3=w3,
+        activation_args=act_args,
     )
     return experts, up1.input
 
 
-def _activation(node: object) -> str:
+_VIEWS = ("to", "float", "contiguous", "unsqueeze", "squeeze", "view", "reshape")
+_CLAMP = (torch.clamp, torch.clip)
+_ADD = (operator.add, torch.add)
+_MUL = (operator.mul, torch.mul)
+
+
+def _constant(node: object) -> float | None:
+    return float(node) if isinstance(node, (int, float)) and not isinstance(node, bool) else None
+
+
+def _clamp_bounds(node: object) -> tuple[Node, float | None, float | None] | None:
+    """(input, min, max) of ``x.clamp(min, max)`` / ``torch.clamp``; None for anything else."""
+    if not is_call(node, *_CLAMP, method=("clamp", "clip")):
+        return None
+    args = list(node.args[1:]) + [None, None]
+    low = node.kwargs.get("min", args[0])
+    high = node.kwargs.get("max", args[1])
+    if (low is not None and _constant(low) is None) or (high is not None and _constant(high) is None):
+        return None
+    return node.args[0], _constant(low), _constant(high)
+
+
+def _swiglu_oai(h: object) -> tuple[Node, Node, tuple[float, float]] | None:
+    """gpt-oss's gate ``(clamp(u, -l, l) + 1) * (g' * sigmoid(g' * α))``, ``g' = clamp(g, max=l)``:
+    (g, u, (α, l)), or None when ``h`` is not that form."""
+    if not is_call(h, *_MUL, method=("mul",)) or len(h.args) != 2:
+        return None
+    for up_side, glu in (h.args, h.args[::-1]):
+        if not is_call(up_side, *_ADD, method=("add",)) or _constant(up_side.args[1]) != 1.0:
+            continue
+        up = _clamp_bounds(up_side.args[0])
+        if up is None or not is_call(glu, *_MUL, method=("mul",)):
+            continue
+        for gate, sig in (glu.args, glu.args[::-1]):
+            if not is_call(sig, torch.sigmoid, F.sigmoid, method=("sigmoid",)):
+                continue
+            scaled = sig.args[0]
+            if not is_call(scaled, *_MUL, method=("mul",)) or gate not in scaled.args:
+                continue
+            alpha = _constant(scaled.args[1] if scaled.args[0] is gate else scaled.args[0])
+            bounds = _clamp_bounds(gate)
+            if alpha is None or bounds is None:
+                continue
+            gate_in, gate_low, limit = bounds
+            up_in, up_low, up_high = up
+            if gate_low is not None or limit is None or (up_low, up_high) != (-limit, limit):
+                continue
+            return gate_in, up_in, (alpha, limit)
+    return None
+
+
+def _activation_or_none(node: object) -> tuple[str, Node] | None:
+    """(name, input) of an expert activation of ``moe_compile.ops.experts.ACTIVATIONS``, or None."""
     if not isinstance(node, Node):
-        raise NoMatch("expert activation is not a graph node")
+        return None
+    if is_call(node, torch.square, method=("square",)) or (
+        is_call(node, operator.pow, torch.pow, method=("pow",)) and node.args[1] == 2
+    ):
+        inner = strip(node.args[0])
+        if is_call(inner, F.relu, torch.relu, method=("relu",)):
+            return "relu2", inner.args[0]
+        return None
     if is_call(node, F.relu, torch.relu, method=("relu",)):
-        return "relu"
+        return "relu", node.args[0]
     if is_call(node, F.silu, method=()):
-        return "silu"
+        return "silu", node.args[0]
+    if is_call(node, torch.sigmoid, F.sigmoid, method=("sigmoid",)):
+        return "sigmoid", node.args[0]
     if is_call(node, F.gelu, method=()):
         approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
-        return "gelu_tanh" if approximate == "tanh" else "gelu"
-    raise NoMatch(f"expert activation {getattr(node.target, '__name__', node.target)} is not one of relu, gelu, silu")
+        return ("gelu_tanh" if approximate == "tanh" else "gelu"), node.args[0]
+    return None
 
 
-def _linear_of(node: object, by_node: dict[Node, _Linear]) -> tuple[_Linear, tuple[int, int] | None]:
-    """The expert linear producing ``node``, and the slice of its features if it is a chunk of it."""
+def _activation(node: object) -> tuple[str, Node]:
+    found = _activation_or_none(node)
+    if found is not None:
+        return found
+    if not isinstance(node, Node):
+        raise NoMatch("expert activation is not a graph node")
+    raise NoMatch(
+        f"expert activation {getattr(node.target, '__name__', node.target)} ({node.name}) is not one of relu, "
+        "relu2, gelu, gelu_tanh, silu, sigmoid, or gpt-oss's clamped SwiGLU"
+    )
+
+
+def _linear_of(node: object, by_node: dict[Node, _Linear]) -> tuple[_Linear, tuple[int, int] | None, int]:
+    """The expert linear producing ``node``, and the slice (start, stop) and step of its features if it is
+    a chunk or a slice of it."""
     if isinstance(node, Node) and node in by_node:
-        return by_node[node], None
-    # fused gate_up: out.chunk(2, dim=-1)[i]
+        return by_node[node], None, 1
     if isinstance(node, Node) and node.target is operator.getitem:
-        chunk = node.args[0]
-        if is_call(chunk, torch.chunk, method=("chunk",)):
-            src = strip(chunk.args[0])
-            n = chunk.args[1] if len(chunk.args) > 1 else chunk.kwargs.get("chunks")
-            dim = chunk.args[2] if len(chunk.args) > 2 else chunk.kwargs.get("dim", 0)
-            if src in by_node and isinstance(n, int) and dim == -1:
-                features = shape_of(chunk.args[0])[-1]
+        parent = node.args[0]
+        # fused gate_up: out.chunk(2, dim=-1)[i]
+        if is_call(parent, torch.chunk, method=("chunk",)):
+            src = strip(parent.args[0])
+            n = parent.args[1] if len(parent.args) > 1 else parent.kwargs.get("chunks")
+            dim = parent.args[2] if len(parent.args) > 2 else parent.kwargs.get("dim", 0)
+            if src in by_node and isinstance(n, int) and dim in (-1, len(shape_of(parent.args[0])) - 1):
+                features = shape_of(parent.args[0])[-1]
                 size = features // n
                 i = node.args[1]
-                return by_node[src], (i * size, (i + 1) * size)
-    raise NoMatch("expert activation input is not the output of an expert linear (or a chunk of it)")
+                return by_node[src], (i * size, (i + 1) * size), 1
+        # a slice of the features: out[..., a:b:s] / out[:, a:b:s]
+        elif isinstance(parent, Node) and strip(parent) in by_node:
+            shape = shape_of(parent)
+            sliced = _last_dim_slice(node.args[1], len(shape))
+            if sliced is not None and isinstance(shape[-1], int):
+                start, stop, step = sliced.indices(shape[-1])
+                return by_node[strip(parent)], (start, stop), step
+    name = getattr(node, "name", node)
+    raise NoMatch(f"expert activation input {name} is not the output of an expert linear (or a chunk or slice of it)")
 
 
-def _expert_linear(lin: _Linear, rows, num_experts: int, among: set[Node]) -> ExpertLinear:
+def _last_dim_slice(index: object, ndim: int) -> slice | None:
+    """The slice of ``x[index]`` when it only slices the last of ``ndim`` dims, else None."""
+    if isinstance(index, slice):
+        index = (index,)
+    if not isinstance(index, tuple) or not index or not isinstance(index[-1], slice):
+        return None
+    head = index[:-1]
+    if head == (Ellipsis,) or (len(index) == ndim and all(i == slice(None) for i in head)):
+        last = index[-1]
+        if all(v is None or isinstance(v, int) for v in (last.start, last.stop, last.step)):
+            return last
+    return None
+
+
+def _expert_linear(lin: _Linear, rows, step: int, num_experts: int, among: set[Node],
+                   among_biases: set[Node]) -> ExpertLinear:
     if lin.stacked:
-        return ExpertLinear((lin.weight,), lin.transposed, rows)
+        return ExpertLinear((lin.weight,), lin.transposed, rows, step, (lin.bias,) if lin.bias is not None else ())
     weights = _per_expert_weights(lin.weight, num_experts, among)
     if weights is None:
         raise NoMatch(f"could not find the {num_experts} per-expert weights matching {_source_key(lin.weight.name)}")
-    return ExpertLinear(weights, lin.transposed, rows)
+    biases = ()
+    if lin.bias is not None:
+        biases = _per_expert_weights(lin.bias, num_experts, among_biases)
+        if biases is None:
+            raise NoMatch(f"could not find the {num_experts} per-expert biases matching {_source_key(lin.bias.name)}")
+    return ExpertLinear(weights, lin.transposed, rows, step, biases)
 
 
 def _expert_zero(linears: list[_Linear], num_experts: int) -> set[Node]:
@@ -235,13 +351,97 @@ def _on_weight(node, x, w, transposed, num_experts, bias=None) -> _Linear | None
     if src is None:
         return None
     param, flips, gathered = src
-    if bias is not None:
-        raise NoMatch(f"expert linear {node.name} has a bias (not supported yet)")
     shape = shape_of(param)
     stacked = len(shape) == 3 and shape[0] == num_experts
     if not stacked and (len(shape) != 2 or gathered):
         return None
-    return _Linear(node, x, param, transposed != flips, stacked)
+    transposed = transposed != flips
+    out_features = shape[-1] if transposed else shape[-2]
+    output = node
+    if bias is not None:  # F.linear(x, w, b): per-expert [out]
+        bias = _bias_source(bias)
+        if bias is None or not _same(shape_of(bias), (out_features,)):
+            raise NoMatch(f"expert linear {node.name} has a bias that is not a parameter of shape [{out_features}]")
+    else:
+        output, bias = _bias_add(node, num_experts if stacked else None, out_features)
+    return _Linear(node, x, param, transposed, stacked, output, bias)
+
+
+def _same(shape: tuple | None, expected: tuple) -> bool:
+    return shape is not None and len(shape) == len(expected) and all(
+        statically_known_true(a == b) for a, b in zip(shape, expected))
+
+
+_BIAS_VIEWS = ("to", "contiguous", "float", "unsqueeze", "view", "reshape", "type_as", "expand", "expand_as")
+
+
+def _bias_source(node: object) -> Node | None:
+    """The parameter of a bias expression: ``b``, ``b[ids]``, ``b[:, None]``, ``b.unsqueeze(1)``, casts."""
+    while isinstance(node, Node):
+        if node.op in ("placeholder", "get_attr"):
+            return node if is_parameter(node) else None
+        if node.op == "call_function" and node.target is operator.getitem:
+            index = node.args[1]
+            parts = index if isinstance(index, tuple) else (index,)
+            if not all(isinstance(p, Node) or p is None or p is Ellipsis or p == slice(None) for p in parts):
+                return None
+            node = node.args[0]
+        elif is_call(node, method=_BIAS_VIEWS) or is_call(node, torch.unsqueeze):
+            node = node.args[0]
+        else:
+            return None
+    return None
+
+
+def _bias_add(node: Node, num_experts: int | None, out_features) -> tuple[Node, Node | None]:
+    """(the node holding ``node`` plus its bias, the bias parameter) when a user of ``node`` adds a
+    per-expert bias (``[E, out]`` stacked, ``[out]`` per expert); (``node``, None) otherwise. An in-place
+    ``node.add_(b)`` leaves the value in ``node`` itself."""
+    expected = (num_experts, out_features) if num_experts is not None else (out_features,)
+    for user in node.users:
+        inplace = is_call(user, operator.iadd, method=("add_",))
+        if not (inplace or is_call(user, *_ADD, method=("add",))) or len(user.args) != 2 or user.kwargs:
+            continue
+        other = user.args[1] if user.args[0] is node else user.args[0] if not inplace else None
+        bias = _bias_source(other)
+        if bias is not None and _same(shape_of(bias), expected):
+            return (node if inplace else user), bias
+    return node, None
+
+
+def routed_output(region: list[Node], topk: Node, output: Node, experts: ExpertMLP, shapes: tuple) -> Node:
+    """Where the routed computation of the layer ends: the first node, in graph order, that is computed
+    from the router's ``topk`` and the down projection's weights, has one of ``shapes`` (the tokens' or the
+    hidden states'), and every other routed node the output depends on is computed before it (a funnel:
+    what follows, a shared expert added or a scaling, reads the routed experts only through it).
+    ``output`` itself when no node qualifies (e.g. an in-place accumulation into a tensor made before
+    the router).
+
+    Before (qwen2_moe)::
+
+        shared = down(silu(gate(x)) * up(x)); routed = <sort / grouped_mm / unsort>.sum(1)
+        out = routed + sigmoid(linear(x, Wg)) * shared           → routed_output = routed
+    """
+    members = set(region)
+    inside = lambda n: n not in members  # noqa: E731 - stop predicate
+    routed = reachable([u for u in topk.users if u in members], stop=inside) & members
+    ancestors = reachable([output], forward=False, stop=inside) & members
+    routed &= ancestors
+    down_weights = [u for w in (*experts.w2.weights, *experts.w2.bias) for u in w.users if u in members]
+    after_down = reachable(down_weights, stop=inside) & members
+    for node in region:
+        if node not in routed or node not in after_down:
+            continue
+        value = example_value(node)
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            continue
+        if not any(_same(shape_of(node), tuple(shape)) for shape in shapes if shape is not None):
+            continue
+        before = reachable([node], forward=False, stop=inside)
+        after = reachable(node.users, stop=inside)
+        if all(n in before or n in after for n in routed):
+            return node
+    return output
 
 
 def is_parameter(node: Node) -> bool:

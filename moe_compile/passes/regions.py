@@ -24,20 +24,29 @@ class ExpertLinear:
     ``weights`` is one stacked parameter ``[E, a, b]`` or E per-expert ``[a, b]``
     parameters; ``transposed`` says the stored layout is ``[in, out]`` (einsum
     ``emh``, grouped_mm) rather than ``nn.Linear``'s ``[out, in]``; ``rows`` selects
-    a slice of the output features (a fused ``gate_up`` projection split by ``chunk``).
+    a slice of the output features (a fused ``gate_up`` projection split by ``chunk`` or by a slice,
+    every ``row_step``-th feature from ``rows[0]`` when gate and up are interleaved, as gpt-oss stores
+    them); ``bias`` the per-expert bias added to its output: one stacked ``[E, out]`` parameter or E
+    per-expert ``[out]`` ones (the same ``rows`` apply), empty without one.
     """
 
     weights: tuple[Node, ...]
     transposed: bool
     rows: tuple[int, int] | None = None
+    row_step: int = 1
+    bias: tuple[Node, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class ExpertMLP:
+    """``down(act(up1(x)) [* up3(x)])``; ``activation`` a name of ``moe_compile.ops.experts`` (ACTIVATIONS or
+    GATED) with its numeric ``activation_args`` (gpt-oss's α and limit)."""
+
     activation: str
     w1: ExpertLinear
     w2: ExpertLinear
     w3: ExpertLinear | None
+    activation_args: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +65,10 @@ class MoERegion:
     capacity: int
     experts: ExpertMLP
     output: Node
+    #: the ``[T, M]`` (or hidden-shaped) result of the routed experts, where the routed computation ends:
+    #: canonicalize replaces only it, so what the layer computes after it (a shared expert and its gate, the
+    #: add, a scaling) stays as written; ``output`` itself when nothing follows the experts
+    routed: Node | None = None
 
 
 @dataclasses.dataclass(frozen=True)
