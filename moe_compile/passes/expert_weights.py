@@ -75,7 +75,7 @@ def expert_mlp(region: list[Node], num_experts: int, topk: Node) -> tuple[Expert
     else:
         first = _expert_zero(linears, num_experts)
         template = [lin for lin in linears if lin.weight in first]
-    by_node = {lin.output: lin for lin in template}
+    by_node = {**{lin.node: lin for lin in template}, **{lin.output: lin for lin in template}}
     among = {lin.weight for lin in linears}   # per-expert weights are looked up among this layer's only
     among_biases = {lin.bias for lin in linears if lin.bias is not None}
     nodes = {lin.node for lin in template}
@@ -394,18 +394,22 @@ def _bias_source(node: object) -> Node | None:
 
 
 def _bias_add(node: Node, num_experts: int | None, out_features) -> tuple[Node, Node | None]:
-    """(the node holding ``node`` plus its bias, the bias parameter) when a user of ``node`` adds a
-    per-expert bias (``[E, out]`` stacked, ``[out]`` per expert); (``node``, None) otherwise. An in-place
-    ``node.add_(b)`` leaves the value in ``node`` itself."""
+    """(the node holding ``node`` plus its bias, the bias parameter) when a user of ``node`` (or of a
+    squeeze / view of it) adds a per-expert bias (``[E, out]`` stacked, ``[out]`` per expert); (``node``,
+    None) otherwise. An in-place ``out.add_(b)`` leaves the value in ``out`` itself."""
     expected = (num_experts, out_features) if num_experts is not None else (out_features,)
-    for user in node.users:
-        inplace = is_call(user, operator.iadd, method=("add_",))
-        if not (inplace or is_call(user, *_ADD, method=("add",))) or len(user.args) != 2 or user.kwargs:
-            continue
-        other = user.args[1] if user.args[0] is node else user.args[0] if not inplace else None
-        bias = _bias_source(other)
-        if bias is not None and _same(shape_of(bias), expected):
-            return (node if inplace else user), bias
+    values = [node]
+    while len(values[-1].users) == 1 and is_call(next(iter(values[-1].users)), method=_VIEWS):
+        values.append(next(iter(values[-1].users)))
+    for value in values:
+        for user in value.users:
+            inplace = is_call(user, operator.iadd, method=("add_",))
+            if not (inplace or is_call(user, *_ADD, method=("add",))) or len(user.args) != 2 or user.kwargs:
+                continue
+            other = user.args[1] if user.args[0] is value else None if inplace else user.args[0]
+            bias = _bias_source(other)
+            if bias is not None and _same(shape_of(bias), expected):
+                return (value if inplace else user), bias
     return node, None
 
 
