@@ -246,7 +246,7 @@ def _trace_expert_weights(model, args, kwargs, cfg: MoECompileConfig) -> list[tu
                 continue
             for linear in linears:
                 stacked = len(linear.weights) == 1
-                for index, node in enumerate(linear.weights):
+                for index, node in [*enumerate(linear.weights), *enumerate(linear.bias)]:  # biases are per expert
                     weight = real.get(node)
                     if weight is None or id(weight) in seen:
                         continue

@@ -365,6 +365,7 @@ def _splice(gm: GraphModule, region: MoERegion, canonical: GraphModule, at: Node
                 new_outputs = [env[a] for a in node.args[0]]
                 continue
             env[node] = graph.node_copy(node, lambda a: env[a])
+            env[node].meta.setdefault("moe_region", region.name)  # the layer's nodes, the shared expert's too
     members = set(region.nodes)
     for old, new in zip(region.outputs, new_outputs):
         old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in members)

@@ -54,13 +54,14 @@ from ..collectives import model_parallel  # noqa: F401  (registers torch.ops.moe
 from ..collectives.emulated import Link, emit_emulated_all_to_all
 from ..collectives.group import EPGroup
 from ..collectives.model_parallel import grad_scale
-from ..collectives.nodes import WAIT, emit_all_gather, emit_all_reduce_max, emit_all_to_all
+from ..collectives.nodes import WAIT, emit_all_gather, emit_all_reduce_max, emit_all_to_all, is_all_to_all
 from ..config import ConfigError, MoECompileConfig
 from ..counters import counters
 from ..debug import log
 from ..tasks import TASK_META, TaskLabel
 from .exchange_plan import ExchangePlan
 from .fake_values import insert_node, propagate
+from .graph_utils import is_inplace, reachable
 from .local_weights import LocalWeights, hidden_shard, sharded_placeholders
 from .manager import PassResult
 from .mp_split import batch_kept, mask_dropped, split_tokens
@@ -139,15 +140,24 @@ def build_layer(gm: GraphModule, plan: ExchangePlan, cfg: MoECompileConfig, loca
     for node in (dispatch, *dispatch.users):
         propagate(node)
 
-    # 2. this rank's expert weights (its H-slice with ESP; the baseline scales their gradient by 1/m)
+    # 2. this rank's expert weights and biases (its H-slice with ESP; the baseline scales their gradient by 1/m)
+    activation, biases, rest = experts.args[4], tuple(experts.args[5:8]), tuple(experts.args[8:])
     with graph.inserting_before(experts):
         weights = tuple(local_weights(w, plan.num_experts) if w is not None else None for w in experts.args[1:4])
+        biases = tuple(local_weights(b, plan.num_experts) if isinstance(b, Node) else b for b in biases)
         if plan.layout is not None:
+            if plan.layout.shards > 1 and any(isinstance(b, Node) for b in biases):
+                raise ConfigError(
+                    f"{plan.name}: its experts have biases, which expert shards (ESP, options['esp_size'] > 1) do "
+                    f"not split; compile this model with esp_size=1"
+                )
             weights = hidden_shard(graph, weights, plan.layout, plan.hidden_dim)
     if plan.pause == "off" and plan.layout.replicas > 1:
         scaled_meta = {**meta, TASK_META: TaskLabel(plan.name, 0, "E")}
         weights = tuple(_scaled(graph, w, 1.0 / plan.layout.replicas, scaled_meta) for w in weights)
-    experts_args = (*weights, *experts.args[4:])
+        biases = tuple(_scaled(graph, b, 1.0 / plan.layout.replicas, scaled_meta) if isinstance(b, Node) else b
+                       for b in biases)
+    experts_args = (*weights, activation, *biases, *rest)
 
     # 3. the exchange, per chunk
     with graph.inserting_before(experts):
@@ -157,6 +167,7 @@ def build_layer(gm: GraphModule, plan: ExchangePlan, cfg: MoECompileConfig, loca
             output = _chunked(graph, plan, cfg, experts, experts_args, meta)
     combine.replace_input_with(experts, output)
     graph.erase_node(experts)
+    overlap_independent(graph, plan)
 
     # 4. S1: the tokens split over MP before the gate, gathered after the combine
     if plan.split_tokens:
@@ -169,6 +180,40 @@ def build_layer(gm: GraphModule, plan: ExchangePlan, cfg: MoECompileConfig, loca
     if plan.chunks > 1:
         counters["regions_chunked"] += 1
     return dataclasses.replace(plan, output=output)
+
+
+def overlap_independent(graph: Graph, plan: ExchangePlan) -> list[Node]:
+    """Move the layer's work that is independent of its exchange (a shared expert and its gate: nodes of
+    the layer, ``meta["moe_region"]``, that the first all-to-all neither reads nor feeds) from before that
+    all-to-all's issue to right after it, so that it runs while the tokens are exchanged (Megatron-Core's
+    shared-expert overlap, found from the graph). The stage-2 schedule keeps this order: issues as early,
+    waits as late as their consumers allow. The nodes moved, in order::
+
+        before: shared = mlp(x); ...; a1 = all_to_all(buf); w1 = wait(a1); y = experts(w1) ...
+        after:  ...; a1 = all_to_all(buf); shared = mlp(x); w1 = wait(a1); y = experts(w1) ...
+    """
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    start = position[plan.layer.dispatch]
+    issue = next((n for n in nodes[start:] if is_all_to_all(n)), None)
+    if issue is None:
+        return []
+    feeding = reachable([issue], forward=False)
+    fed = reachable([issue])
+    layer = [n for n in nodes[:position[issue]] if n.meta.get("moe_region") == plan.name and n.op == "call_function"
+             and n not in feeding and n not in fed and not is_inplace(n)]
+    movable: set[Node] = set()
+    for node in reversed(layer):  # a node moves only if everything that reads it runs after the issue
+        if all(position[u] > position[issue] or u in movable for u in node.users):
+            movable.add(node)
+    moved = [n for n in layer if n in movable]
+    anchor = issue
+    for node in moved:
+        anchor.append(node)
+        anchor = node
+    if moved:
+        log.debug("moe_compile: %s: %d nodes independent of the exchange run during it", plan.name, len(moved))
+    return moved
 
 
 def _scaled(graph: Graph, weight: Node | None, scale: float, meta: dict) -> Node | None:
