@@ -1,0 +1,80 @@
+"""Shared experts inside the region: only the routed output is replaced, the shared expert stays as written.
+
+Each layer is found, rewritten (``moe.dispatch`` in the graph, the shared expert's linears kept) and equal
+to eager forward and backward with ``fullgraph=True``: hand-written layers (tests/models/shared.py) and
+tiny transformers families whose router is softmax + top-k.
+"""
+import pytest
+import torch
+
+import moe_compile
+from tests.helpers import compile_and_compare
+from tests.models.shared import SharedExpertMoE
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def _after(tmp_path) -> str:
+    """The canonicalize dump's code lines (its ``# File: ...`` source comments left out)."""
+    text = sorted(tmp_path.glob("rank0/graph*/*_canonicalize_after.py"))[-1].read_text()
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+
+
+@pytest.mark.parametrize("shared,routed_scaling", [("plain", 1.0), ("gated", 1.0), ("gated", 2.5)])
+def test_hand_written_shared_expert(tmp_path, shared, routed_scaling):
+    torch.manual_seed(0)
+    model = SharedExpertMoE(8, 12, 4, top_k=2, shared=shared, routed_scaling=routed_scaling)
+    compile_and_compare(model, torch.randn(2, 5, 8), options={"debug_dir": str(tmp_path)}, **TOL)
+    assert moe_compile.counters["regions_rewritten"] == 1, dict(moe_compile.counters)
+    code = _after(tmp_path)
+    assert code.count("torch.ops.moe.dispatch.default(") == 1
+    assert "torch.bmm(" not in code and "index_add" not in code        # the routed experts are canonical
+    for name in ("s_gate", "s_up", "s_down"):                           # the shared expert as written
+        assert f"l_self_modules_{name}_parameters_weight_" in code, name
+    assert ("torch.sigmoid(" in code) == (shared == "gated")
+    assert ("* 2.5" in code) == (routed_scaling != 1.0)
+
+
+def _tiny(name: str, **extra):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.CONFIG_MAPPING[name](
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, moe_intermediate_size=8,
+        shared_expert_intermediate_size=16, num_experts=4, n_routed_experts=4, num_experts_per_tok=2, head_dim=8,
+    )
+    for key, value in extra.items():
+        setattr(cfg, key, value)
+    cfg._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits
+
+
+FAMILIES = {
+    "qwen2_moe": ({}, "shared_expert_gate"),                            # sigmoid-gated shared expert
+    "hunyuan_v1_moe": ({}, "shared_mlp"),
+    "deepseek_v2": (dict(num_key_value_heads=2, kv_lora_rank=8, q_lora_rank=None, qk_rope_head_dim=4, head_dim=4,
+                         qk_nope_head_dim=4, v_head_dim=8, n_shared_experts=1, first_k_dense_replace=0,
+                         routed_scaling_factor=2.5), "shared_experts"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_hf_family_with_shared_experts(tmp_path, family):
+    extra, shared_name = FAMILIES[family]
+    model = _Logits(_tiny(family, **extra))
+    compile_and_compare(model, torch.randint(0, 64, (2, 7)), options={"debug_dir": str(tmp_path)}, **TOL)
+    assert moe_compile.counters["regions_found"] == 2
+    assert moe_compile.counters["regions_rewritten"] == 2, dict(moe_compile.counters)
+    code = _after(tmp_path)
+    assert code.count("torch.ops.moe.dispatch.default(") == 2
+    assert "grouped_mm_fallback" not in code
+    assert code.count(f"_modules_{shared_name}_") >= 2                 # each layer's shared expert kept
