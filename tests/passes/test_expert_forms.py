@@ -1,0 +1,126 @@
+"""Expert-function variants: biases, gpt-oss's clamped SwiGLU, relu², GELU-tanh, ``up * act(gate)``, sliced
+and interleaved gate/up; the ``moe.experts`` op against a per-expert loop, and layers rewritten equal to eager."""
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moe_compile
+from moe_compile.ops.experts import check_activation
+from tests.helpers import compile_and_compare
+from tests.models.shared import ALPHA, FORMS, LIMIT, SharedExpertMoE
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def _loop(x, w1, w2, w3, b1, b2, b3, glu):
+    outs = []
+    for e in range(x.shape[0]):
+        g = F.linear(x[e], w1[e], b1[e])
+        h = glu(g, F.linear(x[e], w3[e], b3[e]))
+        outs.append(F.linear(h, w2[e], b2[e]))
+    return torch.stack(outs)
+
+
+def _oai(g, u):
+    g = torch.minimum(g, torch.tensor(LIMIT, dtype=g.dtype))
+    u = torch.clamp(u, -LIMIT, LIMIT)
+    return (u + 1) * g * torch.sigmoid(ALPHA * g)
+
+
+@pytest.mark.parametrize("activation,glu,args", [
+    ("swiglu_oai", _oai, [ALPHA, LIMIT]),
+    ("silu", lambda g, u: F.silu(g) * u, []),
+    ("relu2", lambda g, u: F.relu(g) ** 2 * u, []),
+])
+def test_experts_op_with_biases_matches_a_loop(activation, glu, args):
+    gen = torch.Generator().manual_seed(0)
+    E, C, M, H = 3, 5, 6, 4
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+
+    x, w1, w2, w3 = randn(E, C, M), randn(E, H, M), randn(E, M, H), randn(E, H, M)
+    b1, b2, b3 = randn(E, H), randn(E, M), randn(E, H)
+    leaves = [x, w1, w2, w3, b1, b2, b3]
+    y = torch.ops.moe.experts(x, w1, w2, w3, activation, b1, b2, b3, args)
+    expected = _loop(x, w1, w2, w3, b1, b2, b3, glu)
+    torch.testing.assert_close(y, expected)
+    grad = torch.randn(E, C, M, generator=gen, dtype=torch.float64)
+    for got, want in zip(torch.autograd.grad(y, leaves, grad), torch.autograd.grad(expected, leaves, grad)):
+        torch.testing.assert_close(got, want)
+
+
+def test_bad_activation_arguments_are_named():
+    with pytest.raises(ValueError, match=r"'swiglu_oai' takes act_args \['alpha', 'limit'\]"):
+        check_activation("swiglu_oai", [1.0])
+    with pytest.raises(ValueError, match="'swiglu_oai' is a gated form: it needs w3"):
+        check_activation("swiglu_oai", [1.0, 7.0], gated=False)
+    with pytest.raises(ValueError, match="'relu' takes no act_args"):
+        check_activation("relu", [1.0])
+    with pytest.raises(ValueError, match="'tanh' is not one of"):
+        check_activation("tanh")
+
+
+EXPECTED = {  # the canonical op's activation and act_args, as the dump prints them
+    "swiglu": "'silu'", "up_act": "'gelu'", "gelu": "'gelu_tanh', ", "relu2": "'relu2'",
+    "swiglu_oai": "'swiglu_oai'",
+}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_hand_written_expert_forms(tmp_path, form):
+    torch.manual_seed(0)
+    model = SharedExpertMoE(8, 12, 4, top_k=2, form=form, shared=None)
+    compile_and_compare(model, torch.randn(2, 5, 8) * 2, options={"debug_dir": str(tmp_path)}, **TOL)
+    assert moe_compile.counters["regions_rewritten"] == 1, dict(moe_compile.counters)
+    code = sorted(tmp_path.glob("rank0/graph*/*_canonicalize_after.py"))[-1].read_text()
+    (line,) = [l for l in code.splitlines() if "torch.ops.moe.experts.default(" in l]
+    assert EXPECTED[form] in line, line
+    if form == "swiglu_oai":  # interleaved gate / up columns, both biases, α and the limit
+        assert code.count("slice(0, 24, 2)") == 2 and code.count("slice(1, 24, 2)") == 2  # weight and bias
+        assert f"[{ALPHA}, {LIMIT}])" in line and "l_self_parameters_down_bias_" in line
+
+
+class _GptOssStyle(torch.nn.Module):
+    """transformers' GptOssExperts (grouped_mm / batched_mm: biases, interleaved clamped SwiGLU) behind a
+    softmax → top-k router (gpt-oss's own router, softmax after the top-k, is the routing helper's form)."""
+
+    def __init__(self, implementation):
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+        cfg = transformers.GptOssConfig(hidden_size=8, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2,
+                                        swiglu_limit=LIMIT)
+        cfg._experts_implementation = implementation
+        self.router = torch.nn.Linear(8, 4)
+        self.experts = GptOssExperts(cfg)
+        for p in self.experts.parameters():
+            torch.nn.init.normal_(p, std=0.4)
+
+    def forward(self, x):
+        x = x.reshape(-1, 8)
+        weights, ids = torch.topk(self.router(x).softmax(-1), 2, dim=-1)
+        return self.experts(x, ids, weights)
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_gpt_oss_experts(implementation):
+    torch.manual_seed(0)
+    compile_and_compare(_GptOssStyle(implementation), torch.randn(10, 8) * 2, **TOL)
+    assert moe_compile.counters["regions_rewritten"] == 1, dict(moe_compile.counters)
+
+
+def test_unknown_expert_activation_names_the_op(caplog):
+    class Tanh(SharedExpertMoE):
+        def _act(self, h):
+            return torch.tanh(h)
+
+    torch.manual_seed(0)
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    compile_and_compare(Tanh(8, 12, 4, form="gelu", shared=None), torch.randn(10, 8), **TOL)
+    assert moe_compile.counters["regions_rewritten"] == 0
+    (message,) = [r.getMessage() for r in caplog.records if "left unchanged" in r.getMessage()]
+    assert "expert activation tanh (tanh)" in message, message
