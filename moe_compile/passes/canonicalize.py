@@ -175,7 +175,7 @@ def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
     output = next(n for n in graph.nodes if n.op == "output")
     k, num_experts = region.top_k, region.num_experts
     routed = region.routed if region.routed is not None else region.output
-    meta = {key: routed.meta[key] for key in ("nn_module_stack", "stack_trace") if key in routed.meta}
+    meta = {key: region.output.meta[key] for key in ("nn_module_stack", "stack_trace") if key in region.output.meta}
     meta["moe_region"] = region.name
 
     def call(target, *args, method=False):
@@ -283,8 +283,51 @@ def verify(original: GraphModule, canonical: GraphModule, region: MoERegion, cfg
             except AssertionError as err:
                 what = "all-equal tokens" if equal_tokens else "random tokens"
                 first = str(err).strip().splitlines()[0]
-                return f"outputs differ on {what}: {first}"
+                where = _first_difference(original, canonical, args, region, cfg)
+                return f"outputs differ on {what}: {first}; {where}"
     return None
+
+
+def _first_difference(original: GraphModule, canonical: GraphModule, args: list, region: MoERegion,
+                      cfg: MoECompileConfig) -> str:
+    """Name the first op, in the layer's order, whose value differs: the nodes both graphs share (the router
+    and what follows the routed output) compared one by one; when all of those before the output agree, the
+    routed output the canonical ops replaced (or an op the model applies to it that the match missed)."""
+    values = []
+    for module in (original, canonical):
+        env: dict[str, object] = {}
+
+        class Recorder(torch.fx.Interpreter):
+            def run_node(self, n):
+                out = super().run_node(n)
+                env[n.name] = out
+                return out
+
+        with torch.no_grad():
+            Recorder(module).run(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+        values.append(env)
+    expected, actual = values
+    routed = region.routed if region.routed is not None else region.output
+    routed_copy = next((n for n in original.graph.nodes if n.name == routed.name), None)
+    after_routed = reachable([routed_copy]) if routed_copy is not None else set()
+    for node in original.graph.nodes:
+        if node in after_routed:
+            break  # from here on the canonical ops stand for the routed experts
+        e, a = expected.get(node.name), actual.get(node.name)
+        if node.op in ("placeholder", "output") or not isinstance(e, torch.Tensor) or not isinstance(a, torch.Tensor):
+            continue
+        if e.shape != a.shape or not torch.allclose(a.float(), e.float(), rtol=cfg.verify_rtol, atol=cfg.verify_atol,
+                                                    equal_nan=True):
+            return f"the first op that differs: {node.name} = {_op_name(node)}"
+    weights = region.gate_weights
+    return (f"the first op that differs: the routed output {routed.name} = {_op_name(routed)} (every op before it "
+            f"agrees; the experts or the gate weights {weights.name} = {_op_name(weights)} it was "
+            f"matched with are not what the model applies)")
+
+
+def _op_name(node: Node) -> str:
+    target = node.target
+    return str(target) if isinstance(target, str) else getattr(target, "__name__", str(target))
 
 
 class _CannotProbe(Exception):

@@ -124,3 +124,27 @@ def test_unknown_expert_activation_names_the_op(caplog):
     assert moe_compile.counters["regions_rewritten"] == 0
     (message,) = [r.getMessage() for r in caplog.records if "left unchanged" in r.getMessage()]
     assert "expert activation tanh (tanh)" in message, message
+
+
+def test_a_rejected_layer_names_the_first_op_that_differs(caplog):
+    """The model drops expert 0's choices by a mask on the ids after the top-k (the gate weights the match
+    reads stop before it): the region check rejects the layer and names where the values part."""
+    class MaskedChoices(SharedExpertMoE):
+        def forward(self, x):
+            probs = torch.softmax(self.router(x), dim=-1)
+            weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+            weights = weights * (chosen != 0)
+            flat = chosen.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            token, expert = order // self.top_k, flat[order]
+            h = torch.bmm(self.up[expert], x[token].unsqueeze(-1)).squeeze(-1)
+            y = torch.bmm(self.down[expert], self._act(h).unsqueeze(-1)).squeeze(-1)
+            y = y * weights.reshape(-1)[order].unsqueeze(-1)
+            return torch.zeros_like(x).index_add(0, token, y)
+
+    torch.manual_seed(0)
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    compile_and_compare(MaskedChoices(8, 12, 4, form="relu2", shared=None), torch.randn(10, 8), **TOL)
+    assert moe_compile.counters["regions_rewritten"] == 0
+    (message,) = [r.getMessage() for r in caplog.records if "left unchanged" in r.getMessage()]
+    assert "the first op that differs: the routed output index_add = index_add" in message, message
