@@ -17,6 +17,17 @@ After::
     y = moe.experts(buf, W1ᵀ, W2ᵀ, None, "relu")               # weights in [E, out, in]
     out = moe.combine(y, ids, loc, w.view(-1, k)).reshape_as(hidden)
 
+Shared experts (Qwen2-MoE, DeepSeek, Hunyuan, Llama 4): only the routed output is replaced
+(``MoERegion.routed``, the ``[T, M]`` value the routed computation funnels into, found from the
+graph by :func:`.expert_weights.routed_output`); what the layer computes after it, a shared expert,
+its sigmoid gate, the add, a ``routed_scaling_factor``, stays as written::
+
+    Before:  routed = <sort / grouped_mm / unsort>.sum(1); out = routed * s + sigmoid(x Wgᵀ) * mlp(x)
+    After:   routed = moe.combine(moe.experts(moe.dispatch(x, ids, E, C)), ...); out = routed * s + ...
+
+Under ``ep_group`` the shared expert stays replicated and the exchange pass places it between the
+dispatch all-to-all's issue and its wait (:func:`.emit_exchange.overlap_independent`).
+
 Contract: the router (everything the gate weights and ids are computed from)
 stays as the model wrote it; the capacity semantics are the model's (a dropless
 model stays dropless, a capacity-C model keeps C and GShard's k-major priority)
@@ -37,8 +48,8 @@ that no longer matches is left unchanged and logged with the reason.
 
 Steps: 0. check the record against the graph (re-match it if stale); 1. extract
 the layer into its own graph; 2. build the canonical ops in a second copy and
-drop what became dead; 3. verify; 4. splice the canonical copy in place of the
-layer.
+drop what became dead; 3. verify (a mismatch names the first op that differs); 4. splice the
+canonical copy in place of the layer.
 """
 from __future__ import annotations
 

@@ -19,7 +19,8 @@ edits the graph::
     Found (a MoERegion):
         tokens=x2d, expert_ids=ids, gate_weights=w, num_experts=E, top_k=k,
         capacity=C (from an [E, C, M] expert input) or 0 (dropless),
-        experts=ExpertMLP(activation, w1, w2, w3), output=out
+        experts=ExpertMLP(activation, w1, w2, w3[, biases, act_args]), output=out,
+        routed=<the [T, M] routed result a shared expert is added to> (out when nothing follows)
 
 Contract: the matcher only reads the graph. Anything it does not recognise fully
 becomes a :class:`~moe_compile.passes.regions.Skip` with the reason; the

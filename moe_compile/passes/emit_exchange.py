@@ -37,8 +37,12 @@ treats independently, so outputs and gradients equal the single-device model's
 (DESIGN.md "Semantics"). Which choices are dropped is decided by each rank on its
 own batch (Tutel §4.1); only the buffer is padded to the group's largest need.
 
-Steps per layer: 1. agree on the rows R; 2. the local weights; 3. the exchange,
-per chunk; 4. S1's split of the tokens.
+A shared expert (the layer's nodes that the exchange neither reads nor feeds) is moved between the
+first all-to-all's issue and its wait, so that it runs during the exchange
+(:func:`overlap_independent`); expert biases are sliced to the local experts like the weights.
+
+Steps per layer: 1. agree on the rows R; 2. the local weights and biases; 3. the exchange,
+per chunk, the independent work during its first all-to-all; 4. S1's split of the tokens.
 """
 from __future__ import annotations
 
