@@ -31,7 +31,7 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..shard_record import expert_shard
-from .graph_utils import depends_on, example_value, is_call, reachable, shape_of, strip
+from .graph_utils import depends_on, example_value, is_call, is_inplace, reachable, shape_of, strip
 from .regions import ExpertLinear, ExpertMLP, NoMatch
 
 __all__ = ["LINEAR", "MATMUL", "expert_mlp", "is_parameter", "routed_output"]
@@ -428,11 +428,19 @@ def routed_output(region: list[Node], topk: Node, output: Node, experts: ExpertM
     """
     members = set(region)
     inside = lambda n: n not in members  # noqa: E731 - stop predicate
-    routed = reachable([u for u in topk.users if u in members], stop=inside) & members
-    ancestors = reachable([output], forward=False, stop=inside) & members
-    routed &= ancestors
+    downstream = reachable([u for u in topk.users if u in members], stop=inside) & members
+    routed = downstream & reachable([output], forward=False, stop=inside)
     down_weights = [u for w in (*experts.w2.weights, *experts.w2.bias) for u in w.users if u in members]
     after_down = reachable(down_weights, stop=inside) & members
+    for node in region:  # an accumulation in place into a tensor that holds other values hides the data flow
+        base = node.args[0] if node.args and isinstance(node.args[0], Node) else None
+        if node in after_down and is_inplace(node) and base is not None and base not in downstream and not is_call(
+                base, torch.zeros_like, torch.zeros, torch.empty_like, method=("new_zeros", "zero_")):
+            raise NoMatch(
+                f"the routed experts' result is added in place ({node.name} = {getattr(node.target, '__name__', node.target)}) "
+                f"into {base.name}, a tensor that holds other values (e.g. a shared expert's output); "
+                "not rewritten (write it out of place: out = shared + routed)"
+            )
     for node in region:
         if node not in routed or node not in after_down:
             continue

@@ -78,3 +78,30 @@ def test_hf_family_with_shared_experts(tmp_path, family):
     assert code.count("torch.ops.moe.dispatch.default(") == 2
     assert "grouped_mm_fallback" not in code
     assert code.count(f"_modules_{shared_name}_") >= 2                 # each layer's shared expert kept
+
+
+def test_routed_result_added_in_place_into_the_shared_output_is_named(caplog):
+    """Llama 4 writes ``out = shared(x); out.add_(routed)``: the in-place add hides the data flow from the
+    match, so the layer stays as written and the WARNING names the op."""
+    import logging
+
+    class InPlace(SharedExpertMoE):
+        def forward(self, x):
+            probs = torch.softmax(self.router(x), dim=-1)
+            weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+            flat = chosen.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            token, expert = order // self.top_k, flat[order]
+            h = torch.bmm(self.up[expert], x[token].unsqueeze(-1)).squeeze(-1)
+            y = torch.bmm(self.down[expert], self._act(h).unsqueeze(-1)).squeeze(-1)
+            y = y * weights.reshape(-1)[order].unsqueeze(-1)
+            out = self.s_down(torch.nn.functional.silu(self.s_gate(x)) * self.s_up(x))
+            out.add_(torch.zeros_like(x).index_add(0, token, y))
+            return out
+
+    torch.manual_seed(0)
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    compile_and_compare(InPlace(8, 12, 4, shared="plain"), torch.randn(10, 8), **TOL)
+    assert moe_compile.counters["regions_rewritten"] == 0
+    (message,) = [r.getMessage() for r in caplog.records if "left unchanged" in r.getMessage()]
+    assert "added in place (add_ = add_) into" in message, message
