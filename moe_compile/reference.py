@@ -9,7 +9,9 @@ One layer, per rank, with blocking ``torch.distributed`` collectives::
     buf [E, C, M]       : buf[e[t, j], loc[t, j]] = x[t]                   (dispatch, kept choices)
     recv [P, El, C, M]  = all_to_all(buf)       block p: rank p's rows for my El experts
     h [El, P·C, M]      = recv.transpose(0, 1)  expert i sees every rank's tokens
-    h[i]                = act(h[i] W1[i]ᵀ) [⊙ h[i] W3[i]ᵀ] W2[i]ᵀ       (one matmul chain per expert)
+    h[i]                = act(h[i] W1[i]ᵀ + b1[i]) [⊙ h[i] W3[i]ᵀ + b3[i]] W2[i]ᵀ + b2[i]
+                                                   (one matmul chain per expert; biases optional, or
+                                                    a gated form of moe.experts with its act_args)
     out [E, C, M]       = all_to_all(h.transpose(0, 1))                    (back to the token's rank)
     y[t]                = Σ_j g[t, j] · out[e[t, j], loc[t, j]]            (combine, kept choices)
 
@@ -33,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import ACTIVATIONS
+from .ops import ACTIVATIONS, GATED, check_activation
 from .passes.canonicalize import capacity_from_factor
 
 __all__ = ["AllToAll", "ExpertParallelMoE", "all_to_all", "expert_parallel_moe"]
@@ -125,6 +127,10 @@ def expert_parallel_moe(
     group=None,
     *,
     sharded: bool = False,
+    b1: Tensor | None = None,
+    b2: Tensor | None = None,
+    b3: Tensor | None = None,
+    act_args: tuple[float, ...] = (),
 ) -> Tensor:
     """One expert-parallel MoE layer over ``group``: ``x [T, M]`` → ``y [T, M]`` (module docstring).
 
@@ -142,12 +148,11 @@ def expert_parallel_moe(
             f"expert_parallel_moe: num_experts E={num_experts} does not split over P={world_size} ranks; "
             f"E must be a multiple of P"
         )
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"expert_parallel_moe: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
+    check_activation(activation, act_args, gated=w3 is not None, where="expert_parallel_moe")
     num_local = num_experts // world_size
-    w1, w2, w3 = (
+    w1, w2, w3, b1, b2, b3 = (
         _local_expert_weights(w, name, num_experts, num_local, rank, sharded)
-        for w, name in ((w1, "w1"), (w2, "w2"), (w3, "w3"))
+        for w, name in ((w1, "w1"), (w2, "w2"), (w3, "w3"), (b1, "b1"), (b2, "b2"), (b3, "b3"))
     )
     num_tokens, model_dim = x.shape
     top_k = expert_ids.shape[1]
@@ -170,13 +175,19 @@ def expert_parallel_moe(
     expert_in = received.transpose(0, 1).reshape(num_local, world_size * capacity, model_dim).to(w1.dtype)
 
     # 4. experts: one naive matmul chain per local expert
-    act = ACTIVATIONS[activation]
+    def linear(h, w, b, i):
+        return h @ w[i].t() if b is None else h @ w[i].t() + b[i]
+
     outs = []
     for i in range(num_local):
-        h = act(expert_in[i] @ w1[i].t())
-        if w3 is not None:
-            h = h * (expert_in[i] @ w3[i].t())
-        outs.append(h @ w2[i].t())
+        g = linear(expert_in[i], w1, b1, i)
+        if activation in GATED:
+            h = GATED[activation][0](g, linear(expert_in[i], w3, b3, i), *act_args)
+        else:
+            h = ACTIVATIONS[activation](g)
+            if w3 is not None:
+                h = h * linear(expert_in[i], w3, b3, i)
+        outs.append(linear(h, w2, b2, i))
     expert_out = torch.stack(outs)  # [El, P·C, M]
 
     # 5. inverse layout and all-to-all back: [P, El, C, M] by source rank → this rank's [E, C, M]

@@ -87,7 +87,31 @@ def _run(rank: int, world_size: int) -> int:
             for stage in ("*_exchange_after.py", "*_fw_streams_after.py"):
                 code = sorted(root.glob(f"graph*/{stage}"))[-1].read_text()
                 assert _shared_runs_during_exchange(code), f"{name} rank {rank}: {stage} order:\n{code}"
+    _reference_with_biases(rank)
     return len(CASES)
+
+
+def _reference_with_biases(rank: int) -> None:
+    """moe_compile.reference.expert_parallel_moe (replicated and sharded weights) with biases and the clamped
+    SwiGLU equals the single-device canonical ops over this rank's tokens."""
+    from moe_compile.reference import expert_parallel_moe
+
+    gen = torch.Generator().manual_seed(7)  # the same weights on every rank
+    E, M, H, world = 4, 6, 5, dist.get_world_size()
+    w1, w3, w2 = torch.randn(E, H, M, generator=gen), torch.randn(E, H, M, generator=gen), torch.randn(E, M, H, generator=gen)
+    b1, b3, b2 = torch.randn(E, H, generator=gen), torch.randn(E, H, generator=gen), torch.randn(E, M, generator=gen)
+    x = torch.randn(7 + rank, M, generator=torch.Generator().manual_seed(rank))
+    gates, ids = torch.topk(torch.rand(7 + rank, E, generator=torch.Generator().manual_seed(10 + rank)), 2)
+    args = ["swiglu_oai", b1, b2, b3, [1.702, 0.5]]
+    buf, loc = torch.ops.moe.dispatch(x, ids, E, 0)
+    expected = torch.ops.moe.combine(torch.ops.moe.experts(buf, w1, w2, w3, *args), ids, loc, gates)
+    biases = dict(b1=b1, b2=b2, b3=b3, act_args=(1.702, 0.5))
+    got = expert_parallel_moe(x, ids, gates, w1, w2, w3, "swiglu_oai", E, 0, **biases)
+    torch.testing.assert_close(got, expected, **TOL)
+    mine = slice(rank * E // world, (rank + 1) * E // world)
+    local = {k: v[mine] if isinstance(v, torch.Tensor) else v for k, v in biases.items()}
+    got = expert_parallel_moe(x, ids, gates, w1[mine], w2[mine], w3[mine], "swiglu_oai", E, 0, sharded=True, **local)
+    torch.testing.assert_close(got, expected, **TOL)
 
 
 def test_shared_and_biased_experts_expert_parallel():
