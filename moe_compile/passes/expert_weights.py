@@ -68,6 +68,14 @@ def expert_mlp(region: list[Node], num_experts: int, topk: Node) -> tuple[Expert
         if lin is not None:
             linears.append(lin)
     if not linears:
+        indexed = [n for n in region if n in after_router and _indexed_expert_linear(n, num_experts)]
+        if indexed:  # JetMoe's parallel experts: F.linear(rows_i, W[i]) per expert over split rows, then cat
+            raise NoMatch(
+                f"its expert linears read one expert's weight by a constant index ({indexed[0].name} reads "
+                f"{_indexed_expert_linear(indexed[0], num_experts)}, one linear per expert over split rows, as "
+                "JetMoe's parallel experts do); only expert weights gathered by the expert ids, stacked [E, ...] "
+                "in bmm / grouped_mm / einsum, or per-expert parameters are read"
+            )
         raise NoMatch("no expert linear layers (linear / matmul / bmm / einsum / grouped_mm on expert weights)")
     stacked = [lin for lin in linears if lin.stacked]
     if stacked:
@@ -321,6 +329,21 @@ def _as_linear(node: Node, num_experts: int) -> _Linear | None:
     name = str(getattr(node.target, "__name__", node.target))
     if "grouped_mm" in name:
         return _on_weight(node, args[0], args[1], True, num_experts)
+    return None
+
+
+def _indexed_expert_linear(node: Node, num_experts: int) -> str | None:
+    """``W[i]`` (as text) when ``node`` is a linear / matmul on a constant expert index of a stacked
+    ``[E, a, b]`` parameter, else None."""
+    if node.op != "call_function" or node.target not in (*LINEAR, *MATMUL) or len(node.args) < 2:
+        return None
+    weight = node.args[1]
+    if not (isinstance(weight, Node) and weight.target is operator.getitem and isinstance(weight.args[1], int)):
+        return None
+    param = weight.args[0]
+    shape = shape_of(param)
+    if isinstance(param, Node) and is_parameter(param) and shape is not None and len(shape) == 3 and shape[0] == num_experts:
+        return f"{param.name}[{weight.args[1]}]"
     return None
 
 

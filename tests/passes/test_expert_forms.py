@@ -148,3 +148,29 @@ def test_a_rejected_layer_names_the_first_op_that_differs(caplog):
     assert moe_compile.counters["regions_rewritten"] == 0
     (message,) = [r.getMessage() for r in caplog.records if "left unchanged" in r.getMessage()]
     assert "the first op that differs: the routed output index_add = index_add" in message, message
+
+
+def test_parallel_experts_by_constant_index_are_named(caplog):
+    """JetMoe's parallel experts: one ``F.linear(rows_i, W[i])`` per expert over split rows. Not read (the
+    WARNING says why); the layer stays as written and equal to eager."""
+    class ParallelExperts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = torch.nn.Linear(8, 4, bias=False)
+            self.w_in = torch.nn.Parameter(torch.randn(4, 12, 8) / 3)
+            self.w_out = torch.nn.Parameter(torch.randn(4, 8, 12) / 3)
+
+        def forward(self, x):
+            weights, chosen = torch.topk(torch.softmax(self.router(x), -1), 1, dim=-1)
+            order = torch.argsort(chosen.reshape(-1), stable=True)
+            parts = x[order].split([3, 2, 3, 2])
+            h = torch.cat([F.linear(p, self.w_in[i]) for i, p in enumerate(parts)])
+            parts = F.relu(h).split([3, 2, 3, 2])
+            y = torch.cat([F.linear(p, self.w_out[i]) for i, p in enumerate(parts)]) * weights.reshape(-1)[order, None]
+            return torch.zeros_like(x).index_add(0, order, y)
+
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    compile_and_compare(ParallelExperts(), torch.randn(10, 8), **TOL)
+    assert moe_compile.counters["regions_rewritten"] == 0
+    (message,) = [r.getMessage() for r in caplog.records if "left unchanged" in r.getMessage()]
+    assert "read one expert's weight by a constant index" in message and "w_in_[0]" in message, message
