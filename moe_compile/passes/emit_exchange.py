@@ -205,7 +205,7 @@ def overlap_independent(graph: Graph, plan: ExchangePlan) -> list[Node]:
     feeding = reachable([issue], forward=False)
     fed = reachable([issue])
     layer = [n for n in nodes[:position[issue]] if n.meta.get("moe_region") == plan.name and n.op == "call_function"
-             and n not in feeding and n not in fed and not is_inplace(n)]
+             and n not in feeding and n not in fed and not is_inplace(n) and not _random(n)]
     movable: set[Node] = set()
     for node in reversed(layer):  # a node moves only if everything that reads it runs after the issue
         if all(position[u] > position[issue] or u in movable for u in node.users):
@@ -218,6 +218,13 @@ def overlap_independent(graph: Graph, plan: ExchangePlan) -> list[Node]:
     if moved:
         log.debug("moe_compile: %s: %d nodes independent of the exchange run during it", plan.name, len(moved))
     return moved
+
+
+def _random(node: Node) -> bool:
+    """``node`` draws random numbers (dropout, rand*, bernoulli...): it keeps its place, so that the random
+    stream is consumed in the model's order."""
+    name = str(getattr(node.target, "__name__", node.target)).lower()
+    return any(word in name for word in ("dropout", "rand", "bernoulli", "normal", "multinomial", "uniform"))
 
 
 def _scaled(graph: Graph, weight: Node | None, scale: float, meta: dict) -> Node | None:
