@@ -59,6 +59,7 @@ import operator
 import torch
 import torch.fx
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import ops  # noqa: F401  (registers torch.ops.moe.*)
 from ..config import MoECompileConfig
@@ -212,7 +213,7 @@ def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
         expert_out = call(torch.ops.moe.experts.default, *args)
         combined = call(torch.ops.moe.combine.default, expert_out, ids, locations, weights)
         combined = call("to", combined, example_value(routed).dtype, method=True)
-        if shape_of(routed) != shape_of(region.tokens):
+        if not _same_shape(shape_of(routed), shape_of(region.tokens)):
             combined = call("reshape_as", combined, env[region.hidden], method=True)
     old = env[routed]
     later = reachable(old.users, stop=lambda n: n is output) - {output}
@@ -222,6 +223,12 @@ def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
     _eliminate_dead_code(graph)
     sub.recompile()
     return dispatch
+
+
+def _same_shape(a: tuple | None, b: tuple | None) -> bool:
+    """``a == b`` dim by dim when provable without a guard (a guard would specialise dynamic shapes)."""
+    return a is not None and b is not None and len(a) == len(b) and all(
+        statically_known_true(x == y) for x, y in zip(a, b))
 
 
 def _canonical_weight(call, linear: ExpertLinear, env: dict[Node, Node]) -> Node:

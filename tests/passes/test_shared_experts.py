@@ -35,6 +35,15 @@ def test_hand_written_shared_expert(tmp_path, shared, routed_scaling):
     assert ("* 2.5" in code) == (routed_scaling != 1.0)
 
 
+def test_shared_expert_dynamic_shapes():
+    """``dynamic=True``: the token count is symbolic; the routed output is found and replaced all the same."""
+    torch.manual_seed(0)
+    model = SharedExpertMoE(8, 12, 4, top_k=2, shared="gated", routed_scaling=2.5)
+    compiled = compile_and_compare(model, torch.randn(2, 5, 8), dynamic=True, **TOL)
+    assert moe_compile.counters["regions_rewritten"] == 1, dict(moe_compile.counters)
+    assert compiled(torch.randn(3, 4, 8)).shape == (3, 4, 8)
+
+
 def _tiny(name: str, **extra):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.CONFIG_MAPPING[name](
