@@ -23,7 +23,8 @@ from .config import ConfigError, MoECompileConfig, config
 from .counters import counters
 from .faults import name_collective_faults
 from .passes import pipeline
-from .passes.checkpoint_bodies import checkpoint_bodies
+from .passes.checkpoint_bodies import checkpoint_bodies, mark_sharded_operands
+from .passes.saved_order import partition
 from .passes.graph_utils import on_cuda
 from .passes.manager import PassManager
 from .passes.registry import with_user_passes
@@ -54,6 +55,7 @@ def _run_stage1(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.Gra
     """Stage 1 on the Dynamo graph and inside each of its activation-checkpoint bodies
     (:mod:`moe_compile.passes.checkpoint_bodies`); the bodies' layers join the graph's state."""
     bodies = checkpoint_bodies(gm)
+    mark_sharded_operands(gm)  # the bodies' inputs that read sharded expert weights
     for name, body in bodies:
         manager = PassManager(stage1_passes(cfg, body=True), context.dumper, prefix=f"{name}_")
         if manager(body) is not body:
@@ -107,5 +109,6 @@ def moe_backend(
         fw_compiler=functools.partial(eager_inner, prefix="fw_"),
         bw_compiler=functools.partial(eager_inner, prefix="bw_"),
         inference_compiler=functools.partial(eager_inner, prefix="fw_"),
+        partition_fn=partition,
     )(gm, example_inputs)
 

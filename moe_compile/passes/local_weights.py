@@ -30,16 +30,25 @@ from ..config import ConfigError
 from ..shard_record import ExpertShard, expert_shard
 from .fake_values import fake_value, propagate
 
-__all__ = ["LocalWeights", "hidden_shard", "sharded_placeholders"]
+__all__ = ["BODY_SHARD", "LOCAL_OPERANDS", "LocalWeights", "feed_local_shards", "hidden_shard", "sharded_placeholders"]
+
+
+#: ``meta`` key of an activation-checkpoint body's input that the calling graph feeds a sharded expert
+#: weight (:func:`moe_compile.passes.checkpoint_bodies.mark_sharded_operands`): its :class:`ExpertShard`
+BODY_SHARD = "moe_expert_shard"
+#: ``meta`` key of a checkpoint body: the positions of its inputs that now read the local shard, the
+#: calling graph's ``exchange`` pass passes ``to_local()`` there (:func:`feed_local_shards`)
+LOCAL_OPERANDS = "moe_local_operands"
 
 
 def sharded_placeholders(gm: GraphModule) -> dict[Node, ExpertShard]:
-    """The graph's inputs that are sharded expert weights, with their shard records."""
+    """The graph's inputs that are sharded expert weights, with their shard records (in a checkpoint
+    body: the inputs its callers feed a sharded weight)."""
     shards = {}
     for node in gm.graph.find_nodes(op="placeholder"):
         grapharg = node.meta.get("grapharg")
         example = getattr(grapharg, "example", None) if grapharg is not None else None
-        shard = expert_shard(example)
+        shard = expert_shard(example) or node.meta.get(BODY_SHARD)
         if shard is not None:
             shards[node] = shard
     return shards
@@ -96,6 +105,8 @@ class LocalWeights:
         return None
 
     def _local_attr(self, placeholder: Node, shard: ExpertShard) -> Node:
+        if placeholder not in self.local_attrs and BODY_SHARD in placeholder.meta:
+            self.local_attrs[placeholder] = self._local_input(placeholder, shard)
         if placeholder not in self.local_attrs:
             param = shard.local
             if param is None:
@@ -124,6 +135,20 @@ class LocalWeights:
             self.local_attrs[placeholder] = attr
         return self.local_attrs[placeholder]
 
+    def _local_input(self, placeholder: Node, shard: ExpertShard) -> Node:
+        """In a checkpoint body: a new last input, ``[El, ...]``, that the callers feed the local shard
+        (recorded in the body's ``meta[LOCAL_OPERANDS]`` as the position of the full-size input it replaces)."""
+        param = shard.local
+        if param is None:
+            raise ConfigError(f"the module owning sharded expert weight {placeholder.name} no longer exists")
+        placeholders = list(self.gm.graph.find_nodes(op="placeholder"))
+        with self.gm.graph.inserting_after(placeholders[-1]):
+            local = self.gm.graph.placeholder(f"{placeholder.name}_local")
+        local.meta.update({k: placeholder.meta[k] for k in ("nn_module_stack",) if k in placeholder.meta})
+        fake_value(local, param.to_local() if isinstance(param, DTensor) else param)
+        self.gm.meta.setdefault(LOCAL_OPERANDS, []).append(placeholders.index(placeholder))
+        return local
+
     def erase_dead(self) -> None:
         """Erase the full-size weight chains the local ones replaced (once nothing reads them)."""
         erased = set()
@@ -151,3 +176,47 @@ def hidden_shard(graph, weights: tuple, layout, hidden_dim: int) -> tuple:
         return node
 
     return rows(w1), columns(w2), rows(w3) if w3 is not None else None
+
+
+def feed_local_shards(gm: GraphModule, local_weights: LocalWeights) -> None:
+    """Pass the local shards to the activation-checkpoint bodies whose layers read them.
+
+    A body's ``exchange`` pass read each sharded weight from a new last input
+    (:meth:`LocalWeights._local_input`); here each checkpoint call gets that input,
+    the ``to_local()`` of the weight it passed at the old position, and the old
+    full-size input, now unused, leaves the body and the call (so do the unused
+    placeholders of remote experts' per-expert weights)::
+
+        Before:  tag_activation_checkpoint(body, x, w1)             body(x, w1, w1_local)
+        After:   tag_activation_checkpoint(body, x, w1_shard.to_local())   body(x, w1_local)
+    """
+    checkpoint = torch.ops.higher_order.tag_activation_checkpoint  # (checkpoint_bodies imports this module)
+    calls = [n for n in gm.graph.find_nodes(op="call_function", target=checkpoint) if n.args[0].op == "get_attr"]
+    bodies = {id(getattr(gm, n.args[0].target)): getattr(gm, n.args[0].target) for n in calls}
+    unused: dict[int, set[int]] = {}
+    for key, body in bodies.items():
+        inputs = list(body.graph.find_nodes(op="placeholder"))
+        # a full-size input the local one replaced, or a remote expert's weight (per-expert weights)
+        unused[key] = {i for i, p in enumerate(inputs) if BODY_SHARD in p.meta and not p.users}
+    for call in calls:
+        body = getattr(gm, call.args[0].target)
+        positions = body.meta.get(LOCAL_OPERANDS, ())
+        if not positions and not unused[id(body)]:
+            continue
+        operands = list(call.args[1:])
+        with gm.graph.inserting_before(call):
+            for i in positions:
+                weight = operands[i]
+                if weight not in local_weights.shards:
+                    raise ConfigError(
+                        f"{call.name} passes {weight.name} where another call of its checkpoint body passes a sharded "
+                        f"expert weight; a checkpointed function must read sharded experts at every call or at none")
+                operands.append(local_weights._local_attr(weight, local_weights.shards[weight]))
+        operands = [a for i, a in enumerate(operands) if i not in unused[id(body)]]
+        call.args = (call.args[0], *operands)
+    for key, body in bodies.items():
+        inputs = list(body.graph.find_nodes(op="placeholder"))
+        for i in sorted(unused[key], reverse=True):
+            body.graph.erase_node(inputs[i])
+        body.meta.pop(LOCAL_OPERANDS, None)
+        body.recompile()
