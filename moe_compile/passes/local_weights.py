@@ -10,10 +10,19 @@ Replicated weights (every rank holds all E experts)::
 Sharded weights (:func:`moe_compile.shard_experts`; the graph reads a NaN
 placeholder of the full shape): the chain from the placeholder (transpose, the
 row slice of a fused gate/up weight) is re-applied to the local shard, the
-module's ``DTensor`` parameter (``Shard(0)`` on the EP mesh) registered on the
-graph module and read through ``to_local()`` (AOTAutograd lifts the DTensor and
-gives the graph its local tensor; the gradient comes back as a ``Shard(0)``
-DTensor); per-expert weights stacked by canonicalize become ``torch.stack`` of the
+module's ``DTensor`` parameter (``Shard(0)`` on the EP mesh), a new input of the
+graph, read through ``to_local()`` (AOTAutograd unwraps the DTensor and gives the
+graph its local tensor; the gradient comes back as a ``Shard(0)`` DTensor). The
+backend passes that input at every call: the shard of the placeholder the call
+passed (its record names the module), not of the one the graph was compiled for,
+because Dynamo serves every block of a model whose blocks share their code with
+one graph (``torch.compile`` per block, torchtitan's order)::
+
+    Before:  graph(x, w1)                         # w1: block i's NaN placeholder
+    After:   graph(x, w1, moe_ep_shard_0)         # ← expert_shard(w1).local, block i's DTensor
+             w1_local = moe_ep_shard_0.to_local()
+
+Per-expert weights stacked by canonicalize become ``torch.stack`` of the
 local experts' weights only. With ESP groups each rank then keeps its H-slice
 (:func:`hidden_shard`).
 """
@@ -30,12 +39,16 @@ from ..config import ConfigError
 from ..shard_record import ExpertShard, expert_shard
 from .fake_values import fake_value, propagate
 
-__all__ = ["BODY_SHARD", "LOCAL_OPERANDS", "LocalWeights", "feed_local_shards", "hidden_shard", "sharded_placeholders"]
+__all__ = ["BODY_SHARD", "LOCAL_OPERANDS", "SHARD_INPUTS", "LocalWeights", "feed_local_shards", "hidden_shard", "sharded_placeholders"]
 
 
 #: ``meta`` key of an activation-checkpoint body's input that the calling graph feeds a sharded expert
 #: weight (:func:`moe_compile.passes.checkpoint_bodies.mark_sharded_operands`): its :class:`ExpertShard`
 BODY_SHARD = "moe_expert_shard"
+#: ``meta`` key of a graph: for each input it gained for a shard (after its own inputs, in order), the
+#: position of the full-size placeholder whose shard it is; the backend passes
+#: ``expert_shard(args[position]).local`` there at every call (:func:`moe_compile.backend.with_shard_inputs`)
+SHARD_INPUTS = "moe_shard_inputs"
 #: ``meta`` key of a checkpoint body: the positions of its inputs that now read the local shard, the
 #: calling graph's ``exchange`` pass passes ``to_local()`` there (:func:`feed_local_shards`)
 LOCAL_OPERANDS = "moe_local_operands"
@@ -111,21 +124,19 @@ class LocalWeights:
             param = shard.local
             if param is None:
                 raise ConfigError(f"the module owning sharded expert weight {placeholder.name} no longer exists")
-            name = f"moe_ep_shard_{len(self.local_attrs)}"
-            self.gm.register_parameter(name, param)
-            source = getattr(placeholder, "_dynamo_source", None)
-            if hasattr(self.gm, "_param_name_to_source") and source is not None:
-                # AOTAutograd lifts graph-module parameters as inputs and asks Dynamo where they come from
-                # (the parameter sits in the module's _parameters under the name its placeholder shadows)
-                from torch._dynamo.source import AttrSource, DictGetItemSource
-
-                self.gm._param_name_to_source[name] = DictGetItemSource(
-                    AttrSource(source.base, "_parameters"), shard.local_name)
             placeholders = list(self.gm.graph.find_nodes(op="placeholder"))
             with self.gm.graph.inserting_after(placeholders[-1]):
-                attr = self.gm.graph.get_attr(name)
+                attr = self.gm.graph.placeholder(f"moe_ep_shard_{len(self.local_attrs)}")
             attr.meta.update({k: placeholder.meta[k] for k in ("nn_module_stack",) if k in placeholder.meta})
             fake_value(attr, param)
+            source = getattr(placeholder, "_dynamo_source", None)
+            if source is not None:  # AOTAutograd names every input by its source: the module's parameter
+                from torch._dynamo.source import AttrSource, DictGetItemSource
+
+                base = getattr(source, "base", source)
+                attr._dynamo_source = DictGetItemSource(AttrSource(base, "_parameters"), shard.local_name)
+            # the backend feeds it, at every call, the shard of the weight passed at that position
+            self.gm.meta.setdefault(SHARD_INPUTS, []).append(placeholders.index(placeholder))
             if isinstance(param, DTensor):  # its local [El, ...] experts
                 with self.gm.graph.inserting_after(attr):
                     local = self.gm.graph.call_method("to_local", (attr,))
