@@ -16,7 +16,8 @@ computes), so the only things read are where its results are::
 
     Found (a Router):
         selection=topk (the last one), gate=linear, tokens=x2d, expert_ids=ids,
-        gate_weights=w, num_experts=E, top_k=k, form="group-limited, bias-corrected"
+        gate_weights=w, num_experts=E, top_k=k,
+        form="group-limited top-k, selection-only bias, weights gathered from the unbiased scores, renormalised"
 
 What is recognised, and how:
 
@@ -86,7 +87,7 @@ class Router:
     gate_weights: Node              # T·k floats multiplying the expert outputs
     num_experts: int
     top_k: int
-    form: str                       # how it routes, for the logs: "top-k", "group-limited, bias-corrected", ...
+    form: str                       # how it routes, for the logs: "top-k", "top-1 by max, renormalised", ...
 
 
 _CASTS = ("to", "type", "float", "double", "half", "bfloat16", "contiguous", "type_as")
@@ -137,20 +138,13 @@ def read_router(selection: Node) -> Router:
     if len(ids_shape) > 2 or not isinstance(top_k, int) or not same_size(ids_shape[0], num_tokens):
         raise NoMatch(f"the expert ids {ids.name} of {selection.name} are not [T, k] (shape {list(ids_shape)})")
     id_nodes = reachable([ids], forward=False, stop=is_selection)
-    weights, form = _gate_weights(selection, ids, id_nodes, num_tokens * top_k)
+    weights, chain = _gate_weights(selection, ids, id_nodes, num_tokens * top_k)
     nodes = _router_nodes(gate, [ids, weights, scores])
     selections = tuple(n for n in ids.graph.nodes if n in nodes and is_selection(n))
     tokens = strip(gate.args[0], methods=_CASTS)
-    kinds = [form]
-    if any(_is_group_selection(s, num_experts) for s in selections if s is not selection):
-        kinds.insert(0, "group-limited")
     picks = [s for s in selections if _getitem(s, 1) in id_nodes]
-    if len(picks) > 1:
-        kinds.insert(0, f"{len(picks)} sequential picks")
-    if is_call(selection, torch.max, method=("max",)):
-        kinds.insert(0, "max")
-    return Router(selection, selections, frozenset(nodes), gate, tokens, ids, weights, num_experts, top_k,
-                  ", ".join(kinds))
+    form = _describe(selection, selections, picks, chain, num_experts)
+    return Router(selection, selections, frozenset(nodes), gate, tokens, ids, weights, num_experts, top_k, form)
 
 
 def expert_tokens(router: Router, expert_input: Node) -> Node:
@@ -270,6 +264,31 @@ def _is_group_selection(selection: Node, num_experts) -> bool:
     return shape is not None and (len(shape) == 3 or not same_size(shape[-1], num_experts))
 
 
+def _describe(selection: Node, selections: tuple[Node, ...], picks: list[Node], chain: list[Node], num_experts) -> str:
+    """How the router routes, in words for the logs: "group-limited top-k, selection-only bias, ..."."""
+    if len(picks) > 1:
+        kinds = [f"{len(picks)} sequential picks by max" if is_call(selection, torch.max, method=("max",))
+                 else f"{len(picks)} sequential top-k"]
+    elif is_call(selection, torch.max, method=("max",)):
+        kinds = ["top-1 by max"]
+    else:
+        kinds = ["top-k"]
+    if any(_is_group_selection(s, num_experts) for s in selections if s not in picks):
+        kinds[0] = "group-limited " + kinds[0]
+    start = chain[0]
+    if _gather_index(start) is not None:
+        source = strip(start.args[0], methods=_CASTS)
+        scores = selection.args[0]
+        biased = source is not strip(scores) and source in _ancestors([scores], stop=_is_linear_like)
+        kinds.append("selection-only bias, weights gathered from the unbiased scores" if biased
+                     else "weights gathered by the ids")
+    if any(is_call(n, *_SOFTMAX, method=("softmax",)) for n in chain):
+        kinds.append("softmax after the selection")
+    if any(is_call(n, operator.truediv, operator.itruediv, torch.div, method=("div", "div_")) for n in chain):
+        kinds.append("renormalised")
+    return ", ".join(kinds)
+
+
 # --------------------------------------------------------------------------- expert ids
 
 
@@ -309,8 +328,8 @@ _ELEMENTWISE_METHODS = (
 _SOFTMAX = (F.softmax, torch.softmax)
 
 
-def _gate_weights(selection: Node, ids: Node, id_nodes: set[Node], numel) -> tuple[Node, str]:
-    """The ``numel = T·k`` floats multiplying the expert outputs, and how they were read (for the logs).
+def _gate_weights(selection: Node, ids: Node, id_nodes: set[Node], numel) -> tuple[Node, list[Node]]:
+    """The ``numel = T·k`` floats multiplying the expert outputs, and the chain of routing math read to them.
 
     Starts: the selection's values, and every ``gather`` by the ids (or by a pick they are concatenated
     from). From each, routing-only math on the weights (module docstring) while it is the only such user.
@@ -336,11 +355,7 @@ def _gate_weights(selection: Node, ids: Node, id_nodes: set[Node], numel) -> tup
     if not ends:
         detail = "; ".join(stops) if stops else f"{selection.name}'s values are unused and no gather reads its ids"
         raise NoMatch(f"no gate weights: nothing of T·k floats is read from the router's selection ({detail})")
-    end, how, chain = ends[0]
-    form = "bias-corrected" if how == "gather" else "top-k"
-    if any(is_call(n, *_SOFTMAX, method=("softmax",)) for n in chain):
-        form = "softmax after the top-k"
-    return end, form
+    return ends[0][0], ends[0][2]
 
 
 def _weights_chain(start: Node, ids: Node) -> list[Node]:
