@@ -1,17 +1,19 @@
 """Detect: find the MoE layers of the Dynamo graph by their routing (stage 1, before AOTAutograd).
 
-The first stage-1 pass. An MoE layer is found from its router: a ``topk`` over
-``[T, E]`` gate scores. The enclosing module (``nn_module_stack``) whose output
-has the shape of its input is the layer; inside it the matcher reads off what the
-canonical ops need: the routing here (tokens, expert ids, gate weights, capacity),
-the expert MLP in :mod:`.expert_weights`. The pass records the layers in
-``gm.meta["moe"]`` (:mod:`.state`: ``found``, ``pending``, ``skips``) and never
-edits the graph::
+The first stage-1 pass. An MoE layer is found from its router: a selection (``topk``,
+or ``max`` over a dim) over ``[T, E]`` scores that a gate linear computes, read by
+:mod:`.routing` into a :class:`~.routing.Router` (expert ids, gate weights, tokens,
+E, k; group-limited and bias-corrected top-k, softmax after the top-k, top-1 by max,
+sequential picks, training-mode noise). The enclosing module (``nn_module_stack``)
+whose output has the shape of its input is the layer; inside it the expert MLP is
+read by :mod:`.expert_weights`, the capacity from the expert input's shape. The pass
+records the layers in ``gm.meta["moe"]`` (:mod:`.state`: ``found``, ``pending``,
+``skips``) and never edits the graph::
 
-    Before (any of the patterns of the README table):
+    Before (any of the patterns of the README table, any routing of its routing table):
         x2d = hidden.view(-1, M)
-        scores = softmax(linear(x2d, W_gate)); vals, ids = topk(scores, k)
-        w = vals / vals.sum(-1)                          # routing-only math on vals
+        s = sigmoid(linear(x2d, W_gate)); ids = topk(s + bias, k)[1]     # a router, kept as written
+        w = s.gather(1, ids); w = w / w.sum(-1, keepdim=True) * scale
         ... one-hot einsum (GShard) | argsort + gather + bmm / grouped_mm (sort) |
             per-expert torch.where + index_add_ (loop) ...
         out = <[T, M] result>.view(hidden.shape)
@@ -19,14 +21,17 @@ edits the graph::
     Found (a MoERegion):
         tokens=x2d, expert_ids=ids, gate_weights=w, num_experts=E, top_k=k,
         capacity=C (from an [E, C, M] expert input) or 0 (dropless),
-        experts=ExpertMLP(activation, w1, w2, w3), output=out
+        experts=ExpertMLP(activation, w1, w2, w3), output=out, routing="top-k, selection-only bias, ..."
 
-Contract: the matcher only reads the graph. Anything it does not recognise fully
-becomes a :class:`~moe_compile.passes.regions.Skip` with the reason; the
-canonicalize pass then leaves that layer alone and logs one line. The canonical
-form is checked against the matched layer numerically before it replaces it
-(``config.verify_regions``), so a match that reads the structure right but the
-semantics wrong is still caught.
+Selections that are part of another router (the group top-k of group-limited routing,
+sparsemixer's first pick) are neither matched alone nor reported; one that no gate
+linear feeds (an attention indexer's ``topk`` over ``[B, S, S]``) is no router: a
+DEBUG line. Contract: the matcher only reads the graph. Anything it does not
+recognise fully becomes a :class:`~moe_compile.passes.regions.Skip` with the reason
+(naming the node where matching stopped); the canonicalize pass then leaves that
+layer alone and logs one line. The canonical form is checked against the matched
+layer numerically before it replaces it (``config.verify_regions``), so a match that
+reads the structure right but the semantics wrong is still caught.
 """
 from __future__ import annotations
 
