@@ -154,22 +154,19 @@ def expert_tokens(router: Router, expert_input: Node) -> Node:
     the tokens as they were: walk back through such products (same shape) to the first tensor that the
     expert input reads other than through the router.
     """
-    beside_router = reachable([expert_input], forward=False, stop=lambda n: n is router.gate or n in router.nodes)
+    candidates = [router.tokens]          # the gate's input, then what each product of it multiplies
+    shape = shape_of(router.tokens)
     node = router.tokens
-    shape = shape_of(node)
-    while isinstance(node, Node):
-        if node in beside_router:
-            return node
-        if not is_call(node, operator.mul, operator.imul, torch.mul, method=("mul", "mul_")):
-            break
+    while is_call(node, operator.mul, operator.imul, torch.mul, method=("mul", "mul_")):
         same = [strip(a, methods=_CASTS) for a in node.args if isinstance(a, Node) and _same_shape(shape_of(a), shape)]
-        read = [a for a in same if a in beside_router]
-        if read:
-            return read[0]
+        candidates += same
         if len(same) != 1:
             break
         node = same[0]
-    return router.tokens
+    earliest = min(candidates)
+    beside_router = reachable([expert_input], forward=False,
+                              stop=lambda n: n is router.gate or n in router.nodes or n < earliest)
+    return next((c for c in candidates if c in beside_router), router.tokens)
 
 
 # --------------------------------------------------------------------------- selection and gate
@@ -408,7 +405,8 @@ def _reads_ids_only_through(user: Node, chain: list[Node], ids: Node) -> bool:
     for other in user.all_input_nodes:
         if other in cut:
             continue
-        if ids in reachable([other], forward=False, stop=lambda n: n in cut):
+        # nothing before the ids in the graph's order can read them: the walk stops there
+        if ids in reachable([other], forward=False, stop=lambda n: n in cut or n < ids):
             return True
     return False
 

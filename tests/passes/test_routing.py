@@ -215,10 +215,8 @@ FAMILIES = {
     # family: (training mode, the routing the found line names)
     "deepseek_v3": (False, "group-limited top-k, selection-only bias"),
     "glm_moe_dsa": (False, "group-limited top-k, selection-only bias"),    # its DSA indexer topk is no router
-    "minimax_m2": (False, "top-k, selection-only bias"),
     "ernie4_5_moe": (False, "top-k, selection-only bias"),
     "granitemoe": (False, "top-k, softmax after the selection"),
-    "cohere2_moe": (False, "top-k, softmax after the selection"),
     "phimoe": (True, "2 sequential picks by max, weights gathered by the ids"),   # sparsemixer, Gumbel sampling
 }
 
