@@ -55,6 +55,9 @@ from .state import moe_state
 __all__ = ["Detect", "find_moe_regions", "layers_in_bodies", "rematch"]
 
 
+#: how :func:`.expert_weights.expert_mlp` says a layer has no expert linears at all
+_NO_EXPERTS = "no expert linear layers"
+
 #: what a layer left unchanged means under ``options["ep_group"]`` (appended to its warning)
 RUNS_LOCALLY = "; under options['ep_group'] every rank runs all of its experts locally (no all-to-all)"
 
@@ -109,7 +112,6 @@ def find_moe_regions(graph: Graph) -> tuple[list[MoERegion], list[Skip]]:
     another router's ids or weights are computed from (a group top-k, a sparsemixer pick) is part of that
     router: not matched alone, not reported; neither is one that is no router (DEBUG line).
     """
-    order = {n: i for i, n in enumerate(graph.nodes)}
     selections = [n for n in graph.nodes if is_selection(n)]
     routers: dict[Node, Router] = {}
     failures: dict[Node, NoMatch] = {}
@@ -125,15 +127,18 @@ def find_moe_regions(graph: Graph) -> tuple[list[MoERegion], list[Skip]]:
     by_ids: dict[Node, Router] = {}
     for router in routers.values():
         by_ids[router.expert_ids] = router
-    kept = sorted(by_ids.values(), key=lambda r: order[r.selection])
-    inner = {s for r in kept for s in r.selections if s is not r.selection}
+    inner = {s for r in by_ids.values() for s in r.selections if s is not r.selection}
     inner.update(r.selection for r in routers.values() if by_ids[r.expert_ids] is not r)
-    # a router that does not match: the selections its scores are computed from are its own
+    # a router that does not match: the selections its scores are computed from in its own module are its
+    # own (its group top-k); never another layer's, reached through that layer's output
+    finals = {r.selection for r in by_ids.values()}
     for selection in failures:
-        inner.update(s for s in router_part(selection) if s is not selection)
+        module = _module_name(selection)
+        inner.update(s for s in router_part(selection)
+                     if s is not selection and s not in finals and _module_name(s) == module)
 
     regions: list[MoERegion] = []
-    skips: list[tuple[Node, Skip]] = []
+    skips: list[Skip] = []
     claimed: set[Node] = set()
     for selection in selections:
         if selection in inner:
@@ -143,7 +148,7 @@ def find_moe_regions(graph: Graph) -> tuple[list[MoERegion], list[Skip]]:
                       not_routers[selection])
             continue
         if selection in failures:
-            skips.append((selection, Skip(_module_name(selection), str(failures[selection]))))
+            skips.append(Skip(_module_name(selection), str(failures[selection])))
             continue
         router = routers.get(selection)
         if router is None or by_ids.get(router.expert_ids) is not router:
@@ -151,14 +156,18 @@ def find_moe_regions(graph: Graph) -> tuple[list[MoERegion], list[Skip]]:
         try:
             region = _match(graph, router)
         except NoMatch as e:
-            skips.append((selection, Skip(_module_name(selection), str(e))))
+            if str(e).startswith(_NO_EXPERTS) and router.form.startswith("top-1 by max"):
+                # a max over a linear's outputs with no experts after it (a classifier's prediction)
+                log.debug("moe_compile: %s in %s is not an MoE router: %s", selection.name, _module_name(selection), e)
+                continue
+            skips.append(Skip(_module_name(selection), str(e)))
             continue
         if claimed.intersection(region.nodes):
-            skips.append((selection, Skip(region.name, "overlaps a layer matched before")))
+            skips.append(Skip(region.name, "overlaps a layer matched before"))
             continue
         claimed.update(region.nodes)
         regions.append(region)
-    return regions, [skip for _, skip in skips]
+    return regions, skips
 
 
 def rematch(graph: Graph, region: MoERegion) -> MoERegion:

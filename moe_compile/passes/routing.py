@@ -106,10 +106,7 @@ def is_selection(node: Node) -> bool:
 def selection_of(ids: Node) -> Node | None:
     """The last selection that the expert ids ``ids`` come from (for matching a layer again)."""
     found = [n for n in reachable([ids], forward=False, stop=is_selection) if is_selection(n)]
-    if not found:
-        return None
-    order = {n: i for i, n in enumerate(ids.graph.nodes)}
-    return max(found, key=order.__getitem__)
+    return max(found) if found else None
 
 
 def read_router(selection: Node) -> Router:
@@ -120,6 +117,11 @@ def read_router(selection: Node) -> Router:
     if shape is None:
         raise NotARouter(f"{selection.name}: its input has no tensor shape")
     gate = _gate_linear(scores, shape[dim])
+    if is_call(selection, torch.max, method=("max",)) and (gate is None or len(shape) != 2 or dim not in (-1, 1)
+                                                         or _getitem(selection, 1) is None):
+        # a max over a dim is common math (softmax stabilisation, a logits argmax): a router only as top-1
+        # over gate-linear [T, E] scores whose index is used
+        raise NotARouter(f"{selection.name}: a max that is no top-1 over gate-linear [T, E] scores")
     if gate is None:
         if len(shape) != 2:
             raise NotARouter(f"{selection.name}: a selection over {len(shape)}-d scores that no gate linear computes")
@@ -140,7 +142,7 @@ def read_router(selection: Node) -> Router:
     id_nodes = reachable([ids], forward=False, stop=is_selection)
     weights, chain = _gate_weights(selection, ids, id_nodes, num_tokens * top_k)
     nodes = _router_nodes(gate, [ids, weights, scores])
-    selections = tuple(n for n in ids.graph.nodes if n in nodes and is_selection(n))
+    selections = tuple(sorted(n for n in nodes if is_selection(n)))
     tokens = strip(gate.args[0], methods=_CASTS)
     picks = [s for s in selections if _getitem(s, 1) in id_nodes]
     form = _describe(selection, selections, picks, chain, num_experts)

@@ -113,6 +113,30 @@ def test_attention_indexer_topk_is_no_router(caplog):
     assert any("is not an MoE router" in m and "no gate linear" in m for m in _messages(caplog, logging.DEBUG))
 
 
+class _ConfidenceHead(torch.nn.Module):
+    """``conf, pred = softmax(linear(x)).max(-1)`` and an embedding of the prediction: a top-1 over a linear's
+    scores with no experts after it (a classifier head), not an MoE layer."""
+
+    def __init__(self, dim=16, classes=5):
+        super().__init__()
+        self.head = torch.nn.Linear(dim, classes)
+        self.table = torch.nn.Parameter(torch.randn(classes, dim))
+
+    def forward(self, x):
+        t = x.reshape(-1, x.shape[-1])
+        conf, pred = torch.softmax(self.head(t), dim=-1).max(dim=-1)
+        return (t + conf[:, None] * self.table[pred]).reshape(x.shape)
+
+
+def test_max_with_no_experts_is_no_router(caplog):
+    """A ``max`` selection is common math: without experts after it, no layer is reported left unchanged."""
+    caplog.set_level(logging.DEBUG, logger="moe_compile")
+    _compare(_ConfidenceHead(), torch.randn(2, 5, 16), train=False)
+    assert moe_compile.counters["regions_found"] == moe_compile.counters["regions_skipped"] == 0
+    assert not _messages(caplog, logging.WARNING)
+    assert any("is not an MoE router" in m for m in _messages(caplog, logging.DEBUG))
+
+
 class _TanhExperts(GroupLimitedMoE):
     """DeepSeek-V3 routing in front of experts whose activation detection does not know (tanh)."""
 
@@ -136,6 +160,31 @@ def test_inner_selections_are_not_reported_apart(caplog):
     _compare(_TanhExperts(16, 24, 8), torch.randn(2, 5, 16), train=False)
     (warning,) = _messages(caplog, logging.WARNING)
     assert "left unchanged" in warning and "activation" in warning and "tanh" in warning
+
+
+class _MoEThenStrayTopk(torch.nn.Module):
+    """An MoE layer, then a ``topk`` over softmax scores of its output that no gate linear computes: the stray
+    top-k's scores are computed from the MoE layer's top-k (its ids index the layer's output rows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe = SoftmaxAfterTopkMoE(16, 24, 6)
+
+    def forward(self, x):
+        x = x + self.moe(x)
+        vals, ids = torch.topk(x.reshape(-1, 16).softmax(-1), 2)
+        per_token = vals.sum(-1) + (ids == 0).sum(-1)
+        return x + per_token.reshape(*x.shape[:-1], 1)
+
+
+def test_unmatched_topk_does_not_take_another_layers_router_for_its_own(caplog):
+    """A router that does not match owns the selections of its own router only, never an earlier layer's."""
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    torch.manual_seed(0)
+    _compare(_MoEThenStrayTopk(), torch.randn(2, 5, 16), train=False)
+    assert moe_compile.counters["regions_rewritten"] == 1
+    (warning,) = _messages(caplog, logging.WARNING)
+    assert "do not come from a gate linear" in warning
 
 
 class _StackedPickWeights(TwoPickMoE):
