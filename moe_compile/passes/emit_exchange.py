@@ -66,7 +66,7 @@ from ..tasks import TASK_META, TaskLabel
 from .exchange_plan import ExchangePlan
 from .fake_values import insert_node, propagate
 from .graph_utils import is_inplace, reachable
-from .local_weights import LocalWeights, hidden_shard, sharded_placeholders
+from .local_weights import LocalWeights, feed_local_shards, hidden_shard, sharded_placeholders
 from .manager import PassResult
 from .mp_split import batch_kept, mask_dropped, split_tokens
 from .state import moe_state
@@ -107,8 +107,9 @@ class Exchange:
                      plan.name, plan.group.size, plan.num_local,
                      "sharded" if local_weights.used_shards else "replicated",
                      "plain EP" if plan.pause == "ep" else f"pause_mp={plan.pause}", plan.chunks)
+        feed_local_shards(gm, local_weights)  # activation-checkpoint bodies whose layers read a shard
         local_weights.erase_dead()
-        leftover = [p.name for p in shards if p.users]  # (with activation checkpointing expert_parallel raised)
+        leftover = [p.name for p in shards if p.users]
         if leftover:
             raise ConfigError(
                 f"sharded expert weights {leftover} are read outside a layer the moe backend made expert-parallel "

@@ -473,8 +473,12 @@ def routed_output(region: list[Node], topk: Node, output: Node, experts: ExpertM
         if not any(_same(shape_of(node), tuple(shape)) for shape in shapes if shape is not None):
             continue
         before = reachable([node], forward=False, stop=inside)
-        after = reachable(node.users, stop=inside)
-        if all(n in before or n in after for n in routed):
+        after = reachable(node.users, stop=inside) & members
+        if not all(n in before or n in after for n in routed):
+            continue
+        # what follows reads the routing only through it (a top-1 layer's rows still in expert order are
+        # [T, M] too, but the un-permutation after them reads the order again)
+        if all(i is node or i in after or i not in downstream for n in after for i in n.all_input_nodes):
             return node
     return output
 
@@ -483,5 +487,9 @@ def is_parameter(node: Node) -> bool:
     """A model parameter, or the full-shape placeholder of one sharded by ``shard_experts``."""
     if isinstance(example_value(node), torch.nn.Parameter) or "parameters" in node.name:
         return True
-    grapharg = node.meta.get("grapharg") if node.op == "placeholder" else None
+    if node.op != "placeholder":
+        return False
+    if "moe_expert_shard" in node.meta:  # an activation-checkpoint body's input fed a sharded weight
+        return True
+    grapharg = node.meta.get("grapharg")
     return expert_shard(getattr(grapharg, "example", None)) is not None

@@ -65,6 +65,8 @@ class MoERegion:
     capacity: int
     experts: ExpertMLP
     output: Node
+    #: how the router selects and weighs the experts (for the logs), e.g. "group-limited, bias-corrected"
+    routing: str = "top-k"
     #: the ``[T, M]`` (or hidden-shaped) result of the routed experts, where the routed computation ends:
     #: canonicalize replaces only it, so what the layer computes after it (a shared expert and its gate, the
     #: add, a scaling) stays as written; ``output`` itself when nothing follows the experts

@@ -63,7 +63,8 @@ class SharedExpertMoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         probs = F.softmax(self.router(x), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / weights.sum(-1, keepdim=True)
+        if self.top_k > 1:  # renormalised over the k choices (top-1 keeps the softmax probability)
+            weights = weights / weights.sum(-1, keepdim=True)
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // self.top_k

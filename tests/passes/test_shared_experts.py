@@ -20,10 +20,12 @@ def _after(tmp_path) -> str:
     return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
 
 
-@pytest.mark.parametrize("shared,routed_scaling", [("plain", 1.0), ("gated", 1.0), ("gated", 2.5)])
-def test_hand_written_shared_expert(tmp_path, shared, routed_scaling):
+@pytest.mark.parametrize("shared,routed_scaling,top_k", [("plain", 1.0, 2), ("gated", 1.0, 2), ("gated", 2.5, 1)])
+def test_hand_written_shared_expert(tmp_path, shared, routed_scaling, top_k):
+    """top_k=1: the expert rows, still in expert order, are [T, M] too; the routed output is after the
+    un-permutation (the first [T, M] value nothing after reads the routing but through)."""
     torch.manual_seed(0)
-    model = SharedExpertMoE(8, 12, 4, top_k=2, shared=shared, routed_scaling=routed_scaling)
+    model = SharedExpertMoE(8, 12, 4, top_k=top_k, shared=shared, routed_scaling=routed_scaling)
     compile_and_compare(model, torch.randn(2, 5, 8), options={"debug_dir": str(tmp_path)}, **TOL)
     assert moe_compile.counters["regions_rewritten"] == 1, dict(moe_compile.counters)
     code = _after(tmp_path)
