@@ -2,7 +2,8 @@
 
 Each layer is found, rewritten (``moe.dispatch`` in the graph, the shared expert's linears kept) and equal
 to eager forward and backward with ``fullgraph=True``: hand-written layers (tests/models/shared.py) and
-tiny transformers families whose router is softmax + top-k.
+tiny transformers families (qwen2_moe, hunyuan_v1_moe, deepseek_v2, granitemoeshared, aria; gpt_oss for
+its expert form).
 """
 import pytest
 import torch
@@ -75,6 +76,8 @@ FAMILIES = {
     "deepseek_v2": (dict(num_key_value_heads=2, kv_lora_rank=8, q_lora_rank=None, qk_rope_head_dim=4, head_dim=4,
                          qk_nope_head_dim=4, v_head_dim=8, n_shared_experts=1, first_k_dense_replace=0,
                          routed_scaling_factor=2.5), "shared_experts"),
+    "granitemoeshared": (dict(shared_intermediate_size=16), "shared_mlp"),  # softmax after the top-k
+    "aria_text": (dict(moe_num_experts=4, moe_topk=2, moe_num_shared_experts=1), "shared_experts"),
 }
 
 
@@ -89,6 +92,17 @@ def test_hf_family_with_shared_experts(tmp_path, family):
     assert code.count("torch.ops.moe.dispatch.default(") == 2
     assert "grouped_mm_fallback" not in code
     assert code.count(f"_modules_{shared_name}_") >= 2                 # each layer's shared expert kept
+
+
+def test_hf_gpt_oss():
+    """gpt-oss as transformers ships it: its router (softmax after the top-k), expert biases, interleaved
+    clamped SwiGLU; both layers rewritten into moe.experts(..., "swiglu_oai", b1, b2, b3, [α, limit])."""
+    model = _tiny("gpt_oss", intermediate_size=16)
+    for name, p in model.named_parameters():
+        if "experts" in name and "bias" in name:
+            torch.nn.init.normal_(p, std=0.5)  # zero at init: nonzero, so a bias that went missing would show
+    compile_and_compare(_Logits(model), torch.randint(0, 64, (2, 7)), **TOL)
+    assert moe_compile.counters["regions_rewritten"] == 2, dict(moe_compile.counters)
 
 
 def test_routed_result_added_in_place_into_the_shared_output_is_named(caplog):
