@@ -282,9 +282,8 @@ def verify(original: GraphModule, canonical: GraphModule, region: MoERegion, cfg
         gen = torch.Generator().manual_seed(1234 + equal_tokens)
         try:
             args = [_probe(node, region, equal_tokens, gen) for node in region.inputs]
-        except _CannotProbe as e:
-            log.info("moe_compile: %s not verified: %s", region.name, e)
-            return None
+        except _CannotProbe as e:  # an unchecked rewrite could be silently wrong: the layer stays as written
+            return f"it cannot be checked against the original ({e})"
         expected = _run_seeded(original, [a.clone() if isinstance(a, torch.Tensor) else a for a in args])
         actual = _run_seeded(canonical, args)
         for e, a in zip(expected, actual):
@@ -397,20 +396,25 @@ def _probe(node: Node, region: MoERegion, equal_tokens: bool, gen: torch.Generat
         t = t.to(value.dtype)
     elif value.dtype == torch.bool:
         t = torch.rand(shape, generator=gen) > 0.5
-    else:
-        raise _CannotProbe(f"input {node.name} is an integer tensor")
+    else:  # integer data (token ids, positions): random values could be out of range; the traced ones are not
+        return _traced_input(node, "an integer tensor")
     return t.to(value.device)
 
 
 def _scalar_input(node: Node) -> torch.Tensor:
     """The value a 0-d graph input had when Dynamo traced (``GraphArg.example``), as a tensor."""
+    return _traced_input(node, "a scalar")
+
+
+def _traced_input(node: Node, what: str) -> torch.Tensor:
+    """The value the graph input ``node`` had when Dynamo traced (``GraphArg.example``)."""
     grapharg = node.meta.get("grapharg") if node.op == "placeholder" else None
     try:
         real = getattr(grapharg, "example", None)
     except Exception:  # noqa: BLE001 - a freed weak reference: treat as unknown
         real = None
     if not isinstance(real, torch.Tensor) or isinstance(real, torch._subclasses.FakeTensor):
-        raise _CannotProbe(f"input {node.name} is a scalar whose traced value is unknown")
+        raise _CannotProbe(f"input {node.name} is {what} whose traced value is unknown")
     return real.detach().clone()
 
 
