@@ -69,6 +69,7 @@ class LocalWeights:
         self.local_attrs: dict[Node, Node] = {}
         self.replaced: list[Node] = []
         self.used_shards = False
+        self.replicated = 0  # replicated [E, ...] weights sliced (each keeps a full-size gradient)
 
     def __call__(self, weight: Node, num_experts: int) -> Node:
         local_range = self.group.local_experts(num_experts)
@@ -80,6 +81,7 @@ class LocalWeights:
 
     def _slice_at_source(self, weight: Node, local: range, num_experts: int) -> Node:
         """Replicated ``weight``: this rank's rows, sliced before its chain of per-expert views (module docstring)."""
+        self.replicated += 1
         chain, source = [], weight
         while _per_expert_view(source, num_experts):
             chain.append(source)

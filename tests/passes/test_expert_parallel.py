@@ -101,6 +101,29 @@ def test_replicated_gradient_in_the_parameter_layout(fake_group, aot_graphs, mak
         assert p.grad.stride() == p.stride()
 
 
+def test_replicated_weights_noted_once(fake_group, caplog, monkeypatch):
+    """Replicated experts: one INFO per process that names their cost and shard_experts; sharded ones: none."""
+    import logging
+
+    import moe_compile.passes.emit_exchange as emit_exchange
+
+    monkeypatch.setattr(emit_exchange, "_replicated_noted", False)
+    fake_group(2)
+    x = torch.randn(6, 8)
+    with caplog.at_level(logging.INFO, logger="moe_compile"):
+        sharded = GShardMoE(8, 16, 4)
+        moe_compile.shard_experts(sharded, "world", x)
+        _train_step(sharded, x, {"ep_group": "world"})
+        assert not [r for r in caplog.records if "replicated expert weights" in r.getMessage()]
+        for _ in range(2):
+            torch._dynamo.reset()
+            _train_step(GShardMoE(8, 16, 4), x, {"ep_group": "world"})
+    notes = [r.getMessage() for r in caplog.records if "replicated expert weights" in r.getMessage()]
+    assert len(notes) == 1, notes
+    # w1 and w2, 4 x 8 x 16 float32 each: 4 KiB
+    assert "all 4 experts (0.0 MiB" in notes[0] and "shard_experts" in notes[0] and "keeps 2 experts" in notes[0]
+
+
 def test_single_rank_inserts_no_collective(fake_group, aot_graphs):
     fake_group(1)
     _train_step(GShardMoE(8, 16, 4), torch.randn(6, 8), {"ep_group": "world"})
