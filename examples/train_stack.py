@@ -15,10 +15,9 @@ everything is thrown away, as a killed job.
 Phase 2 (the remaining steps): a new job with another expert-parallel layout, EP =
 1 (every rank holds all experts, plain DDP), loads the checkpoint and trains on.
 
-Activation checkpointing is not part of this run: with sharded experts in the same
-compiled graph it is not supported yet (a ConfigError says so); with replicated
-experts it composes with FSDP2 and DDP (``tests/distributed/test_training_stack.py``,
-``tests/passes/test_checkpoint_bodies.py``).
+Activation checkpointing is not part of this run; it composes with sharded experts
+(``tests/passes/test_checkpoint_bodies.py``) and, replicated, with FSDP2 and DDP
+(``tests/distributed/test_training_stack.py``).
 
 The reference is the same stack run eagerly and uninterrupted with all experts on
 every rank. Every step's loss (mean over the ranks) must match it within bf16's

@@ -15,6 +15,7 @@ from .errors import ConfigError
 from .expert_checkpoint import full_expert_state_dict
 from .expert_grads import clip_grad_norm_
 from .faults import MoECollectiveError
+from .fsdp import fully_shard
 from .passes import PassResult
 from .passes.registry import register_pass, unregister_pass
 from .schedule.measure import measure_tasks
@@ -32,6 +33,7 @@ __all__ = [
     "config",
     "counters",
     "full_expert_state_dict",
+    "fully_shard",
     "measure_tasks",
     "ops",
     "PassResult",

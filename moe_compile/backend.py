@@ -25,7 +25,10 @@ from .config import ConfigError, MoECompileConfig, config
 from .counters import counters
 from .faults import name_collective_faults
 from .passes import pipeline
-from .passes.checkpoint_bodies import checkpoint_bodies
+from .passes.checkpoint_bodies import checkpoint_bodies, mark_sharded_operands
+from .passes.saved_order import partition
+from .passes.local_weights import SHARD_INPUTS, sharded_placeholders
+from .shard_record import expert_shard
 from .passes.graph_utils import on_cuda
 from .passes.manager import PassManager
 from .passes.registry import with_user_passes
@@ -56,6 +59,7 @@ def _run_stage1(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.Gra
     """Stage 1 on the Dynamo graph and inside each of its activation-checkpoint bodies
     (:mod:`moe_compile.passes.checkpoint_bodies`); the bodies' layers join the graph's state."""
     bodies = checkpoint_bodies(gm)
+    mark_sharded_operands(gm)  # the bodies' inputs that read sharded expert weights
     for name, body in bodies:
         manager = PassManager(stage1_passes(cfg, body=True), context.dumper, prefix=f"{name}_")
         if manager(body) is not body:
@@ -92,7 +96,54 @@ def _timed(key: str):
 def _compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: MoECompileConfig):
     counters["graphs"] += 1
     context = CompileContext(cfg)
+    if sharded_placeholders(gm):  # stage 1 adds inputs for the shards: not to Dynamo's own graph
+        gm = _copy(gm)
     gm = _run_stage1(cfg, context, gm)
+    shard_inputs = gm.meta.get(SHARD_INPUTS, [])
+    if shard_inputs:  # sharded experts: their DTensors are inputs, fed from each call's placeholders
+        example_inputs = [*example_inputs, *(_shard_of(example_inputs[i]) for i in shard_inputs)]
+    return with_shard_inputs(_compile(cfg, context, gm, example_inputs), shard_inputs)
+
+
+def with_shard_inputs(compiled, positions: Sequence[int]):
+    """``compiled`` called with, after the call's own arguments, the sharded expert weight (``DTensor``)
+    of the placeholder at each of ``positions`` (:data:`moe_compile.passes.local_weights.SHARD_INPUTS`):
+    Dynamo serves the blocks of a model that share their code with one graph, so the shard is the
+    calling block's, looked up at every call from the placeholder's record."""
+    if not positions:
+        return compiled
+
+    def run(*args):
+        return compiled(*args, *(_shard_of(args[i]) for i in positions))
+
+    return run
+
+
+def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` on a copy of its graph (nodes' meta copied shallowly; submodules shared): Dynamo reads its
+    graph's placeholders again after the backend returns, so a pass must not add any to it."""
+    graph = torch.fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls)
+    copies: dict = {}
+    graph.output(graph.graph_copy(gm.graph, copies))
+    for old, new in copies.items():  # where Dynamo read each input from (AOTAutograd names inputs by it)
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    copy = torch.fx.GraphModule(gm, graph, gm.__class__.__name__)
+    copy.meta.update(gm.meta)
+    return copy
+
+
+def _shard_of(placeholder: torch.Tensor) -> torch.Tensor:
+    shard = expert_shard(placeholder)
+    param = shard.local if shard is not None else None
+    if param is None:
+        raise ConfigError("a sharded expert weight's placeholder no longer has its shard (was its module deleted, "
+                          "or shard_experts undone?); call shard_experts again and recompile")
+    return param
+
+
+def _compile(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.GraphModule, example_inputs):
+    """The inner compiler (AOTAutograd with the stage-2 passes) on ``gm`` after stage 1."""
 
     inner = cfg.inner
     if inner == "auto":
@@ -125,5 +176,6 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: MoECo
         fw_compiler=functools.partial(eager_inner, prefix="fw_"),
         bw_compiler=functools.partial(eager_inner, prefix="bw_"),
         inference_compiler=functools.partial(eager_inner, prefix="fw_"),
+        partition_fn=partition,
     )(gm, example_inputs)
 

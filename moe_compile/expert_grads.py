@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from .errors import ConfigError
 from .shard_record import expert_param
 
-__all__ = ["check_data_parallel", "clip_grad_norm_", "ddp_ignore_names"]
+__all__ = ["average_expert_grad", "check_data_parallel", "clip_grad_norm_", "ddp_ignore_names"]
 
 _COMPILE_WRAPPER = "_orig_mod"        # the submodule torch.compile's OptimizedModule wraps
 _DDP_AVERAGED = "_moe_ddp_averaged"   # on an expert parameter whose gradient hook divides by DDP's group size
@@ -100,10 +100,18 @@ def check_data_parallel() -> None:
                 f"over ranks {ep_ranks} (ep_group): the copies of an expert in other EP groups would never be "
                 f"averaged. Use DDP's group as ep_group, or keep the experts replicated (no shard_experts)"
             )
-        if getattr(param, _DDP_AVERAGED, None) is None:
-            size = len(ep_ranks)
-            param.register_hook(lambda grad, size=size: grad / size)
-            setattr(param, _DDP_AVERAGED, size)
+        average_expert_grad(param, len(ep_ranks))
+
+
+def average_expert_grad(param: torch.Tensor, size: int) -> None:
+    """Divide ``param``'s gradient by the data-parallel group size ``size`` as it is accumulated (once per
+    parameter): the sum over the EP group becomes the data-parallel average of the replicated model."""
+    if getattr(param, _DDP_AVERAGED, None) is None:
+        param.register_hook(lambda grad, size=size: grad / size)
+        setattr(param, _DDP_AVERAGED, size)
+    elif getattr(param, _DDP_AVERAGED) != size:
+        raise ConfigError(f"an expert parameter's gradient is already averaged over {getattr(param, _DDP_AVERAGED)} "
+                          f"ranks, not {size}: one data-parallel wrapper per model")
 
 
 def clip_grad_norm_(

@@ -235,30 +235,45 @@ def _trace_expert_weights(model, args, kwargs, cfg: MoECompileConfig) -> list[tu
     """Trace ``model`` with Dynamo; (weight, E, expert index or None if stacked) of each layer that
     canonicalization with ``cfg`` (the user's options) rewrites."""
     from .passes.canonicalize import Canonicalize
+    from .passes.checkpoint_bodies import CHECKPOINT_OP, checkpoint_bodies
     from .passes.detect import find_moe_regions, layers_in_bodies
 
-    def capture(gm, example_inputs):
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        real = dict(zip(placeholders, example_inputs))
-        regions, skips = find_moe_regions(gm.graph)
-        for skip in skips + layers_in_bodies(gm):
+    canonicalize = Canonicalize(cfg)
+    found, seen = [], set()
+
+    def shard_layers(graph_module, real: dict) -> None:
+        """The layers of ``graph_module`` the backend rewrites; ``real``: its placeholders' tensors."""
+        regions, skips = find_moe_regions(graph_module.graph)
+        for skip in skips:
             log.info("moe_compile: shard_experts: %s not sharded: %s", skip.name, skip.reason)
-        canonicalize = Canonicalize(cfg)
-        found, seen = [], set()
         for region in regions:
             linears = [region.experts.w1, region.experts.w2] + ([region.experts.w3] if region.experts.w3 else [])
-            reason = canonicalize.rewrite_region(gm, region)
+            reason = canonicalize.rewrite_region(graph_module, region)
             if reason is not None:  # left unchanged by the backend: its experts stay replicated
                 log.info("moe_compile: shard_experts: %s not sharded: %s", region.name, reason)
                 continue
             for linear in linears:
                 stacked = len(linear.weights) == 1
                 for index, node in enumerate(linear.weights):
-                    weight = real.get(node)
-                    if weight is None or id(weight) in seen:
-                        continue
-                    seen.add(id(weight))
-                    found.append((weight, region.num_experts, None if stacked else index))
+                    for weight in real.get(node, ()):
+                        if id(weight) not in seen:
+                            seen.add(id(weight))
+                            found.append((weight, region.num_experts, None if stacked else index))
+
+    def capture(gm, example_inputs):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        real = {node: [value] for node, value in zip(placeholders, example_inputs)}
+        for skip in layers_in_bodies(gm, checkpoints=False):
+            log.info("moe_compile: shard_experts: %s not sharded: %s", skip.name, skip.reason)
+        shard_layers(gm, real)
+        # activation-checkpoint bodies (one level): a body input is every tensor its calls pass there
+        for _, body in checkpoint_bodies(gm):
+            calls = [n for n in gm.graph.find_nodes(op="call_function", target=CHECKPOINT_OP)
+                     if n.args[0].op == "get_attr" and getattr(gm, n.args[0].target) is body]
+            inputs = list(body.graph.find_nodes(op="placeholder"))
+            body_real = {p: [v for call in calls if i + 1 < len(call.args) for v in real.get(call.args[i + 1], ())]
+                         for i, p in enumerate(inputs)}
+            shard_layers(body, body_real)
         raise _Captured(found)
 
     try:

@@ -26,18 +26,26 @@ in backward is what the user asked for, the exchange included:
   (and ``all_reduce.default``, ``moe.capacity.default``, ``moe.dispatch.default`` to
   keep the routing) saves them: nothing of the exchange is re-issued in backward.
 
-Sharded expert weights (``shard_experts``) and activation checkpointing in one
-compiled graph are not supported yet (the local shard would have to enter the body
-as an argument of the higher-order op, and AOTAutograd cannot save the experts'
-DeviceMesh across a checkpoint): the ``expert_parallel`` pass raises a ConfigError
-that says so.
+Sharded expert weights (``shard_experts``) reach a body as inputs: the graph
+passes the full-size placeholder the model's code reads. :func:`mark_sharded_operands`
+records on each such body input the weight's shard; the body's ``exchange`` pass
+reads the local experts from a new input instead, and the graph's ``exchange``
+pass passes it the ``DTensor``'s ``to_local()``
+(:func:`moe_compile.passes.local_weights.feed_local_shards`)::
+
+    out = tag_activation_checkpoint(wrap_body_0, x, W_gate, w1_shard.to_local(), w2_shard.to_local())[0]
+    wrap_body_0(x, W_gate, w1_local, w2_local):           # [El, ...]: this rank's experts only
+
+The ``to_local()`` stays outside the checkpoint, so AOTAutograd sees plain tensors
+inside it, and the gradient reaches the ``DTensor`` parameter as without
+checkpointing.
 """
 from __future__ import annotations
 
 import torch
 from torch.fx import GraphModule
 
-__all__ = ["CHECKPOINT_OP", "checkpoint_bodies"]
+__all__ = ["CHECKPOINT_OP", "checkpoint_bodies", "mark_sharded_operands"]
 
 #: the higher-order op Dynamo emits for a non-reentrant activation checkpoint
 CHECKPOINT_OP = torch.ops.higher_order.tag_activation_checkpoint
@@ -61,3 +69,38 @@ def checkpoint_bodies(gm: GraphModule, prefix: str = "") -> list[tuple[str, Grap
         seen.update(id(b) for _, b in bodies)
         bodies.append((name, body))
     return bodies
+
+
+def mark_sharded_operands(gm: GraphModule) -> None:
+    """Record on each checkpoint body's input the :class:`~moe_compile.shard_record.ExpertShard` of the
+    sharded expert weight its calls pass there (``meta[BODY_SHARD]``), for the body's stage 1."""
+    from ..config import ConfigError
+    from .local_weights import BODY_SHARD, sharded_placeholders
+
+    shards = sharded_placeholders(gm)
+    if not shards:
+        return
+    for node in gm.graph.find_nodes(op="call_function", target=CHECKPOINT_OP):
+        body = getattr(gm, node.args[0].target, None) if node.args[0].op == "get_attr" else None
+        if not isinstance(body, GraphModule):
+            continue
+        inputs = list(body.graph.find_nodes(op="placeholder"))
+        for operand, placeholder in zip(node.args[1:], inputs):
+            if operand in shards and shards[operand].local_name is None:
+                raise ConfigError(
+                    f"the activation-checkpoint body {node.args[0].target} reads {operand.name}, a remote expert's "
+                    f"weight of a per-expert (nn.ModuleList) MoE layer sharded by moe_compile.shard_experts: sharded "
+                    f"per-expert weights inside activation checkpointing are not supported (their gradients would be "
+                    f"wrong); store the experts as stacked [E, ...] parameters, keep them replicated (no "
+                    f"shard_experts), or keep the MoE layer outside the checkpointed function")
+            if operand in shards:
+                placeholder.meta[BODY_SHARD] = shards[operand]
+            elif BODY_SHARD in placeholder.meta:
+                raise ConfigError(
+                    f"{node.name} passes {getattr(operand, 'name', operand)} to the checkpoint body {node.args[0].target} "
+                    f"where another call passes a sharded expert weight; a checkpointed function must read sharded "
+                    f"experts at every call or at none")
+        nested = [a for n in body.graph.find_nodes(op="call_function", target=CHECKPOINT_OP) for a in n.args[1:]]
+        if any(isinstance(a, torch.fx.Node) and BODY_SHARD in a.meta for a in nested):
+            raise ConfigError("sharded expert weights inside a nested activation checkpoint are not supported; "
+                              "checkpoint the MoE layer with one level of torch.utils.checkpoint")

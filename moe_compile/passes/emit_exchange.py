@@ -61,7 +61,7 @@ from ..debug import log
 from ..tasks import TASK_META, TaskLabel
 from .exchange_plan import ExchangePlan
 from .fake_values import insert_node, propagate
-from .local_weights import LocalWeights, hidden_shard, sharded_placeholders
+from .local_weights import LocalWeights, feed_local_shards, hidden_shard, sharded_placeholders
 from .manager import PassResult
 from .mp_split import batch_kept, mask_dropped, split_tokens
 from .state import moe_state
@@ -105,8 +105,9 @@ class Exchange:
                      "plain EP" if plan.pause == "ep" else f"pause_mp={plan.pause}", plan.chunks)
             if local_weights.replicated > replicated:
                 _note_replicated(plan)
+        feed_local_shards(gm, local_weights)  # activation-checkpoint bodies whose layers read a shard
         local_weights.erase_dead()
-        leftover = [p.name for p in shards if p.users]  # (with activation checkpointing expert_parallel raised)
+        leftover = [p.name for p in shards if p.users]
         if leftover:
             raise ConfigError(
                 f"sharded expert weights {leftover} are read outside a layer the moe backend made expert-parallel "

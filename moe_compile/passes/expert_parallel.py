@@ -57,7 +57,6 @@ from ..collectives.layout import MoELayout
 from ..config import ConfigError, MoECompileConfig
 from ..debug import log
 from ..expert_grads import check_data_parallel
-from .checkpoint_bodies import CHECKPOINT_OP
 from .exchange_plan import CanonicalLayer, ExchangePlan
 from .graph_utils import example_value
 from .local_weights import sharded_placeholders
@@ -119,13 +118,6 @@ class ExpertParallel:
                     f"{placeholder.name} was sharded for rank {shard.rank} of {shard.world_size} but options['ep_group'] "
                     f"is rank {self.group.rank} of {self.group.size}; shard and compile with the same group"
                 )
-        if shards and any(gm.graph.find_nodes(op="call_function", target=CHECKPOINT_OP)):
-            raise ConfigError(
-                "sharded expert weights (moe_compile.shard_experts) and activation checkpointing "
-                "(torch.utils.checkpoint / checkpoint_wrapper) in the same compiled graph are not supported yet "
-                "(AOTAutograd cannot save the experts' DeviceMesh across the checkpoint); keep the experts "
-                "replicated (do not call shard_experts), or compile the checkpointed modules separately"
-            )
         if shards:  # compiled inside a DDP forward: DDP must ignore the experts, whose gradients become its average
             check_data_parallel()
         if self.group.size == 1 and self.cfg.emulate_link is None:

@@ -248,5 +248,9 @@ def is_parameter(node: Node) -> bool:
     """A model parameter, or the full-shape placeholder of one sharded by ``shard_experts``."""
     if isinstance(example_value(node), torch.nn.Parameter) or "parameters" in node.name:
         return True
-    grapharg = node.meta.get("grapharg") if node.op == "placeholder" else None
+    if node.op != "placeholder":
+        return False
+    if "moe_expert_shard" in node.meta:  # an activation-checkpoint body's input fed a sharded weight
+        return True
+    grapharg = node.meta.get("grapharg")
     return expert_shard(getattr(grapharg, "example", None)) is not None

@@ -26,10 +26,19 @@ parameter's gradient must hold (a data-parallel all-reduce sums them); only
 Sharded weights (:func:`moe_compile.shard_experts`; the graph reads a NaN
 placeholder of the full shape): the chain from the placeholder (transpose, the
 row slice of a fused gate/up weight) is re-applied to the local shard, the
-module's ``DTensor`` parameter (``Shard(0)`` on the EP mesh) registered on the
-graph module and read through ``to_local()`` (AOTAutograd lifts the DTensor and
-gives the graph its local tensor; the gradient comes back as a ``Shard(0)``
-DTensor); per-expert weights stacked by canonicalize become ``torch.stack`` of the
+module's ``DTensor`` parameter (``Shard(0)`` on the EP mesh), a new input of the
+graph, read through ``to_local()`` (AOTAutograd unwraps the DTensor and gives the
+graph its local tensor; the gradient comes back as a ``Shard(0)`` DTensor). The
+backend passes that input at every call: the shard of the placeholder the call
+passed (its record names the module), not of the one the graph was compiled for,
+because Dynamo serves every block of a model whose blocks share their code with
+one graph (``torch.compile`` per block, torchtitan's order)::
+
+    Before:  graph(x, w1)                         # w1: block i's NaN placeholder
+    After:   graph(x, w1, moe_ep_shard_0)         # ← expert_shard(w1).local, block i's DTensor
+             w1_local = moe_ep_shard_0.to_local()
+
+Per-expert weights stacked by canonicalize become ``torch.stack`` of the
 local experts' weights only. With ESP groups each rank then keeps its H-slice
 (:func:`hidden_shard`).
 """
@@ -46,16 +55,29 @@ from ..config import ConfigError
 from ..shard_record import ExpertShard, expert_shard
 from .fake_values import fake_value, propagate
 
-__all__ = ["LocalWeights", "hidden_shard", "sharded_placeholders"]
+__all__ = ["BODY_SHARD", "LOCAL_OPERANDS", "SHARD_INPUTS", "LocalWeights", "feed_local_shards", "hidden_shard", "sharded_placeholders"]
+
+
+#: ``meta`` key of an activation-checkpoint body's input that the calling graph feeds a sharded expert
+#: weight (:func:`moe_compile.passes.checkpoint_bodies.mark_sharded_operands`): its :class:`ExpertShard`
+BODY_SHARD = "moe_expert_shard"
+#: ``meta`` key of a graph: for each input it gained for a shard (after its own inputs, in order), the
+#: position of the full-size placeholder whose shard it is; the backend passes
+#: ``expert_shard(args[position]).local`` there at every call (:func:`moe_compile.backend.with_shard_inputs`)
+SHARD_INPUTS = "moe_shard_inputs"
+#: ``meta`` key of a checkpoint body: the positions of its inputs that now read the local shard, the
+#: calling graph's ``exchange`` pass passes ``to_local()`` there (:func:`feed_local_shards`)
+LOCAL_OPERANDS = "moe_local_operands"
 
 
 def sharded_placeholders(gm: GraphModule) -> dict[Node, ExpertShard]:
-    """The graph's inputs that are sharded expert weights, with their shard records."""
+    """The graph's inputs that are sharded expert weights, with their shard records (in a checkpoint
+    body: the inputs its callers feed a sharded weight)."""
     shards = {}
     for node in gm.graph.find_nodes(op="placeholder"):
         grapharg = node.meta.get("grapharg")
         example = getattr(grapharg, "example", None) if grapharg is not None else None
-        shard = expert_shard(example)
+        shard = expert_shard(example) or node.meta.get(BODY_SHARD)
         if shard is not None:
             shards[node] = shard
     return shards
@@ -129,25 +151,25 @@ class LocalWeights:
         return None
 
     def _local_attr(self, placeholder: Node, shard: ExpertShard) -> Node:
+        if placeholder not in self.local_attrs and BODY_SHARD in placeholder.meta:
+            self.local_attrs[placeholder] = self._local_input(placeholder, shard)
         if placeholder not in self.local_attrs:
             param = shard.local
             if param is None:
                 raise ConfigError(f"the module owning sharded expert weight {placeholder.name} no longer exists")
-            name = f"moe_ep_shard_{len(self.local_attrs)}"
-            self.gm.register_parameter(name, param)
-            source = getattr(placeholder, "_dynamo_source", None)
-            if hasattr(self.gm, "_param_name_to_source") and source is not None:
-                # AOTAutograd lifts graph-module parameters as inputs and asks Dynamo where they come from
-                # (the parameter sits in the module's _parameters under the name its placeholder shadows)
-                from torch._dynamo.source import AttrSource, DictGetItemSource
-
-                self.gm._param_name_to_source[name] = DictGetItemSource(
-                    AttrSource(source.base, "_parameters"), shard.local_name)
             placeholders = list(self.gm.graph.find_nodes(op="placeholder"))
             with self.gm.graph.inserting_after(placeholders[-1]):
-                attr = self.gm.graph.get_attr(name)
+                attr = self.gm.graph.placeholder(f"moe_ep_shard_{len(self.local_attrs)}")
             attr.meta.update({k: placeholder.meta[k] for k in ("nn_module_stack",) if k in placeholder.meta})
             fake_value(attr, param)
+            source = getattr(placeholder, "_dynamo_source", None)
+            if source is not None:  # AOTAutograd names every input by its source: the module's parameter
+                from torch._dynamo.source import AttrSource, DictGetItemSource
+
+                base = getattr(source, "base", source)
+                attr._dynamo_source = DictGetItemSource(AttrSource(base, "_parameters"), shard.local_name)
+            # the backend feeds it, at every call, the shard of the weight passed at that position
+            self.gm.meta.setdefault(SHARD_INPUTS, []).append(placeholders.index(placeholder))
             if isinstance(param, DTensor):  # its local [El, ...] experts
                 with self.gm.graph.inserting_after(attr):
                     local = self.gm.graph.call_method("to_local", (attr,))
@@ -156,6 +178,20 @@ class LocalWeights:
                 attr = local
             self.local_attrs[placeholder] = attr
         return self.local_attrs[placeholder]
+
+    def _local_input(self, placeholder: Node, shard: ExpertShard) -> Node:
+        """In a checkpoint body: a new last input, ``[El, ...]``, that the callers feed the local shard
+        (recorded in the body's ``meta[LOCAL_OPERANDS]`` as the position of the full-size input it replaces)."""
+        param = shard.local
+        if param is None:
+            raise ConfigError(f"the module owning sharded expert weight {placeholder.name} no longer exists")
+        placeholders = list(self.gm.graph.find_nodes(op="placeholder"))
+        with self.gm.graph.inserting_after(placeholders[-1]):
+            local = self.gm.graph.placeholder(f"{placeholder.name}_local")
+        local.meta.update({k: placeholder.meta[k] for k in ("nn_module_stack",) if k in placeholder.meta})
+        fake_value(local, param.to_local() if isinstance(param, DTensor) else param)
+        self.gm.meta.setdefault(LOCAL_OPERANDS, []).append(placeholders.index(placeholder))
+        return local
 
     def erase_dead(self) -> None:
         """Erase the full-size weight chains the local ones replaced (once nothing reads them)."""
@@ -228,3 +264,47 @@ def hidden_shard(graph, weights: tuple, layout, hidden_dim: int) -> tuple:
         return node
 
     return rows(w1), columns(w2), rows(w3) if w3 is not None else None
+
+
+def feed_local_shards(gm: GraphModule, local_weights: LocalWeights) -> None:
+    """Pass the local shards to the activation-checkpoint bodies whose layers read them.
+
+    A body's ``exchange`` pass read each sharded weight from a new last input
+    (:meth:`LocalWeights._local_input`); here each checkpoint call gets that input,
+    the ``to_local()`` of the weight it passed at the old position, and the old
+    full-size input, now unused, leaves the body and the call (so do the unused
+    placeholders of remote experts' per-expert weights)::
+
+        Before:  tag_activation_checkpoint(body, x, w1)             body(x, w1, w1_local)
+        After:   tag_activation_checkpoint(body, x, w1_shard.to_local())   body(x, w1_local)
+    """
+    checkpoint = torch.ops.higher_order.tag_activation_checkpoint  # (checkpoint_bodies imports this module)
+    calls = [n for n in gm.graph.find_nodes(op="call_function", target=checkpoint) if n.args[0].op == "get_attr"]
+    bodies = {id(getattr(gm, n.args[0].target)): getattr(gm, n.args[0].target) for n in calls}
+    unused: dict[int, set[int]] = {}
+    for key, body in bodies.items():
+        inputs = list(body.graph.find_nodes(op="placeholder"))
+        # a full-size input the local one replaced, or a remote expert's weight (per-expert weights)
+        unused[key] = {i for i, p in enumerate(inputs) if BODY_SHARD in p.meta and not p.users}
+    for call in calls:
+        body = getattr(gm, call.args[0].target)
+        positions = body.meta.get(LOCAL_OPERANDS, ())
+        if not positions and not unused[id(body)]:
+            continue
+        operands = list(call.args[1:])
+        with gm.graph.inserting_before(call):
+            for i in positions:
+                weight = operands[i]
+                if weight not in local_weights.shards:
+                    raise ConfigError(
+                        f"{call.name} passes {weight.name} where another call of its checkpoint body passes a sharded "
+                        f"expert weight; a checkpointed function must read sharded experts at every call or at none")
+                operands.append(local_weights._local_attr(weight, local_weights.shards[weight]))
+        operands = [a for i, a in enumerate(operands) if i not in unused[id(body)]]
+        call.args = (call.args[0], *operands)
+    for key, body in bodies.items():
+        inputs = list(body.graph.find_nodes(op="placeholder"))
+        for i in sorted(unused[key], reverse=True):
+            body.graph.erase_node(inputs[i])
+        body.meta.pop(LOCAL_OPERANDS, None)
+        body.recompile()

@@ -7,11 +7,14 @@ Rows of README's "Training stack" table that live here (one spawn for all of the
 - the same with activation checkpointing of each block (``checkpoint_wrapper``);
 - the same under bf16 autocast (the bound is stated below);
 - gradient accumulation over 2 micro-batches (``set_requires_gradient_sync(False)`` on the first);
-- a different sequence length at every step (the blocks recompile, every layer stays expert-parallel).
+- a different sequence length at every step (the blocks recompile, every layer stays expert-parallel);
+- sharded experts (``shard_experts``, ``moe_compile.fully_shard``), alone and with AC and accumulation.
 
 Each case runs 3 AdamW steps of ``examples/moe_transformer.py``'s model and compares the losses and
 the final parameters with the same wrapping without ``torch.compile`` (replicated experts: FSDP2's
-averaged gradients are eager data parallelism's).
+averaged gradients are eager data parallelism's). The sharded cases call ``shard_experts`` first and
+``moe_compile.fully_shard`` in place of torch's (the experts left to the EP mesh, their gradients
+averaged like FSDP's); their reference is the same eager replicated stack.
 """
 from __future__ import annotations
 
@@ -42,6 +45,8 @@ class Case:
     autocast: bool = False
     micro_batches: int = 1
     seq_lengths: tuple[int, ...] = (9, 9, 9)
+    #: ``shard_experts`` before wrapping, ``moe_compile.fully_shard`` in place of torch's
+    sharded: bool = False
 
 
 CASES = [
@@ -50,6 +55,8 @@ CASES = [
     Case("fsdp2+bf16", autocast=True),
     Case("fsdp2+accumulation", micro_batches=2),
     Case("fsdp2+ac+varying_length", checkpoint=True, seq_lengths=(9, 13, 17)),
+    Case("fsdp2+sharded", sharded=True),
+    Case("fsdp2+sharded+ac+accumulation", sharded=True, checkpoint=True, micro_batches=2),
 ]
 
 
@@ -65,6 +72,13 @@ def _wrap(model, case: Case, compiled: bool):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import fully_shard
 
+    import moe_compile
+
+    if compiled and case.sharded:
+        example = _example_module()
+        batch = example.synthetic_batch(4, case.seq_lengths[0], 64, torch.Generator().manual_seed(0))
+        assert moe_compile.shard_experts(model, "world", batch, options={"ep_group": "world"})
+        fully_shard = moe_compile.fully_shard
     for i, block in enumerate(model.blocks):
         if case.checkpoint:
             block = checkpoint_wrapper(block)
@@ -118,8 +132,9 @@ def _run(rank: int, world_size: int) -> list[str]:
         tol = BF16 if case.autocast else FP32
         torch.testing.assert_close(torch.stack(got), torch.stack(expected), **tol,
                                    msg=lambda m: f"{case.name} rank {rank} losses: {m}")
-        for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
-            torch.testing.assert_close(p.full_tensor(), q.full_tensor(), **tol,
+        reference = {n.replace("_orig_mod.", ""): q for n, q in eager.named_parameters()}
+        for name, p in compiled.named_parameters():
+            torch.testing.assert_close(p.full_tensor(), reference[name.replace("_orig_mod.", "")].full_tensor(), **tol,
                                        msg=lambda m: f"{case.name} rank {rank} {name}: {m}")
         dist.barrier()
         done.append(case.name)

@@ -159,16 +159,7 @@ def _numerics(rank: int, world_size: int) -> list[str]:
     return checked
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_checkpointed_layers_train_like_eager_on_two_ranks():
-    """3 AdamW steps of each pattern under checkpoint / checkpoint_wrapper / SAC, 2 gloo ranks: the losses
-    and the parameters equal eager data-parallel training (gradients summed over the ranks)."""
-    results = spawn(_numerics, 2)
-    assert results[0] == results[1] == ["gshard/function", "sort/wrapper", "loop/function", "gshard/sac"]
-
-
-def test_sharded_experts_with_activation_checkpointing_is_a_clear_error(fake_group):
+def _load_example():
     import importlib.util
     from pathlib import Path
 
@@ -176,11 +167,99 @@ def test_sharded_experts_with_activation_checkpointing_is_a_clear_error(fake_gro
         "moe_transformer", Path(__file__).resolve().parents[2] / "examples" / "moe_transformer.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    return example
+
+
+def _full_grad(name: str, param, expert_names: set[str]) -> torch.Tensor:
+    """A compiled model's gradient as the sum over the ranks (an expert's already is: its rank got every token)."""
+    grad = param.grad
+    if isinstance(grad, torch.distributed.tensor.DTensor):
+        return grad.full_tensor()
+    grad = grad.clone()
+    if name not in expert_names:
+        dist.all_reduce(grad)
+    return grad
+
+
+def _sharded_numerics(rank: int) -> list[str]:
+    """Sharded experts (``shard_experts``) inside the checkpoint, and outside it beside a checkpointed
+    attention (whose SDPA makes AOTAutograd save RNG states next to the experts' DeviceMesh): output and
+    every gradient equal eager data-parallel (gradients summed over the ranks)."""
+    example = _load_example()
+    cases = {
+        "gshard/function": lambda: Checkpointed("gshard", "function"),
+        "sort/wrapper": lambda: Checkpointed("sort", "wrapper"),
+        "gshard/sac": lambda: Checkpointed("gshard", "sac"),
+        "transformer/checkpointed attention": lambda: example.MoETransformer(
+            vocab=32, dim=8, hidden=16, num_experts=4, num_layers=2, num_heads=2, checkpoint_attention=True),
+    }
+    checked = []
+    for case, build in cases.items():
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = build()
+        eager = copy.deepcopy(model)
+        if case.startswith("transformer"):
+            x = example.synthetic_batch(2, 5, 32, torch.Generator().manual_seed(rank))
+        else:
+            x = torch.randn(12, 8, generator=torch.Generator().manual_seed(rank))
+        sharded = moe_compile.shard_experts(model, "world", x, options={"ep_group": "world"})
+        assert sharded, case
+        compiled = torch.compile(model, backend="moe", fullgraph=True, options={"ep_group": "world", "inner": "eager"})
+        out, ref = compiled(x), eager(x)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case} rank {rank}: {m}")
+        out.float().pow(2).sum().backward()
+        ref.float().pow(2).sum().backward()
+        reference = dict(eager.named_parameters())
+        for name, param in model.named_parameters():
+            expected = reference[name].grad.clone()
+            dist.all_reduce(expected)
+            torch.testing.assert_close(_full_grad(name, param, set()), expected, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{case} {name} rank {rank}: {m}")
+        checked.append(case)
+    return checked
+
+
+def _two_ranks(rank: int, world_size: int) -> tuple[list[str], list[str]]:
+    return _numerics(rank, world_size), _sharded_numerics(rank)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_checkpointed_layers_train_like_eager_on_two_ranks():
+    """3 AdamW steps of each pattern under checkpoint / checkpoint_wrapper / SAC, 2 gloo ranks: the losses
+    and the parameters equal eager data-parallel training (gradients summed over the ranks). The same
+    with sharded experts (``shard_experts``): inside the checkpoint, and outside it beside a checkpointed
+    attention: output and every gradient equal eager."""
+    results = spawn(_two_ranks, 2)
+    assert results[0][0] == results[1][0] == ["gshard/function", "sort/wrapper", "loop/function", "gshard/sac"]
+    assert results[0][1] == results[1][1] == [
+        "gshard/function", "sort/wrapper", "gshard/sac", "transformer/checkpointed attention"]
+
+
+def test_sharded_experts_inside_a_checkpoint_are_expert_parallel(fake_group, tmp_path):
+    """The local shard enters the checkpoint body as an argument: ``to_local()`` outside, the body reads
+    ``[El, ...]`` weights, and no full-size expert weight is passed in."""
     fake_group(2)
-    model = example.MoETransformer(vocab=32, dim=8, hidden=16, num_experts=4, num_layers=1, num_heads=2,
-                                   checkpoint_attention=True)
-    tokens = example.synthetic_batch(2, 5, 32, torch.Generator().manual_seed(0))
-    moe_compile.shard_experts(model, "world", tokens, options={"ep_group": "world"})
+    model = Checkpointed("gshard", "function")
+    x = torch.randn(12, 8)
+    moe_compile.shard_experts(model, "world", x, options={"ep_group": "world"})
+    _compile_and_step(model, x, tmp_path)
+    (outer,) = [p for p in tmp_path.glob("rank0/graph*/*_exchange_after.py") if "wrap_body" not in p.name]
+    code = outer.read_text()
+    call = next(line for line in code.splitlines() if "tag_activation_checkpoint(" in line)
+    operands = call.split("tag_activation_checkpoint(", 1)[1].split(";")[0]
+    assert "to_local, to_local_1," in operands and "moe_w1" not in operands and "moe_w2" not in operands, call
+    assert code.count("= torch.distributed.tensor") + code.count(".to_local()") >= 2, code  # w1, w2: outside
+    (body,) = tmp_path.glob("rank0/graph*/*_wrap_body_0_exchange_after.py")
+    assert re.search(r'_local: "f32\[2, 8, 16\]"', body.read_text()), body.read_text()  # El = 2 of E = 4
+
+
+def test_sharded_per_expert_weights_inside_a_checkpoint_are_a_clear_error(fake_group):
+    fake_group(2)
+    model = Checkpointed("loop", "function")
+    x = torch.randn(12, 8)
+    moe_compile.shard_experts(model, "world", x, options={"ep_group": "world"})
     compiled = torch.compile(model, backend="moe", fullgraph=True, options={"ep_group": "world"})
-    with pytest.raises(Exception, match="activation checkpointing .* in the same compiled graph are not supported yet"):
-        compiled(tokens)
+    with pytest.raises(Exception, match="per-expert weights inside activation checkpointing are not supported"):
+        compiled(x)
