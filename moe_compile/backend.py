@@ -80,7 +80,7 @@ def moe_backend(
     if mode is not None:
         raise ConfigError(f"mode={mode!r}: the moe backend takes no mode; pass settings as options={{...}}")
     with _timed("seconds:backend"):
-        return _compile(gm, example_inputs, config.merged(options))
+        return _compile_graph(gm, example_inputs, config.merged(options))
 
 
 @contextlib.contextmanager
@@ -93,7 +93,8 @@ def _timed(key: str):
         counters[key] += time.perf_counter() - start
 
 
-def _compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: MoECompileConfig):
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: MoECompileConfig):
+    """Stage 1, then :func:`_compile` (AOTAutograd, stage 2, the inner compiler)."""
     counters["graphs"] += 1
     context = CompileContext(cfg)
     if sharded_placeholders(gm):  # stage 1 adds inputs for the shards: not to Dynamo's own graph
