@@ -279,6 +279,8 @@ def _verdict_key(original: GraphModule, canonical: GraphModule, region: MoERegio
 
 
 def _verify(original: GraphModule, canonical: GraphModule, region: MoERegion, cfg: MoECompileConfig) -> str | None:
+    """Run both on random inputs, once with all tokens equal (overflows any capacity), each from the same
+    RNG state (:func:`_run_seeded`: a router's random draws are the same in both)."""
     for equal_tokens in (False, True):
         gen = torch.Generator().manual_seed(1234 + equal_tokens)
         try:
@@ -286,9 +288,8 @@ def _verify(original: GraphModule, canonical: GraphModule, region: MoERegion, cf
         except _CannotProbe as e:
             log.info("moe_compile: %s not verified: %s", region.name, e)
             return None
-        with torch.no_grad():
-            expected = original(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
-            actual = canonical(*args)
+        expected = _run_seeded(original, [a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+        actual = _run_seeded(canonical, args)
         for e, a in zip(expected, actual):
             if not isinstance(e, torch.Tensor):
                 continue
@@ -305,6 +306,22 @@ def _verify(original: GraphModule, canonical: GraphModule, region: MoERegion, cf
                 first = str(err).strip().splitlines()[0]
                 return f"outputs differ on {what}: {first}"
     return None
+
+
+def _run_seeded(gm: GraphModule, args: list):
+    """Run ``gm`` from a fixed RNG state, in a fork that leaves the caller's RNG as it was.
+
+    Both copies keep the router as written, so a training-mode router that draws random numbers (logit
+    noise, Switch input jitter, sparsemixer's Gumbel sampling) draws the same numbers in each run; without
+    a shared state the two would route differently and the check would say nothing.
+    """
+    devices = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        torch.manual_seed(_VERIFY_SEED)
+        return gm(*args)
+
+
+_VERIFY_SEED = 20240601
 
 
 class _CannotProbe(Exception):

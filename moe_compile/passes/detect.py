@@ -1,17 +1,19 @@
 """Detect: find the MoE layers of the Dynamo graph by their routing (stage 1, before AOTAutograd).
 
-The first stage-1 pass. An MoE layer is found from its router: a ``topk`` over
-``[T, E]`` gate scores. The enclosing module (``nn_module_stack``) whose output
-has the shape of its input is the layer; inside it the matcher reads off what the
-canonical ops need: the routing here (tokens, expert ids, gate weights, capacity),
-the expert MLP in :mod:`.expert_weights`. The pass records the layers in
-``gm.meta["moe"]`` (:mod:`.state`: ``found``, ``pending``, ``skips``) and never
-edits the graph::
+The first stage-1 pass. An MoE layer is found from its router: a selection (``topk``,
+or ``max`` over a dim) over ``[T, E]`` scores that a gate linear computes, read by
+:mod:`.routing` into a :class:`~.routing.Router` (expert ids, gate weights, tokens,
+E, k; group-limited and bias-corrected top-k, softmax after the top-k, top-1 by max,
+sequential picks, training-mode noise). The enclosing module (``nn_module_stack``)
+whose output has the shape of its input is the layer; inside it the expert MLP is
+read by :mod:`.expert_weights`, the capacity from the expert input's shape. The pass
+records the layers in ``gm.meta["moe"]`` (:mod:`.state`: ``found``, ``pending``,
+``skips``) and never edits the graph::
 
-    Before (any of the patterns of the README table):
+    Before (any of the patterns of the README table, any routing of its routing table):
         x2d = hidden.view(-1, M)
-        scores = softmax(linear(x2d, W_gate)); vals, ids = topk(scores, k)
-        w = vals / vals.sum(-1)                          # routing-only math on vals
+        s = sigmoid(linear(x2d, W_gate)); ids = topk(s + bias, k)[1]     # a router, kept as written
+        w = s.gather(1, ids); w = w / w.sum(-1, keepdim=True) * scale
         ... one-hot einsum (GShard) | argsort + gather + bmm / grouped_mm (sort) |
             per-expert torch.where + index_add_ (loop) ...
         out = <[T, M] result>.view(hidden.shape)
@@ -19,42 +21,42 @@ edits the graph::
     Found (a MoERegion):
         tokens=x2d, expert_ids=ids, gate_weights=w, num_experts=E, top_k=k,
         capacity=C (from an [E, C, M] expert input) or 0 (dropless),
-        experts=ExpertMLP(activation, w1, w2, w3), output=out
+        experts=ExpertMLP(activation, w1, w2, w3), output=out, routing="top-k, selection-only bias, ..."
 
-Contract: the matcher only reads the graph. Anything it does not recognise fully
-becomes a :class:`~moe_compile.passes.regions.Skip` with the reason; the
-canonicalize pass then leaves that layer alone and logs one line. The canonical
-form is checked against the matched layer numerically before it replaces it
-(``config.verify_regions``), so a match that reads the structure right but the
-semantics wrong is still caught.
+Selections that are part of another router (the group top-k of group-limited routing,
+sparsemixer's first pick) are neither matched alone nor reported; one that no gate
+linear feeds (an attention indexer's ``topk`` over ``[B, S, S]``) is no router: a
+DEBUG line. Contract: the matcher only reads the graph. Anything it does not
+recognise fully becomes a :class:`~moe_compile.passes.regions.Skip` with the reason
+(naming the node where matching stopped); the canonicalize pass then leaves that
+layer alone and logs one line. The canonical form is checked against the matched
+layer numerically before it replaces it (``config.verify_regions``), so a match that
+reads the structure right but the semantics wrong is still caught.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
-import operator
 import re
 
-import torch
-import torch.nn.functional as F
 from torch.fx import Graph, GraphModule, Node
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..counters import counters
 from ..debug import log
-from .expert_weights import LINEAR, MATMUL, expert_mlp, is_parameter
-from .graph_utils import depends_on, example_value, is_call, module_region, region_boundary, shape_of, strip
+from .expert_weights import expert_mlp, is_parameter
+from .graph_utils import example_value, module_region, region_boundary, shape_of
 from .manager import PassResult
 from .checkpoint_bodies import checkpoint_bodies
 from .regions import MoERegion, NoMatch, Skip
+from .routing import (
+    NotARouter, Router, expert_tokens, is_selection, read_router, router_part, same_size, selection_of,
+)
 from .state import moe_state
 
 __all__ = ["Detect", "find_moe_regions", "layers_in_bodies", "rematch"]
 
 
-_TOPK = (torch.topk,)
-_SCORE_OPS = (F.softmax, torch.softmax, torch.sigmoid, F.sigmoid, torch.log_softmax, F.log_softmax)
-
+#: how :func:`.expert_weights.expert_mlp` says a layer has no expert linears at all
+_NO_EXPERTS = "no expert linear layers"
 
 #: what a layer left unchanged means under ``options["ep_group"]`` (appended to its warning)
 RUNS_LOCALLY = "; under options['ep_group'] every rank runs all of its experts locally (no all-to-all)"
@@ -96,27 +98,69 @@ class Detect:
         for region in regions:
             counters[f"pattern:{region.pattern}"] += 1
             log.info(
-                "moe_compile: found %s MoE layer %s (E=%d, k=%d, capacity=%s)",
+                "moe_compile: found %s MoE layer %s (E=%d, k=%d, capacity=%s, routing: %s)",
                 region.pattern, region.name, region.num_experts, region.top_k, region.capacity or "dropless",
+                region.routing,
             )
         return PassResult(gm, False)
 
 
 def find_moe_regions(graph: Graph) -> tuple[list[MoERegion], list[Skip]]:
-    """All MoE layers of ``graph`` that match fully, and why the others did not."""
+    """All MoE layers of ``graph`` that match fully, and why the others did not (in graph order).
+
+    Every selection (``topk``, ``max`` over a dim) is read as a router (:mod:`.routing`). A selection that
+    another router's ids or weights are computed from (a group top-k, a sparsemixer pick) is part of that
+    router: not matched alone, not reported; neither is one that is no router (DEBUG line).
+    """
+    selections = [n for n in graph.nodes if is_selection(n)]
+    routers: dict[Node, Router] = {}
+    failures: dict[Node, NoMatch] = {}
+    not_routers: dict[Node, NotARouter] = {}
+    for selection in selections:
+        try:
+            routers[selection] = read_router(selection)
+        except NoMatch as e:
+            failures[selection] = e
+        except NotARouter as e:
+            not_routers[selection] = e
+    # one router per expert-ids node (sparsemixer's picks share theirs): the last selection stands for it
+    by_ids: dict[Node, Router] = {}
+    for router in routers.values():
+        by_ids[router.expert_ids] = router
+    inner = {s for r in by_ids.values() for s in r.selections if s is not r.selection}
+    inner.update(r.selection for r in routers.values() if by_ids[r.expert_ids] is not r)
+    # a router that does not match: the selections its scores are computed from in its own module are its
+    # own (its group top-k); never another layer's, reached through that layer's output
+    finals = {r.selection for r in by_ids.values()}
+    for selection in failures:
+        module = _module_name(selection)
+        inner.update(s for s in router_part(selection)
+                     if s is not selection and s not in finals and _module_name(s) == module)
+
     regions: list[MoERegion] = []
     skips: list[Skip] = []
     claimed: set[Node] = set()
-    for node in graph.nodes:
-        if not (is_call(node, *_TOPK, method=("topk",))):
+    for selection in selections:
+        if selection in inner:
             continue
-        if node in claimed:
+        if selection in not_routers:
+            log.debug("moe_compile: %s in %s is not an MoE router: %s", selection.name, _module_name(selection),
+                      not_routers[selection])
             continue
-        name = _module_name(node)
+        if selection in failures:
+            skips.append(Skip(_module_name(selection), str(failures[selection])))
+            continue
+        router = routers.get(selection)
+        if router is None or by_ids.get(router.expert_ids) is not router:
+            continue
         try:
-            region = _match(graph, node)
+            region = _match(graph, router)
         except NoMatch as e:
-            skips.append(Skip(name, str(e)))
+            if str(e).startswith(_NO_EXPERTS) and router.form.startswith("top-1 by max"):
+                # a max over a linear's outputs with no experts after it (a classifier's prediction)
+                log.debug("moe_compile: %s in %s is not an MoE router: %s", selection.name, _module_name(selection), e)
+                continue
+            skips.append(Skip(_module_name(selection), str(e)))
             continue
         if claimed.intersection(region.nodes):
             skips.append(Skip(region.name, "overlaps a layer matched before"))
@@ -134,12 +178,16 @@ def rematch(graph: Graph, region: MoERegion) -> MoERegion:
     alive = set(graph.nodes)
     if region.expert_ids not in alive:  # erased with its router (an erased node's args are cleared)
         raise NoMatch(f"its router's top-k ids {region.expert_ids.name} are no longer in the graph")
-    topk = region.expert_ids.args[0]
-    if topk not in alive:
-        raise NoMatch(f"its router top-k {topk.name} is no longer in the graph")
-    fresh = _match(graph, topk)
+    selection = selection_of(region.expert_ids)
+    if selection is None or selection not in alive:
+        raise NoMatch(f"its router top-k (of {region.expert_ids.name}) is no longer in the graph")
+    try:
+        router = read_router(selection)
+    except NotARouter as e:
+        raise NoMatch(str(e)) from None
+    fresh = _match(graph, router)
     if fresh.name != region.name:
-        raise NoMatch(f"its router top-k {topk.name} now matches layer {fresh.name}")
+        raise NoMatch(f"its router top-k {selection.name} now matches layer {fresh.name}")
     return fresh
 
 
@@ -166,7 +214,7 @@ def layers_in_bodies(gm: GraphModule, checkpoints: bool = True) -> list[Skip]:
         except Exception as e:  # noqa: BLE001 - a body form the matcher was not written for: name its routers
             regions = []
             body_skips = [Skip(_module_name(n), f"a top-k router; matching it raised {type(e).__name__}: {e}")
-                          for n in body.graph.nodes if is_call(n, *_TOPK, method=("topk",))]
+                          for n in body.graph.nodes if is_selection(n)]
         found = [(r.name, f"a {r.pattern} MoE layer") for r in regions]
         found += [(s.name, f"an MoE-like layer ({s.reason})") for s in body_skips]
         for name, what in found:
@@ -199,20 +247,9 @@ def _clean_path(path: str) -> str:
     return path.strip(".") or "<root>"
 
 
-def _match(graph: Graph, topk: Node) -> MoERegion:
-    k, dim = _topk_args(topk)
-    scores = topk.args[0]
-    score_shape = shape_of(scores)
-    if score_shape is None or len(score_shape) != 2 or dim not in (-1, 1):
-        raise NoMatch(f"top-k {topk.name} is not over the last dim of a [T, E] score tensor")
-    num_tokens, num_experts = score_shape
-    ids = _getitem(topk, 1)
-    vals = _getitem(topk, 0)
-    if ids is None or vals is None:
-        raise NoMatch(f"top-k {topk.name}: its values or indices are unused")
-    tokens = _router_tokens(scores)
-
-    stack = topk.meta.get("nn_module_stack") or {}
+def _match(graph: Graph, router: Router) -> MoERegion:
+    selection = router.selection
+    stack = selection.meta.get("nn_module_stack") or {}
     candidates = [(_clean_path(path), module_region(graph, key)) for key, (path, _cls) in reversed(list(stack.items()))]
     # the compiled module itself: its nodes carry no entry of their own
     candidates.append(("<root>", [n for n in graph.nodes if n.op not in ("placeholder", "output")]))
@@ -221,9 +258,9 @@ def _match(graph: Graph, topk: Node) -> MoERegion:
         output, hidden = _layer_output(inputs, outputs)
         if output is None:
             continue
-        experts, expert_input = expert_mlp(region, num_experts, topk)
+        experts, expert_input = expert_mlp(region, router.num_experts, selection)
         in_shape = shape_of(expert_input)
-        if in_shape is not None and len(in_shape) == 3 and in_shape[0] == num_experts:
+        if in_shape is not None and len(in_shape) == 3 and in_shape[0] == router.num_experts:
             capacity, pattern = int(in_shape[1]), "gshard"
         elif len(experts.w1.weights) > 1:
             capacity, pattern = 0, "loop"
@@ -236,44 +273,17 @@ def _match(graph: Graph, topk: Node) -> MoERegion:
             inputs=tuple(inputs),
             outputs=tuple(outputs),
             hidden=hidden,
-            tokens=tokens,
-            expert_ids=ids,
-            gate_weights=_gate_weights(vals, ids, num_tokens * k),
-            num_experts=num_experts,
-            top_k=k,
+            tokens=expert_tokens(router, expert_input),
+            expert_ids=router.expert_ids,
+            gate_weights=router.gate_weights,
+            num_experts=router.num_experts,
+            top_k=router.top_k,
             capacity=capacity,
             experts=experts,
             output=output,
+            routing=router.form,
         )
-    raise NoMatch(f"top-k {topk.name}: no enclosing module returns a tensor shaped like its input")
-
-
-def _topk_args(topk: Node) -> tuple[int, int]:
-    args = list(topk.args[1:]) + [None, None]
-    k = topk.kwargs.get("k", args[0])
-    dim = topk.kwargs.get("dim", args[1] if args[1] is not None else -1)
-    if not isinstance(k, int) or not isinstance(dim, int):
-        raise NoMatch(f"top-k {topk.name} has a non-constant k or dim")
-    if topk.kwargs.get("largest", True) is False:
-        raise NoMatch(f"top-k {topk.name} selects the smallest scores")
-    return k, dim
-
-
-def _getitem(node: Node, index: int) -> Node | None:
-    for user in node.users:
-        if user.op == "call_function" and user.target is operator.getitem and user.args[1] == index:
-            return user
-    return None
-
-
-def _router_tokens(scores: Node) -> Node:
-    """The ``[T, M]`` tokens that the gate linear reads: topk ← softmax/sigmoid ← linear(x2d, W)."""
-    node = strip(scores)
-    while isinstance(node, Node) and is_call(node, *_SCORE_OPS, method=("softmax", "sigmoid")):
-        node = strip(node.args[0])
-    if not (isinstance(node, Node) and is_call(node, *LINEAR, *MATMUL)):
-        raise NoMatch("the top-k scores do not come from a gate linear layer")
-    return node.args[0]
+    raise NoMatch(f"top-k {selection.name}: no enclosing module returns a tensor shaped like its input")
 
 
 def _layer_output(inputs: list[Node], outputs: list[Node]) -> tuple[Node | None, Node | None]:
@@ -289,50 +299,6 @@ def _layer_output(inputs: list[Node], outputs: list[Node]) -> tuple[Node | None,
     return None, None
 
 
-def _gate_weights(vals: Node, ids: Node, numel: int) -> Node:
-    """Follow routing-only math on the top-k values (normalise, cast, flatten) to its last node.
-
-    The walk stops before anything that reads the expert ids (a capacity mask that
-    zeroes dropped choices): dropping is the dispatch's job, so the weights stay
-    those of the model before any capacity, and a capacity override can restore them.
-    """
-    node = vals
-    while True:
-        nxt = [
-            u for u in node.users
-            if _is_elementwise_or_reshape(u) and _same_size(_numel(u), numel) and u.args and u.args[0] is node
-            and not any(depends_on(a, {ids}) for a in u.all_input_nodes if a is not node)
-        ]
-        if len(nxt) != 1:
-            return node
-        node = nxt[0]
-
-
-def _numel(node: Node) -> int | torch.SymInt | None:
-    """The element count, symbolic under dynamic shapes (never ``int()``: that would guard on it)."""
-    shape = shape_of(node)
-    if shape is None:
-        return None
-    return math.prod(shape)
-
-
-def _same_size(a: int | torch.SymInt | None, b: int | torch.SymInt) -> bool:
-    """``a == b`` when provable without adding a guard (a guard would specialise the graph's shapes)."""
-    return a is not None and statically_known_true(a == b)
-
-
 def _same_shape(a: tuple | None, b: tuple) -> bool:
-    """``a == b`` dim by dim, when provable without adding a guard (see :func:`_same_size`)."""
-    return a is not None and len(a) == len(b) and all(_same_size(x, y) for x, y in zip(a, b))
-
-
-_ELEMENTWISE = (operator.truediv, operator.mul, operator.itruediv, operator.imul, torch.div, torch.mul)
-
-
-def _is_elementwise_or_reshape(node: Node) -> bool:
-    return is_call(
-        node, *_ELEMENTWISE,
-        method=("to", "float", "type_as", "reshape", "view", "flatten", "div", "div_", "mul", "mul_", "contiguous"),
-    )
-
-
+    """``a == b`` dim by dim, when provable without adding a guard (see :func:`.routing.same_size`)."""
+    return a is not None and len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))

@@ -56,6 +56,8 @@ class MoERegion:
     capacity: int
     experts: ExpertMLP
     output: Node
+    #: how the router selects and weighs the experts (for the logs), e.g. "group-limited, bias-corrected"
+    routing: str = "top-k"
 
 
 @dataclasses.dataclass(frozen=True)

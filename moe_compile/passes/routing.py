@@ -1,0 +1,467 @@
+"""Routing: read an MoE layer's router off the graph (expert ids, gate weights, tokens, E, k).
+
+Detection (:mod:`.detect`) finds a layer from a *selection*: a ``topk``, or a ``max``
+over a dim (a Switch top-1 router, sparsemixer's sequential picks). This module
+decides whether a selection is a router and reads off what the canonical ops need;
+the router itself stays as the model wrote it (the rewrite keeps every node it
+computes), so the only things read are where its results are::
+
+    Before (any routing written as a model writes it, e.g. DeepSeek-V3's):
+        logits = linear(x2d.float(), W_gate)                  # the gate linear: [T, E]
+        s = sigmoid(logits); c = s + e_score_correction_bias   # selection-only bias
+        g = c.view(T, G, E/G).topk(2)[0].sum(-1)               # inner selections (group-limited)
+        m = zeros_like(g).scatter_(1, g.topk(topk_group)[1], 1)
+        ids = topk(c.masked_fill(~m.expand(..).bool(), -inf), k)[1]
+        w = s.gather(1, ids); w = w / (w.sum(-1, keepdim=True) + eps) * routed_scaling_factor
+
+    Found (a Router):
+        selection=topk (the last one), gate=linear, tokens=x2d, expert_ids=ids,
+        gate_weights=w, num_experts=E, top_k=k,
+        form="group-limited top-k, selection-only bias, weights gathered from the unbiased scores, renormalised"
+
+What is recognised, and how:
+
+* **Selections** are ``topk`` and ``max(dim)``. A selection is a router only when
+  its scores come from a *gate linear*: walking back from the scores (through any
+  math, not through another linear) reaches a linear / matmul on a parameter whose
+  output has E features, E the selected dim's size. A selection over more than two
+  dims that no gate linear feeds (the DSA attention indexer's ``topk`` over
+  ``[B, S, S]`` q·k scores) is not a router: logged at DEBUG, never a skipped layer.
+* **Expert ids** are the selection's indices, followed through integer reshapes and
+  ``cat`` along the last dim (sparsemixer picks one expert at a time:
+  ``cat((ids_1, ids_2), -1)``); k is their count per token.
+* **Gate weights** are the ``[T, k]`` floats reached from the selection's values
+  (``topk(...)[0]``, ``max(...)[0]``) or from a ``gather`` of any scores by the ids
+  (weights from the unbiased scores when the bias served selection only) through
+  routing-only math: casts, reshapes, scaling, renormalisation by their own sum,
+  ``softmax`` over the k choices (softmax after the top-k), ``cat`` of per-pick
+  weights. The walk stops before anything that reads the expert ids otherwise (a
+  capacity mask): dropping is the dispatch's job.
+* **Inner selections**, those the router's ids or weights are computed from (the
+  group top-k of group-limited routing, sparsemixer's first pick, its threshold
+  ``max``), belong to the router of the final selection: neither matched alone nor
+  reported.
+* **Tokens** are what the gate linear reads, before casts; when the experts read an
+  earlier tensor (Switch input jitter: the router reads ``x * uniform(1 ± eps)``, the
+  experts ``x``) that one (:func:`expert_tokens`).
+
+Contract: only reads the graph. A selection with a gate linear that does not match
+raises :class:`~moe_compile.passes.regions.NoMatch` naming the node where matching
+stopped and why; one that is no router raises :class:`NotARouter`. A wrong reading
+is caught by canonicalize's region check (``verify``), never silently used.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from .expert_weights import LINEAR, MATMUL, is_parameter
+from .graph_utils import example_value, is_call, is_inplace, reachable, shape_of, strip
+from .regions import NoMatch
+
+__all__ = [
+    "NotARouter", "Router", "expert_tokens", "is_selection", "read_router", "router_part", "same_size", "selection_of",
+]
+
+
+class NotARouter(Exception):
+    """A selection (``topk`` / ``max``) that is no MoE router (its scores come from no gate linear)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Router:
+    """What an MoE layer's router computes, as nodes of the graph (see the module docstring)."""
+
+    selection: Node                 # the last selection the expert ids come from
+    selections: tuple[Node, ...]    # every selection of the router (inner ones included)
+    nodes: frozenset[Node]          # the router: everything between the gate linear and the ids / weights
+    gate: Node                      # the gate linear, [T, E]
+    tokens: Node                    # [T, M], what the gate linear reads (before casts)
+    expert_ids: Node                # [T, k] (or [T] for k = 1) integer expert indices
+    gate_weights: Node              # T·k floats multiplying the expert outputs
+    num_experts: int
+    top_k: int
+    form: str                       # how it routes, for the logs: "top-k", "top-1 by max, renormalised", ...
+
+
+_CASTS = ("to", "type", "float", "double", "half", "bfloat16", "contiguous", "type_as")
+
+
+def is_selection(node: Node) -> bool:
+    """``topk``, or ``max`` over a dim (values and indices; not the elementwise or global max)."""
+    if is_call(node, torch.topk, method=("topk",)):
+        return True
+    if is_call(node, torch.max, method=("max",)):
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        return isinstance(dim, int)
+    return False
+
+
+def selection_of(ids: Node) -> Node | None:
+    """The last selection that the expert ids ``ids`` come from (for matching a layer again)."""
+    found = [n for n in reachable([ids], forward=False, stop=is_selection) if is_selection(n)]
+    return max(found) if found else None
+
+
+def read_router(selection: Node) -> Router:
+    """The router whose (last) selection is ``selection`` (raises NoMatch / NotARouter, see the module)."""
+    k, dim = _selection_args(selection)
+    scores = selection.args[0]
+    shape = shape_of(scores)
+    if shape is None:
+        raise NotARouter(f"{selection.name}: its input has no tensor shape")
+    gate = _gate_linear(scores, shape[dim])
+    if is_call(selection, torch.max, method=("max",)) and (gate is None or len(shape) != 2 or dim not in (-1, 1)
+                                                         or _getitem(selection, 1) is None):
+        # a max over a dim is common math (softmax stabilisation, a logits argmax): a router only as top-1
+        # over gate-linear [T, E] scores whose index is used
+        raise NotARouter(f"{selection.name}: a max that is no top-1 over gate-linear [T, E] scores")
+    if gate is None:
+        if len(shape) != 2:
+            raise NotARouter(f"{selection.name}: a selection over {len(shape)}-d scores that no gate linear computes")
+        raise NoMatch(f"the top-k scores do not come from a gate linear layer ({selection.name} selects from "
+                      f"{strip(scores).name}, which no linear on a [{shape[dim]}, M] gate weight computes)")
+    if len(shape) != 2 or dim not in (-1, 1):
+        raise NoMatch(f"top-k {selection.name} is not over the last dim of a [T, E] score tensor (scores "
+                      f"{list(shape)}, dim {dim})")
+    num_tokens, num_experts = shape
+    ids0 = _getitem(selection, 1)
+    if ids0 is None:
+        raise NoMatch(f"top-k {selection.name}: its values or indices are unused")
+    ids = _extend_ids(ids0, num_tokens)
+    ids_shape = shape_of(ids)
+    top_k = 1 if len(ids_shape) == 1 else ids_shape[-1]
+    if len(ids_shape) > 2 or not isinstance(top_k, int) or not same_size(ids_shape[0], num_tokens):
+        raise NoMatch(f"the expert ids {ids.name} of {selection.name} are not [T, k] (shape {list(ids_shape)})")
+    id_nodes = reachable([ids], forward=False, stop=is_selection)
+    weights, chain = _gate_weights(selection, ids, id_nodes, num_tokens * top_k)
+    nodes = _router_nodes(gate, [ids, weights, scores])
+    selections = tuple(sorted(n for n in nodes if is_selection(n)))
+    tokens = strip(gate.args[0], methods=_CASTS)
+    picks = [s for s in selections if _getitem(s, 1) in id_nodes]
+    form = _describe(selection, selections, picks, chain, num_experts)
+    return Router(selection, selections, frozenset(nodes), gate, tokens, ids, weights, num_experts, top_k, form)
+
+
+def expert_tokens(router: Router, expert_input: Node) -> Node:
+    """The ``[T, M]`` tokens the experts read: the gate linear's input, or the tensor it was jittered from.
+
+    Switch input jitter multiplies the router's input by ``uniform(1 - eps, 1 + eps)`` while the experts read
+    the tokens as they were: walk back through such products (same shape) to the first tensor that the
+    expert input reads other than through the router.
+    """
+    candidates = [router.tokens]          # the gate's input, then what each product of it multiplies
+    shape = shape_of(router.tokens)
+    node = router.tokens
+    while is_call(node, operator.mul, operator.imul, torch.mul, method=("mul", "mul_")):
+        same = [strip(a, methods=_CASTS) for a in node.args if isinstance(a, Node) and _same_shape(shape_of(a), shape)]
+        candidates += same
+        if len(same) != 1:
+            break
+        node = same[0]
+    earliest = min(candidates)
+    beside_router = reachable([expert_input], forward=False,
+                              stop=lambda n: n is router.gate or n in router.nodes or n < earliest)
+    return next((c for c in candidates if c in beside_router), router.tokens)
+
+
+# --------------------------------------------------------------------------- selection and gate
+
+
+def _selection_args(selection: Node) -> tuple[int, int]:
+    if is_call(selection, torch.max, method=("max",)):
+        dim = selection.args[1] if len(selection.args) > 1 else selection.kwargs.get("dim")
+        return 1, dim
+    args = list(selection.args[1:]) + [None, None]
+    k = selection.kwargs.get("k", args[0])
+    dim = selection.kwargs.get("dim", args[1] if args[1] is not None else -1)
+    if not isinstance(k, int) or not isinstance(dim, int):
+        raise NoMatch(f"top-k {selection.name} has a non-constant k or dim")
+    if selection.kwargs.get("largest", True) is False:
+        raise NoMatch(f"top-k {selection.name} selects the smallest scores")
+    return k, dim
+
+
+_LINEAR_LIKE = (*LINEAR, *MATMUL, torch.bmm, torch.einsum, torch.functional.einsum)
+
+
+def _is_linear_like(node: Node) -> bool:
+    return is_call(node, *_LINEAR_LIKE, method=("matmul",)) or "grouped_mm" in str(getattr(node, "target", ""))
+
+
+def _gate_linear(scores: Node, num_experts) -> Node | None:
+    """The linear / matmul on a parameter with ``num_experts`` outputs that the scores are computed from:
+    the nearest one walking back from the scores (through any math, not through another linear)."""
+    frontier, seen = [scores], set()
+    while frontier:
+        nxt = []
+        for node in frontier:
+            if not isinstance(node, Node) or node in seen:
+                continue
+            seen.add(node)
+            if _is_linear_like(node):
+                shape = shape_of(node)
+                if (is_call(node, *LINEAR, *MATMUL) and len(node.args) > 1 and _on_parameter(node.args[1])
+                        and shape and same_size(shape[-1], num_experts)):
+                    return node
+                continue
+            nxt.extend(node.all_input_nodes)
+        frontier = nxt
+    return None
+
+
+def _on_parameter(node: object) -> bool:
+    """A parameter (or buffer), possibly cast or transposed."""
+    node = strip(node, methods=(*_CASTS, "t", "transpose", "T"))
+    if is_call(node, torch.transpose, torch.t):
+        node = strip(node.args[0], methods=_CASTS)
+    return isinstance(node, Node) and (node.op == "get_attr" or (node.op == "placeholder" and is_parameter(node)))
+
+
+def _router_nodes(gate: Node, ends: list[Node]) -> set[Node]:
+    """The router: the nodes computed from the gate linear (included) that ``ends`` are computed from.
+
+    Only what the gate computes counts: ``w.type_as(hidden)`` reads the layer input, and walking back
+    from it would take earlier layers' routers for this one's."""
+    below = reachable([gate], stop=lambda n: n is not gate and _is_linear_like(n))
+    return {n for n in _ancestors(ends, stop=lambda n: n is gate or n not in below) if n in below}
+
+
+def router_part(selection: Node) -> set[Node]:
+    """The selections that ``selection``'s scores are computed from, back to the nearest linears (a router
+    that does not match still owns its inner selections: they are not reported apart)."""
+    return {n for n in _ancestors([selection.args[0]], stop=_is_linear_like) if is_selection(n)}
+
+
+def _ancestors(ends: list[Node], stop) -> set[Node]:
+    """The nodes ``ends`` are computed from, not walking past ``stop`` nodes (nor placeholders), with the
+    in-place ops that wrote into them: ``m = zeros_like(g); m.scatter_(1, idx, 1)`` then ``m.bool()``
+    reads ``m`` as the ``scatter_`` left it, though its node is ``zeros_like``'s."""
+    seen: set[Node] = set()
+    todo = [e for e in ends if isinstance(e, Node)]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        todo.extend(u for u in node.users if is_inplace(u) and u.args and u.args[0] is node)
+        if node.op == "placeholder" or stop(node):
+            continue
+        todo.extend(node.all_input_nodes)
+    return seen
+
+
+def _is_group_selection(selection: Node, num_experts) -> bool:
+    """An inner selection over expert groups: over ``[T, G, E/G]`` scores or ``[T, G]`` group scores."""
+    shape = shape_of(selection.args[0])
+    return shape is not None and (len(shape) == 3 or not same_size(shape[-1], num_experts))
+
+
+def _describe(selection: Node, selections: tuple[Node, ...], picks: list[Node], chain: list[Node], num_experts) -> str:
+    """How the router routes, in words for the logs: "group-limited top-k, selection-only bias, ..."."""
+    if len(picks) > 1:
+        kinds = [f"{len(picks)} sequential picks by max" if is_call(selection, torch.max, method=("max",))
+                 else f"{len(picks)} sequential top-k"]
+    elif is_call(selection, torch.max, method=("max",)):
+        kinds = ["top-1 by max"]
+    else:
+        kinds = ["top-k"]
+    if any(_is_group_selection(s, num_experts) for s in selections if s not in picks):
+        kinds[0] = "group-limited " + kinds[0]
+    start = chain[0]
+    if _gather_index(start) is not None:
+        source = strip(start.args[0], methods=_CASTS)
+        scores = selection.args[0]
+        biased = source is not strip(scores) and source in _ancestors([scores], stop=_is_linear_like)
+        kinds.append("selection-only bias, weights gathered from the unbiased scores" if biased
+                     else "weights gathered by the ids")
+    if any(is_call(n, *_SOFTMAX, method=("softmax",)) for n in chain):
+        kinds.append("softmax after the selection")
+    if any(is_call(n, operator.truediv, operator.itruediv, torch.div, method=("div", "div_")) for n in chain):
+        kinds.append("renormalised")
+    return ", ".join(kinds)
+
+
+# --------------------------------------------------------------------------- expert ids
+
+
+def _extend_ids(ids: Node, num_tokens) -> Node:
+    """Follow the selection's indices through integer reshapes to ``[T, k]`` and ``cat`` along the last dim
+    (one pick per ``max``, concatenated) to the ids the experts are indexed by."""
+    while True:
+        nxt = [u for u in ids.users if _ids_step(u, ids, num_tokens)]
+        if len(nxt) != 1:
+            return ids
+        ids = nxt[0]
+
+
+def _ids_step(user: Node, ids: Node, num_tokens) -> bool:
+    shape = shape_of(user)
+    value = example_value(user)
+    if shape is None or len(shape) != 2 or value.is_floating_point() or not same_size(shape[0], num_tokens):
+        return False
+    if is_call(user, torch.cat, torch.concat, method=()):
+        dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0)
+        return dim in (-1, 1)
+    return is_call(user, method=("unsqueeze", "view", "reshape", "long", "int", "to")) and user.args[0] is ids
+
+
+# --------------------------------------------------------------------------- gate weights
+
+
+_ELEMENTWISE = (
+    operator.truediv, operator.mul, operator.add, operator.sub, operator.neg,
+    operator.itruediv, operator.imul, operator.iadd, operator.isub,
+    torch.div, torch.mul, torch.add, torch.sub, torch.clamp, torch.neg,
+)
+_ELEMENTWISE_METHODS = (
+    *_CASTS, "reshape", "view", "flatten", "unsqueeze", "squeeze",
+    "div", "div_", "mul", "mul_", "add", "add_", "sub", "clamp", "clamp_min",
+)
+_SOFTMAX = (F.softmax, torch.softmax)
+
+
+def _gate_weights(selection: Node, ids: Node, id_nodes: set[Node], numel) -> tuple[Node, list[Node]]:
+    """The ``numel = T·k`` floats multiplying the expert outputs, and the chain of routing math read to them.
+
+    Starts: the selection's values, and every ``gather`` by the ids (or by a pick they are concatenated
+    from). From each, routing-only math on the weights (module docstring) while it is the only such user.
+    """
+    starts: list[tuple[Node, str]] = []
+    for node in id_nodes:
+        for user in node.users:
+            if _gather_index(user) is node and example_value(user).is_floating_point():
+                starts.append((user, "gather"))
+    vals = _getitem(selection, 0)
+    if vals is not None:       # after the gathers: values beside a gather are the biased ones (or the same)
+        starts.append((vals, "values"))
+    ends: list[tuple[Node, str, list[Node]]] = []
+    stops: list[str] = []
+    for start, how in starts:
+        chain = _weights_chain(start, ids)
+        end = chain[-1]
+        if same_size(_numel(end), numel) and example_value(end).is_floating_point():
+            if all(e is not end for e, _, _ in ends):
+                ends.append((end, how, chain))
+        else:
+            stops.append(_why_stopped(start, end, chain, numel))
+    if not ends:
+        detail = "; ".join(stops) if stops else f"{selection.name}'s values are unused and no gather reads its ids"
+        raise NoMatch(f"no gate weights: nothing of T·k floats is read from the router's selection ({detail})")
+    return ends[0][0], ends[0][2]
+
+
+def _weights_chain(start: Node, ids: Node) -> list[Node]:
+    chain = [start]
+    while True:
+        node = chain[-1]
+        nxt = [u for u in node.users if _weights_step(u, node, chain, ids)]
+        if len(nxt) != 1:
+            return chain
+        chain.append(nxt[0])
+
+
+def _weights_step(user: Node, node: Node, chain: list[Node], ids: Node) -> bool:
+    """``user`` is routing-only math on the weights ``node``: same element count (or a ``cat`` of picks),
+    whose other inputs read the expert ids only through the weights themselves (their sum, say)."""
+    if user.op not in ("call_function", "call_method"):
+        return False
+    if _is_autograd_function(user):      # its output is a tuple: the weights are its item 0
+        out = _getitem(user, 0)
+        value = example_value(out)
+        if not (isinstance(value, torch.Tensor) and same_size(_numel(out), _numel(node))):
+            return False
+        return _reads_ids_only_through(user, chain, ids) is False
+    if user.target is operator.getitem and _is_autograd_function(node):
+        return user.args[1] == 0
+    value = example_value(user)
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        return False
+    if is_call(user, torch.cat, torch.concat):
+        dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0)
+        if dim not in (-1, 1) or len(shape_of(user)) != 2:
+            return False
+    elif is_call(user, *_SOFTMAX, method=("softmax",)):
+        dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim")
+        if dim not in (-1, len(shape_of(node)) - 1):
+            return False
+        if not same_size(_numel(user), _numel(node)):
+            return False
+    elif is_call(user, *_ELEMENTWISE, method=_ELEMENTWISE_METHODS):
+        if not same_size(_numel(user), _numel(node)):
+            return False
+    else:
+        return False
+    return _reads_ids_only_through(user, chain, ids) is False
+
+
+def _reads_ids_only_through(user: Node, chain: list[Node], ids: Node) -> bool:
+    """``user`` reads the expert ids other than through the weights ``chain`` (a capacity mask does)."""
+    cut = set(chain)
+    for other in user.all_input_nodes:
+        if other in cut:
+            continue
+        # nothing before the ids in the graph's order can read them: the walk stops there
+        if ids in reachable([other], forward=False, stop=lambda n: n in cut or n < ids):
+            return True
+    return False
+
+
+def _is_autograd_function(node: Node) -> bool:
+    """A ``torch.autograd.Function`` as Dynamo records it (sparsemixer's multiplier: the forward value
+    unchanged, a custom gradient for the router)."""
+    return node.op == "call_function" and node.target is getattr(torch.ops.higher_order, "autograd_function_apply", None)
+
+
+def _why_stopped(start: Node, end: Node, chain: list[Node], numel) -> str:
+    users = ", ".join(f"{u.name} ({_op_name(u)})" for u in end.users) or "nothing"
+    return (f"from {start.name} the routing math stops at {end.name} ({_numel(end)} elements, T·k = {numel}); "
+            f"it is read by {users}, not routing-only math on the weights")
+
+
+def _op_name(node: Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+
+
+def _gather_index(node: Node) -> Node | None:
+    """The index of ``torch.gather(src, dim, index)`` / ``src.gather(dim, index)`` (also take_along_dim)."""
+    if is_call(node, torch.gather, method=("gather",)):
+        index = node.kwargs.get("index", node.args[2] if len(node.args) > 2 else None)
+    elif is_call(node, torch.take_along_dim, method=("take_along_dim",)):
+        index = node.kwargs.get("indices", node.args[1] if len(node.args) > 1 else None)
+    else:
+        return None
+    return index if isinstance(index, Node) else None
+
+
+# --------------------------------------------------------------------------- small helpers
+
+
+def _getitem(node: Node, index: int) -> Node | None:
+    for user in node.users:
+        if user.op == "call_function" and user.target is operator.getitem and user.args[1] == index:
+            return user
+    return None
+
+
+def _numel(node: Node) -> int | torch.SymInt | None:
+    """The element count, symbolic under dynamic shapes (never ``int()``: that would guard on it)."""
+    shape = shape_of(node)
+    if shape is None:
+        return None
+    return math.prod(shape)
+
+
+def same_size(a: int | torch.SymInt | None, b: int | torch.SymInt) -> bool:
+    """``a == b`` when provable without adding a guard (a guard would specialise the graph's shapes)."""
+    return a is not None and statically_known_true(a == b)
+
+
+def _same_shape(a: tuple | None, b: tuple | None) -> bool:
+    return a is not None and b is not None and len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))

@@ -1,0 +1,160 @@
+"""MoE layers that differ only in their router: the routing forms of today's MoE models, written by hand.
+
+Every layer computes its experts the same way (a stable argsort of the (token, choice) pairs by
+expert, ``bmm`` on the gathered stacked weights, ``index_add`` back: dropless, as
+:mod:`tests.models.sort`); what differs is ``route(x) -> (expert ids, gate weights)``:
+
+| layer | router | as in |
+|---|---|---|
+| :class:`GroupLimitedMoE` | sigmoid scores, a selection-only bias, top-k groups of E/G experts (each group scored by its 2 best), top-k experts within them, weights gathered from the unbiased scores, renormalised, scaled | DeepSeek-V3 (§2.1.2 of its report), GLM-4.5, dots.llm1 |
+| :class:`BiasCorrectedMoE` | softmax scores, a selection-only bias, no groups; weights gathered, renormalised (clamped sum), scaled | ERNIE 4.5, MiniMax-M2, AFMoE |
+| :class:`SoftmaxAfterTopkMoE` | top-k of the raw logits, softmax over the k | Granite MoE, Cohere2 MoE, Mixtral's paper form |
+| :class:`SwitchMaxMoE` | top-1 by ``max`` of the softmax, optionally with input jitter (training) | Switch Transformer (Fedus et al. 2021, §2.1) |
+| :class:`NoisyTopkMoE` | noisy top-k gating: logits + N(0, 1)·softplus(noise linear) in training | Shazeer et al. 2017, §3.1 |
+| :class:`TwoPickMoE` | two sequential ``max`` picks, the second over the scores without the first, weights a softmax of each, concatenated; no ``topk`` | PhiMoE's sparsemixer (eval form) |
+
+:class:`IndexedAttentionBlock` puts an attention whose key selection is a ``topk`` over ``[B, S, S]``
+q·k scores (DeepSeek-V3.2's sparse-attention indexer) before an MoE layer: a ``topk`` that is no router.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class _RoutedMoE(nn.Module):
+    """Stacked SwiGLU experts [E, H, M]; a subclass writes ``route``."""
+
+    def __init__(self, model_dim, hidden_dim, num_experts, top_k=2):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.router = nn.Linear(model_dim, num_experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(num_experts, hidden_dim, model_dim) / math.sqrt(model_dim))
+        self.w2 = nn.Parameter(torch.randn(num_experts, model_dim, hidden_dim) / math.sqrt(hidden_dim))
+        self.w3 = nn.Parameter(torch.randn(num_experts, hidden_dim, model_dim) / math.sqrt(model_dim))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def forward(self, x):
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        ids, weights = self.route(tokens)
+        flat = ids.reshape(-1)
+        k = flat.numel() // tokens.shape[0]
+        order = torch.argsort(flat, stable=True)
+        rows = order // k
+        experts = flat[order]
+        h = tokens[rows].unsqueeze(-1)
+        up = F.silu(torch.bmm(self.w1[experts], h).squeeze(-1)) * torch.bmm(self.w3[experts], h).squeeze(-1)
+        y = torch.bmm(self.w2[experts], up.unsqueeze(-1)).squeeze(-1)
+        y = y * weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
+        return torch.zeros_like(tokens).index_add(0, rows, y).reshape(shape)
+
+
+class GroupLimitedMoE(_RoutedMoE):
+    def __init__(self, model_dim, hidden_dim, num_experts=8, top_k=2, num_groups=4, top_groups=2,
+                 scaling=2.5, renormalize=True):
+        super().__init__(model_dim, hidden_dim, num_experts, top_k)
+        self.num_groups, self.top_groups = num_groups, top_groups
+        self.scaling, self.renormalize = scaling, renormalize
+        # updated outside the gradient by the load balancer in training; random here, so it changes the choice
+        self.register_buffer("correction", torch.randn(num_experts) * 0.3)
+
+    def route(self, x):
+        scores = torch.sigmoid(self.router(x).float())
+        biased = scores + self.correction
+        grouped = biased.reshape(x.shape[0], self.num_groups, -1)
+        group_score = torch.topk(grouped, 2, dim=-1).values.sum(dim=-1)                   # [T, G]
+        best_groups = torch.topk(group_score, self.top_groups, dim=-1).indices
+        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter(1, best_groups, True)
+        keep = keep[:, :, None].expand_as(grouped).reshape(x.shape[0], -1)
+        ids = biased.masked_fill(~keep, float("-inf")).topk(self.top_k, dim=-1)[1]
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * self.scaling
+
+
+class BiasCorrectedMoE(_RoutedMoE):
+    def __init__(self, model_dim, hidden_dim, num_experts=6, top_k=2, scaling=1.5):
+        super().__init__(model_dim, hidden_dim, num_experts, top_k)
+        self.scaling = scaling
+        self.bias = nn.Parameter(torch.randn(num_experts) * 0.1, requires_grad=False)
+
+    def route(self, x):
+        scores = F.softmax(self.router(x), dim=-1, dtype=torch.float32)
+        _, ids = torch.topk(scores + self.bias, self.top_k, dim=-1)
+        weights = torch.gather(scores, dim=-1, index=ids)
+        weights = weights / torch.clamp(weights.sum(-1, keepdim=True), min=1e-12)
+        return ids, self.scaling * weights
+
+
+class SoftmaxAfterTopkMoE(_RoutedMoE):
+    def route(self, x):
+        logits, ids = self.router(x).topk(self.top_k, dim=1)
+        return ids, torch.softmax(logits, dim=1, dtype=torch.float32).type_as(x)
+
+
+class SwitchMaxMoE(_RoutedMoE):
+    def __init__(self, model_dim, hidden_dim, num_experts=4, jitter=0.0):
+        super().__init__(model_dim, hidden_dim, num_experts, 1)
+        self.jitter = jitter
+
+    def route(self, x):
+        if self.training and self.jitter > 0:
+            x = x * torch.empty_like(x).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+        probs = F.softmax(self.router(x), dim=-1)
+        weight, ids = probs.max(dim=-1)
+        return ids, weight
+
+
+class NoisyTopkMoE(_RoutedMoE):
+    def __init__(self, model_dim, hidden_dim, num_experts=6, top_k=2):
+        super().__init__(model_dim, hidden_dim, num_experts, top_k)
+        self.noise = nn.Linear(model_dim, num_experts, bias=False)
+
+    def route(self, x):
+        logits = self.router(x)
+        if self.training:
+            logits = logits + torch.randn_like(logits) * F.softplus(self.noise(x))
+        vals, ids = torch.topk(logits, self.top_k, dim=-1)
+        return ids, F.softmax(vals, dim=-1)
+
+
+class TwoPickMoE(_RoutedMoE):
+    def __init__(self, model_dim, hidden_dim, num_experts=6):
+        super().__init__(model_dim, hidden_dim, num_experts, 2)
+
+    def route(self, x):
+        scores = self.router(x)
+        first = scores.max(dim=-1, keepdim=True).indices
+        rest = scores.scatter(-1, first, float("-inf"))
+        second = rest.max(dim=-1, keepdim=True).indices
+        w_first = scores.softmax(-1).gather(-1, first)
+        w_second = rest.softmax(-1).gather(-1, second)
+        return torch.cat([first, second], dim=-1), torch.cat([w_first, w_second], dim=-1)
+
+
+class IndexedAttentionBlock(nn.Module):
+    """Attention over the ``top_keys`` best keys of each query (by an indexer's q·k scores), then an MoE."""
+
+    def __init__(self, model_dim, moe: nn.Module, top_keys=3):
+        super().__init__()
+        self.top_keys = top_keys
+        self.qkv = nn.Linear(model_dim, 3 * model_dim, bias=False)
+        self.index_q = nn.Linear(model_dim, model_dim // 2, bias=False)
+        self.index_k = nn.Linear(model_dim, model_dim // 2, bias=False)
+        self.moe = moe
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        index = self.index_q(x) @ self.index_k(x).transpose(1, 2)                     # [B, S, S]
+        keys = index.topk(min(self.top_keys, x.shape[1]), dim=-1).indices
+        allowed = torch.zeros_like(index, dtype=torch.bool).scatter(-1, keys, True)
+        att = (q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])).masked_fill(~allowed, float("-inf"))
+        x = x + att.softmax(-1) @ v
+        return x + self.moe(x)
