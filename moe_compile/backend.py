@@ -10,7 +10,9 @@ the default on CPU) or ``"inductor"`` (the default on CUDA).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -77,7 +79,22 @@ def moe_backend(
     """Compile ``gm`` (a Dynamo graph): see the module docstring."""
     if mode is not None:
         raise ConfigError(f"mode={mode!r}: the moe backend takes no mode; pass settings as options={{...}}")
-    cfg = config.merged(options)
+    with _timed("seconds:backend"):
+        return _compile_graph(gm, example_inputs, config.merged(options))
+
+
+@contextlib.contextmanager
+def _timed(key: str):
+    """Add the wall seconds of the block to ``counters[key]``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        counters[key] += time.perf_counter() - start
+
+
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: MoECompileConfig):
+    """Stage 1, then :func:`_compile` (AOTAutograd, stage 2, the inner compiler)."""
     counters["graphs"] += 1
     context = CompileContext(cfg)
     if sharded_placeholders(gm):  # stage 1 adds inputs for the shards: not to Dynamo's own graph
@@ -138,7 +155,8 @@ def _compile(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.GraphM
         def inductor_inner(graph, inputs, **kwargs):
             prefix = "bw_" if kwargs.get("is_backward") else "fw_"
             graph = _run_stage(stage2_passes(cfg), context, graph, prefix)
-            return compile_fx_inner(graph, inputs, **kwargs)
+            with _timed("seconds:inner"):
+                return compile_fx_inner(graph, inputs, **kwargs)
 
         # no AOTAutograd cache: a hit (from an earlier process) would skip inductor_inner, so the stage-2
         # passes would not run and the streams pass's programs would not be registered in this process
@@ -149,10 +167,11 @@ def _compile(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.GraphM
         from .schedule.measure import timed_graph
 
         graph = _run_stage(stage2_passes(cfg), context, graph, prefix)
-        run = name_collective_faults(graph)  # names the MoE layer of a failed collective
-        # moe_compile.measure_tasks(): per-task timing while a measurement is active, else `run` itself
-        return make_boxed_func(timed_graph(graph, run, backward=prefix == "bw_", graph_id=context.graph_id,
-                                           plans=context.plans))
+        with _timed("seconds:inner"):
+            run = name_collective_faults(graph)  # names the MoE layer of a failed collective
+            # moe_compile.measure_tasks(): per-task timing while a measurement is active, else `run` itself
+            return make_boxed_func(timed_graph(graph, run, backward=prefix == "bw_", graph_id=context.graph_id,
+                                               plans=context.plans))
 
     return aot_autograd(
         fw_compiler=functools.partial(eager_inner, prefix="fw_"),

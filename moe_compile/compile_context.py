@@ -42,18 +42,18 @@ class CompileContext:
         #: the activation-checkpoint bodies stage 1 ran in: (name, body)
         self.bodies: list[tuple[str, GraphModule]] = []
 
-    def body_done(self, name: str, effects: Sequence[tuple[str, bool]], body: GraphModule) -> None:
+    def body_done(self, name: str, effects: Sequence[tuple[str, bool, float]], body: GraphModule) -> None:
         """Stage 1 ran inside the activation-checkpoint body ``name``: its passes are noted, its layers
         join the graph's (when the graph's own stage 1 is done)."""
-        self.summary["passes"][f"stage1:{name}"] = [{"pass": p, "modified": m} for p, m in effects]
+        self.summary["passes"][f"stage1:{name}"] = _pass_records(effects)
         self.bodies.append((name, body))
 
-    def stage_done(self, prefix: str, effects: Sequence[tuple[str, bool]], gm: GraphModule) -> None:
+    def stage_done(self, prefix: str, effects: Sequence[tuple[str, bool, float]], gm: GraphModule) -> None:
         """After a stage ran (``prefix`` "" = stage 1, "fw_" / "bw_" = stage 2): note the passes and their
         effect, carry the layers' sites to the AOTAutograd graph (``moe_compile.faults``), and rewrite
         ``summary.json`` (and after stage 1 ``schedule.json``)."""
         stage = prefix.rstrip("_") or "stage1"
-        self.summary["passes"][stage] = [{"pass": name, "modified": modified} for name, modified in effects]
+        self.summary["passes"][stage] = _pass_records(effects)
         directory = self.dumper.directory
         if stage == "stage1":
             state = moe_state(gm)
@@ -70,3 +70,7 @@ class CompileContext:
             self.sites.annotate(gm, backward=stage == "bw")
         if directory is not None:
             write_summary(directory, self.summary)
+
+
+def _pass_records(effects: Sequence[tuple[str, bool, float]]) -> list[dict]:
+    return [{"pass": name, "modified": modified, "seconds": round(seconds, 6)} for name, modified, seconds in effects]

@@ -1,7 +1,13 @@
 """Counters of what the backend did, process-wide: ``moe_compile.counters``.
 
 Keys: ``graphs`` (graphs compiled), ``regions_found``, ``regions_rewritten``,
-``regions_skipped`` and ``pattern:<name>`` per matched pattern. Tests and users
+``regions_skipped``, ``pattern:<name>`` per matched pattern, ``regions_verified_again`` (canonicalize's
+check answered from an earlier identical one); wall seconds (floats,
+summed over graphs): ``seconds:pass:<name>`` per pass (stage-2 names prefixed
+``fw_`` / ``bw_``), ``seconds:passes`` all of them, ``seconds:verify`` canonicalize's check of its rewrites
+(part of its pass; ``verify_regions=False`` skips it), ``seconds:inner`` the inner
+compiler (Inductor's ``compile_fx_inner``, or the eager wrapping), ``seconds:backend``
+the whole backend call (stage 1, AOTAutograd, and what it compiles then). Tests and users
 read them after a compile; ``counters.clear()`` resets.
 """
 from collections import Counter

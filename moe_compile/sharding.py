@@ -6,8 +6,15 @@
     cmodel = torch.compile(model, backend="moe", fullgraph=True, options=options)
 
 With replicated expert weights (no call to :func:`shard_experts`), every rank
-holds all E experts and uses its E/P; that is simple but costs E/P-times the
-memory real expert parallelism exists to save. :func:`shard_experts` finds the
+holds all E experts and uses its E/P; that is simple but costs P times the
+memory real expert parallelism exists to save, and time: each backward fills a
+full-size ``[E, ...]`` gradient per stacked weight (zeros, this rank's rows copied
+in) and the optimizer updates all E experts. Sharded experts are the recommended
+path under ``ep_group``: no gradient tensor exists for an expert this rank does not
+hold (a stacked weight's gradient is its ``[E/P, ...]`` local shard; remote
+per-expert weights are not parameters at all). The backend cannot shard by itself
+(the optimizer, DDP and ``state_dict`` hold the parameters the model was built
+with), so it notes replicated weights once per process at INFO. :func:`shard_experts` finds the
 expert weights the backend would rewrite (it traces the model once on the
 example inputs with Dynamo and runs the same detection and canonicalization, with
 the same ``options``) and replaces them, in place:

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import math
 import operator
+import time
 
 import torch
 import torch.fx
@@ -126,7 +127,9 @@ class Canonicalize:
             dispatch = _build(canonical, region, env)
             if self.cfg.verify_regions:
                 original, _ = _extract(gm, region)
+                start = time.perf_counter()
                 mismatch = verify(original, canonical, region, self.cfg)
+                counters["seconds:verify"] += time.perf_counter() - start  # the larger part of the pass
                 if mismatch is not None:
                     return f"its canonical form does not reproduce it ({mismatch})"
         except Exception as e:  # noqa: BLE001 - any failure leaves the layer as written
@@ -275,7 +278,47 @@ def _eliminate_dead_code(graph: Graph) -> None:
 # --------------------------------------------------------------------------- verify
 
 
+#: verify's verdicts in this process, by what decides them (both graphs' code and the inputs' shapes): a model
+#: of N identical layers, or the same layer compiled again, runs the (full-size) check once
+_VERDICTS: dict[tuple, str | None] = {}
+_MAX_VERDICTS = 256
+
+
 def verify(original: GraphModule, canonical: GraphModule, region: MoERegion, cfg: MoECompileConfig) -> str | None:
+    """Run both on random inputs, once with all tokens equal (overflows any capacity); None if they agree,
+    else why not. The verdict of the same two graphs on inputs of the same shapes is remembered (``_VERDICTS``)."""
+    key = _verdict_key(original, canonical, region, cfg)
+    if key is not None and key in _VERDICTS:
+        counters["regions_verified_again"] += 1
+        return _VERDICTS[key]
+    verdict = _verify(original, canonical, region, cfg)
+    if key is not None and len(_VERDICTS) < _MAX_VERDICTS:
+        _VERDICTS[key] = verdict
+    return verdict
+
+
+def _verdict_key(original: GraphModule, canonical: GraphModule, region: MoERegion, cfg: MoECompileConfig):
+    """What decides verify's verdict: both graphs' code and their inputs' shapes, dtypes and scalar values;
+    None (not remembered) when a graph reads a module attribute (a constant the code does not show)."""
+    if any(n.op in ("get_attr", "call_module") for g in (original, canonical) for n in g.graph.nodes):
+        return None
+    inputs = []
+    for node in region.inputs:
+        value = example_value(node)
+        if isinstance(value, torch.Tensor):
+            try:
+                scalar = _scalar_input(node).item() if value.dim() == 0 and node is not region.hidden else None
+            except _CannotProbe:
+                return None
+            inputs.append((tuple(_hint(s) for s in value.shape), value.dtype, value.device.type, scalar))
+        elif isinstance(value, torch.SymInt):
+            inputs.append(_hint(value))
+        else:
+            return None
+    return original.code, canonical.code, tuple(inputs), cfg.verify_rtol, cfg.verify_atol
+
+
+def _verify(original: GraphModule, canonical: GraphModule, region: MoERegion, cfg: MoECompileConfig) -> str | None:
     """Run both on random inputs, once with all tokens equal (overflows any capacity), each from the same
     RNG state (:func:`_run_seeded`: a router's random draws are the same in both)."""
     for equal_tokens in (False, True):

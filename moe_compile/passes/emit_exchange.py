@@ -97,6 +97,7 @@ class Exchange:
         local_weights = LocalWeights(gm, self.group, shards)
         built = 0
         for plan in list(state.layers):
+            replicated = local_weights.replicated
             if not _in_graph(plan):
                 log.warning("moe_compile: exchange: layer %s's canonical ops are no longer in the graph; left alone",
                             plan.name)
@@ -107,6 +108,8 @@ class Exchange:
                      plan.name, plan.group.size, plan.num_local,
                      "sharded" if local_weights.used_shards else "replicated",
                      "plain EP" if plan.pause == "ep" else f"pause_mp={plan.pause}", plan.chunks)
+            if local_weights.replicated > replicated:
+                _note_replicated(plan)
         feed_local_shards(gm, local_weights)  # activation-checkpoint bodies whose layers read a shard
         local_weights.erase_dead()
         leftover = [p.name for p in shards if p.users]
@@ -124,6 +127,24 @@ def _in_graph(plan: ExchangePlan) -> bool:
     graph = layer.dispatch.graph
     return all(n.graph is graph and not getattr(n, "_erased", False) for n in (layer.buffer, layer.experts, layer.combine)) \
         and layer.combine.args[0] is layer.experts
+
+
+_replicated_noted = False
+
+
+def _note_replicated(plan: ExchangePlan) -> None:
+    """Once per process, at INFO: what replicated expert weights cost, and that ``shard_experts`` avoids it."""
+    global _replicated_noted
+    if _replicated_noted:
+        return
+    _replicated_noted = True
+    size = plan.num_matrices * plan.num_experts * plan.model_dim * plan.hidden_dim * plan.expert_dtype.itemsize
+    log.info(
+        "moe_compile: %s keeps replicated expert weights: every rank holds all %d experts (%.1f MiB, and each "
+        "backward a gradient as large, zeros outside its %d local experts, plus the optimizer's state for all "
+        "of them) and computes with %d. moe_compile.shard_experts(model, group, example_input) before compiling "
+        "keeps %d experts per rank and gradients for them only (see moe_compile.sharding)",
+        plan.name, plan.num_experts, size / 2**20, plan.num_local, plan.num_local, plan.num_local)
 
 
 def build_layer(gm: GraphModule, plan: ExchangePlan, cfg: MoECompileConfig, local_weights: LocalWeights) -> ExchangePlan:

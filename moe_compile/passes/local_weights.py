@@ -7,6 +7,22 @@ Replicated weights (every rank holds all E experts)::
 
     w1_local = w1[r·El:(r+1)·El]
 
+sliced where the weight enters the graph, with the chain of per-expert views that
+canonicalize put on it (a transpose, a row slice of a fused gate/up weight) re-applied
+to the slice::
+
+    Before: w1_local = w1.transpose(1, 2)[r·El:(r+1)·El]
+    After:  w1_local = w1[r·El:(r+1)·El].transpose(1, 2)
+
+so the gradient the parameter accumulates has the parameter's own layout: backward
+is one zero-filled ``[E, ...]`` tensor with this rank's rows copied in, which
+AccumulateGrad keeps as it is, instead of a transposed one that AccumulateGrad then
+copies again, element by element across the transpose, into the parameter's layout
+(for GShard's ``[E, M, H]`` weights that second copy cost more than the expert GEMMs'
+backward at M = 512, H = 1024). The zeros for the remote experts are what a replicated
+parameter's gradient must hold (a data-parallel all-reduce sums them); only
+:func:`moe_compile.shard_experts` avoids them.
+
 Sharded weights (:func:`moe_compile.shard_experts`; the graph reads a NaN
 placeholder of the full shape): the chain from the placeholder (transpose, the
 row slice of a fused gate/up weight) is re-applied to the local shard, the
@@ -75,6 +91,7 @@ class LocalWeights:
         self.local_attrs: dict[Node, Node] = {}
         self.replaced: list[Node] = []
         self.used_shards = False
+        self.replicated = 0  # replicated [E, ...] weights sliced (each keeps a full-size gradient)
 
     def __call__(self, weight: Node, num_experts: int) -> Node:
         local_range = self.group.local_experts(num_experts)
@@ -82,9 +99,25 @@ class LocalWeights:
         if local is not None:
             self.used_shards = True
             return local
-        node = self.gm.graph.call_function(operator.getitem, (weight, slice(local_range.start, local_range.stop)))
+        return self._slice_at_source(weight, local_range, num_experts)
+
+    def _slice_at_source(self, weight: Node, local: range, num_experts: int) -> Node:
+        """Replicated ``weight``: this rank's rows, sliced before its chain of per-expert views (module docstring)."""
+        self.replicated += 1
+        chain, source = [], weight
+        while _per_expert_view(source, num_experts):
+            chain.append(source)
+            source = source.all_input_nodes[0]
+        if source.op not in ("placeholder", "get_attr"):
+            chain, source = [], weight  # not a parameter's view chain: slice the weight itself
+        node = self.gm.graph.call_function(operator.getitem, (source, slice(local.start, local.stop)))
         node.meta.update({k: weight.meta[k] for k in ("nn_module_stack",) if k in weight.meta})
         propagate(node)
+        for view in reversed(chain):
+            base = node
+            node = self.gm.graph.node_copy(view, lambda a, old=view.all_input_nodes[0], new=base: new if a is old else a)
+            propagate(node)
+            self.replaced.append(view)
         return node
 
     def _localize(self, node: Node, local: range) -> Node | None:
@@ -167,6 +200,50 @@ class LocalWeights:
             if node not in erased and not node.users:
                 self.gm.graph.erase_node(node)
                 erased.add(node)
+
+
+def _value(node: Node):
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+def _dims(args: tuple, ndim: int) -> list[int]:
+    return [d % ndim for d in args] if all(isinstance(d, int) for d in args) else [0]
+
+
+def _per_expert_view(node: Node, num_experts: int) -> bool:
+    """Whether ``node`` is a view of its one tensor input that keeps dim 0 (the experts) whole and in front:
+    a transpose / permute of the other dims, a slice or chunk / split / narrow of another dim, or an item of such
+    a chunk. Slicing the experts before it then equals slicing after it."""
+    if node.op not in ("call_function", "call_method") or len(node.all_input_nodes) != 1:
+        return False
+    source = node.all_input_nodes[0]
+    if not node.args or node.args[0] is not source:
+        return False
+    value, src_value = _value(node), _value(source)
+    if isinstance(src_value, (list, tuple)):  # an item of a chunk / split
+        return (node.target is operator.getitem and isinstance(node.args[1], int)
+                and _per_expert_view(source, num_experts))
+    if not isinstance(src_value, torch.Tensor) or src_value.dim() < 2 or src_value.shape[0] != num_experts:
+        return False
+    outputs = value if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(v, torch.Tensor) and v.dim() == src_value.dim() and v.shape[0] == num_experts
+               for v in outputs):
+        return False
+    ndim, target, args = src_value.dim(), node.target, node.args[1:]
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    if name in ("transpose", "swapaxes", "swapdims"):
+        return len(args) == 2 and 0 not in _dims(args, ndim)
+    if name == "permute":
+        dims = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
+        return len(dims) == ndim and _dims(tuple(dims), ndim)[0] == 0
+    if target is operator.getitem:
+        index = args[0]
+        return (isinstance(index, tuple) and len(index) >= 1 and index[0] == slice(None)
+                and all(isinstance(i, slice) for i in index))
+    if name in ("chunk", "split", "narrow"):
+        dim = node.kwargs.get("dim", args[0] if name == "narrow" else args[1] if len(args) > 1 else 0)
+        return isinstance(dim, int) and dim % ndim != 0
+    return name == "contiguous" and not args
 
 
 def hidden_shard(graph, weights: tuple, layout, hidden_dim: int) -> tuple:

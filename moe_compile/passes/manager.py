@@ -4,18 +4,22 @@ Modelled on ``torch/fx/passes/infra/pass_manager.py``: a pass is a callable
 ``pass(gm) -> PassResult(graph_module, modified)`` with a ``name``. After each
 pass that modified the graph the manager lints it and recompiles; with a debug
 directory it writes the graph before and after every pass, and at the end keeps
-which passes ran and which modified the graph (:attr:`PassManager.effects`, for
-``summary.json``). An exception inside a pass becomes
+which passes ran, which modified the graph and how long each took
+(:attr:`PassManager.effects`, for ``summary.json``; the seconds are also summed,
+process-wide, in ``moe_compile.counters["seconds:pass:<name>"]`` and
+``["seconds:passes"]``). An exception inside a pass becomes
 ``PassFailedError("pass <name> failed after [<passes that ran>]: <cause>")``.
 """
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch.fx
 
+from ..counters import counters
 from ..debug import GraphDumper, log
 
 __all__ = ["GraphPass", "PassFailedError", "PassManager", "PassResult"]
@@ -48,8 +52,8 @@ class PassManager:
         self.passes = list(passes)
         self.dumper = dumper
         self.prefix = prefix
-        #: (pass name, modified the graph) of every pass of the last run
-        self.effects: list[tuple[str, bool]] = []
+        #: (pass name, modified the graph, wall seconds) of every pass of the last run
+        self.effects: list[tuple[str, bool, float]] = []
 
     def __call__(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         ran: list[str] = []
@@ -59,6 +63,7 @@ class PassManager:
             step = self.dumper.next_step() if self.dumper else 0
             if self.dumper:
                 self.dumper.dump(f"{name}_before", gm, step=step)
+            start = time.perf_counter()
             try:
                 result = p(gm)
                 if not isinstance(result, PassResult):
@@ -71,9 +76,12 @@ class PassManager:
                 raise
             except Exception as e:  # noqa: BLE001 - re-raised with context
                 raise PassFailedError(f"pass {name} failed after [{', '.join(ran)}]: {type(e).__name__}: {e}") from e
+            seconds = time.perf_counter() - start  # the pass with its lint and recompile, not the dumps
+            counters[f"seconds:pass:{name}"] += seconds
+            counters["seconds:passes"] += seconds
             if self.dumper:
                 self.dumper.dump(f"{name}_after", gm, step=step)
             log.debug("moe_compile: pass %s %s", name, "modified the graph" if result.modified else "left the graph unchanged")
             ran.append(name)
-            effects.append((pass_name(p), bool(result.modified)))
+            effects.append((pass_name(p), bool(result.modified), seconds))
         return gm

@@ -122,6 +122,30 @@ def _run_case(rank: int, world_size: int, case: Case) -> None:
             expected = torch.zeros_like(summed[name])
             expected[local.start:local.stop] = summed[name][local.start:local.stop]
         torch.testing.assert_close(p.grad, expected, **TOL, msg=lambda m: f"{case.name} rank {rank} grad {name}: {m}")
+    if case.sharded:
+        _check_no_remote_gradients(model, case, num_local)
+
+
+def _check_no_remote_gradients(model: torch.nn.Module, case: Case, num_local: int) -> None:
+    """Sharded: no tensor of a remote expert got a gradient; a stacked weight's gradient is its local shard only."""
+    from moe_compile.sharding import expert_shard
+
+    placeholders = 0
+    for module in model.modules():
+        for attr, value in vars(module).items():
+            shard = expert_shard(value)
+            if shard is None:
+                continue
+            placeholders += 1
+            assert value.grad is None, f"{case.name}: the placeholder {attr} of a remote expert got a gradient"
+            if shard.local_name is not None:                              # stacked: the DTensor's local rows
+                param = module._parameters[shard.local_name]
+                assert param.grad.to_local().shape == param.to_local().shape, (case.name, attr)
+                assert param.to_local().shape[0] == num_local, (case.name, attr)
+    assert placeholders, f"{case.name}: shard_experts left no placeholder"
+    expert_params = [n for n, _ in model.named_parameters() if _is_expert(n) and n.startswith("experts.")]
+    if expert_params:                                                     # per-expert: only the local experts
+        assert len(expert_params) == num_local * 3, (case.name, expert_params)
 
 
 def _eager_with_capacity(model, x, case: Case):

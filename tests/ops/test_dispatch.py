@@ -264,3 +264,32 @@ def test_combine_grads_keep_input_dtypes():
 
     assert expert_out.grad.dtype == torch.bfloat16
     assert gate_weights.grad.dtype == torch.float32
+
+
+# --------------------------------------------------------------------------- gathers, not zero-fill + scatter
+
+
+def test_padding_rows_are_zero_whatever_the_gathered_rows_hold():
+    """dispatch and combine's backward fill their ``[E, C, M]`` buffers by gathering every row (padding rows
+    from row 0, then zeroed): a padding row is exactly 0 even when token 0's row is not finite."""
+    gen = torch.Generator().manual_seed(5)
+    expert_ids, gate_weights = make_routing(12, 4, 2, 0.0, gen)
+    x = torch.randn(12, 8, generator=gen, dtype=torch.float64)
+    x[0] = float("inf")
+    buffer, locations = torch.ops.moe.dispatch(x, expert_ids, 4, 0, torch.tensor([13]))  # padded
+    filled = torch.zeros(4, 13, dtype=torch.bool)
+    kept = locations >= 0
+    filled[expert_ids[kept], locations[kept]] = True
+    assert (~filled).any()
+    assert torch.equal(buffer[~filled], torch.zeros_like(buffer[~filled]))
+    torch.testing.assert_close(buffer[expert_ids[kept], locations[kept]],
+                               x.unsqueeze(1).expand(-1, 2, -1)[kept])
+
+    grad_y = torch.randn(12, 8, generator=gen, dtype=torch.float64)
+    grad_y[0] = float("nan")
+    grad_out, grad_w = torch.ops.moe.combine_backward(grad_y, buffer.nan_to_num(), expert_ids, locations,
+                                                      gate_weights.double())
+    assert torch.equal(grad_out[~filled], torch.zeros_like(grad_out[~filled]))
+    expected = gate_weights.double().unsqueeze(-1) * grad_y.unsqueeze(1)  # [T, k, M]
+    torch.testing.assert_close(grad_out[expert_ids[kept], locations[kept]], expected[kept], equal_nan=True)
+    assert grad_w[1:].isfinite().all()

@@ -212,3 +212,22 @@ def test_a_region_whose_router_is_gone_is_left_unchanged_with_the_reason(caplog)
     (message,) = [m for m in caplog.messages if "left unchanged" in m]
     assert "MoE layer moe left unchanged: an earlier rewrite changed it" in message, message
     assert "matching it again failed: its router's top-k ids" in message, message
+
+
+def test_verify_runs_once_for_the_same_graphs_and_shapes():
+    """A second compile of the same layer at the same shapes reuses canonicalize's verdict; new shapes check again."""
+    import moe_compile
+    from moe_compile.passes import canonicalize
+    from tests.models.gshard import GShardMoE
+
+    canonicalize._VERDICTS.clear()
+    moe_compile.counters.clear()
+    for tokens in (12, 12, 20):
+        torch._dynamo.reset()
+        model = GShardMoE(8, 16, 4, top_k=2)
+        compiled = torch.compile(model, backend="moe", fullgraph=True, options={"inner": "eager"})
+        x = torch.randn(tokens, 8)
+        torch.testing.assert_close(compiled(x), model(x))
+    assert moe_compile.counters["regions_rewritten"] == 3
+    assert moe_compile.counters["regions_verified_again"] == 1
+    assert len(canonicalize._VERDICTS) == 2

@@ -6,7 +6,6 @@ ranks are in tests/distributed/test_expert_parallel.py).
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -79,6 +78,50 @@ def test_dynamo_graph_order(fake_group, tmp_path):
         at = code.index(op, at)
     # rank 1 of 4 with E = 8 slices experts 2..3 of the replicated weights
     assert "slice(2, 4, None)" in code
+
+
+@pytest.mark.parametrize("make", [lambda: GShardMoE(8, 16, 4, top_k=2), lambda: SortMoE(8, 16, 4, top_k=2)],
+                         ids=["gshard", "sort"])
+def test_replicated_gradient_in_the_parameter_layout(fake_group, aot_graphs, make):
+    """Replicated weights are sliced where they enter the graph (GShard's ``[E, M, H]`` w1 before canonicalize's
+    transpose), so backward returns each expert weight's gradient straight from ``slice_backward`` in the
+    parameter's own layout; a transpose after it would make AccumulateGrad copy the whole ``[E, ...]`` again."""
+    fake_group(2, rank=1)
+    model = make()
+    _train_step(model, torch.randn(6, 8, requires_grad=True), {"ep_group": "world"})
+    _, backward = aot_graphs
+    shapes = {tuple(p.shape) for n, p in model.named_parameters() if p.dim() == 3}
+    (output,) = backward.graph.find_nodes(op="output")
+    grads = [g for g in output.args[0] if isinstance(g, torch.fx.Node) and tuple(g.meta["val"].shape) in shapes]
+    assert len(grads) == sum(p.dim() == 3 for p in model.parameters()) >= 2
+    for grad in grads:
+        assert grad.target is torch.ops.aten.slice_backward.default, grad.format_node()
+        assert grad.args[3:5] == (2, 4)  # rank 1's experts 2..3
+    for p in model.parameters():
+        assert p.grad.stride() == p.stride()
+
+
+def test_replicated_weights_noted_once(fake_group, caplog, monkeypatch):
+    """Replicated experts: one INFO per process that names their cost and shard_experts; sharded ones: none."""
+    import logging
+
+    import moe_compile.passes.emit_exchange as emit_exchange
+
+    monkeypatch.setattr(emit_exchange, "_replicated_noted", False)
+    fake_group(2)
+    x = torch.randn(6, 8)
+    with caplog.at_level(logging.INFO, logger="moe_compile"):
+        sharded = GShardMoE(8, 16, 4)
+        moe_compile.shard_experts(sharded, "world", x)
+        _train_step(sharded, x, {"ep_group": "world"})
+        assert not [r for r in caplog.records if "replicated expert weights" in r.getMessage()]
+        for _ in range(2):
+            torch._dynamo.reset()
+            _train_step(GShardMoE(8, 16, 4), x, {"ep_group": "world"})
+    notes = [r.getMessage() for r in caplog.records if "replicated expert weights" in r.getMessage()]
+    assert len(notes) == 1, notes
+    # w1 and w2, 4 x 8 x 16 float32 each: 4 KiB
+    assert "all 4 experts (0.0 MiB" in notes[0] and "shard_experts" in notes[0] and "keeps 2 experts" in notes[0]
 
 
 def test_single_rank_inserts_no_collective(fake_group, aot_graphs):

@@ -177,3 +177,16 @@ def test_no_debug_dir_writes_nothing(tmp_path, monkeypatch):
     assert dumper.directory is None
     PassManager([_ReluToSigmoid()], dumper)(_gm())
     assert list(tmp_path.iterdir()) == []
+
+
+def test_effects_and_counters_time_every_pass():
+    from moe_compile import counters
+
+    counters.clear()
+    manager = PassManager([_ReluToSigmoid(), _Record("after", [])], prefix="fw_")
+    manager(_gm())
+    assert [(name, modified) for name, modified, _ in manager.effects] == [("relu_to_sigmoid", True), ("after", False)]
+    assert all(seconds >= 0 for _, _, seconds in manager.effects)
+    assert set(k for k in counters if k.startswith("seconds:")) == {
+        "seconds:pass:fw_relu_to_sigmoid", "seconds:pass:fw_after", "seconds:passes"}
+    assert counters["seconds:passes"] == pytest.approx(sum(s for _, _, s in manager.effects))
