@@ -1,0 +1,393 @@
+"""Every MoE family of the pinned transformers, built tiny, and what ``backend="moe"`` does with each.
+
+    python -m tests.models.hf_families                      # run every family, print the table
+    python -m tests.models.hf_families --update-expected    # rewrite EXPECTED below from a fresh run
+    python -m tests.models.hf_families --write-readme       # README's family table from EXPECTED
+    python -m tests.models.hf_families --update-expected --write-readme   # both (after a detection change)
+    python -m tests.models.hf_families mixtral dbrx         # some families only (prints, writes nothing)
+
+A *family* is a model directory of transformers (``transformers/models/<family>/``) whose
+configuration has a routed-experts field (``num_experts``, ``n_routed_experts``,
+``num_local_experts``, ``moe_num_experts``): :func:`discover` finds them from the installed
+package, so a family that a transformers upgrade adds is noticed (``tests/test_hf_families.py``
+fails naming it until ``--update-expected`` records it). :func:`build` makes a tiny random-init
+model of the family's text part from its configuration class alone (2 layers, 4 experts, hidden
+32, vocabulary 64, 2 heads; every layer an MoE layer where the config allows; no download), with
+the per-family settings of :data:`SETTINGS` where the generic ones do not fit.
+
+:func:`run_family` compiles it with ``backend="moe", fullgraph=True`` and the fast inner
+compiler, checks logits and parameter gradients against eager, and returns the
+:class:`FamilyResult`: MoE layers present (modules with an ``experts`` child), found, rewritten,
+and the status — ``rewritten``, ``left eager: <reason of the first WARNING>`` or ``Dynamo cannot
+capture: <why>, use <fix>``. :data:`EXPECTED` is the recorded status per family and experts
+implementation; the test asserts the run equals it, so a regression fails, and so does an
+improvement until the table is regenerated.
+
+``batched_mm`` runs the same family-specific code as ``grouped_mm`` (router, shared experts,
+residual) and differs only in the shared experts function of ``transformers/integrations/moe.py``,
+whose graph depends on the experts class's flags (gate, bias, transposed layout, post-expert norm,
+its own ``_apply_gate``). So ``batched_mm`` runs for one family per distinct flag signature
+(:data:`BATCHED_MM`), which keeps the test within its CI budget while every experts graph
+transformers can produce is still compiled.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import importlib
+import inspect
+import logging
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+TRANSFORMERS_VERSION = "5.24.0"
+EXPERT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+
+#: Sizes every tiny config gets, for the fields its configuration class has.
+GENERIC = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts_per_tok=2,
+    num_experts=4, n_routed_experts=4, num_local_experts=4, moe_num_experts=4, n_shared_experts=1,
+    first_k_dense_replace=0, decoder_sparse_step=1, mlp_only_layers=[], moe_layer_freq=1, n_group=2, topk_group=1,
+    max_position_embeddings=64, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+    v_head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    d_model=32, n_heads=2, n_layers=2, num_layers=2, ffn_hidden_size=64, d_ff=64,
+    moe_k=2, moe_topk=2, top_k_experts=2, moe_layer_start_index=0, num_dense_layers=0,
+    index_n_heads=2, index_head_dim=16, index_topk=4,
+    linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+    linear_num_heads=2, linear_head_dim=16, num_nextn_predict_layers=0, num_mtp_layers=0,
+)
+
+#: Config fields matching this are probabilities or noise scales set to 0, so that the compiled
+#: and the eager model compute the same thing in training mode (dropout, router / input jitter).
+RANDOM_FIELDS = re.compile(r"dropout|pdrop|jitter|layerdrop|noise")
+
+#: Per family: settings on top of GENERIC (None removes a generic one), and the config / model class
+#: when the generic choice does not fit.
+SETTINGS: dict[str, dict] = {
+    "bailing_hybrid": dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["sparse", "sparse"]),
+    "beam": dict(layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["sparse", "sparse"]),
+    "dbrx": dict(config="DbrxConfig", max_seq_len=64, attn_config={"kv_n_heads": 1, "rope_theta": 10000.0},
+                 ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2}),
+    "doge": dict(is_moe=True, num_experts=16),
+    "dots3_note": dict(num_key_value_heads=2),
+    "ernie4_5_vl_moe": dict(moe_intermediate_size=[32, 32]),
+    "gemma4": dict(enable_moe_block=True, vocab_size_per_layer_input=64, hidden_size_per_layer_input=8,
+                   layer_types=["sliding_attention", "full_attention"]),
+    "glm4v_moe": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                       "partial_rotary_factor": 0.5}),
+    "glm5_next": dict(num_key_value_heads=2),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+                             mamba_chunk_size=8, shared_intermediate_size=32),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0,
+                  use_mamba_kernels=False),
+    "kimi_linear": dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["sparse", "sparse"]),
+    "lara_mini": dict(layer_types=["linear_attention", "full_attention"]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    "longcat_flash": dict(zero_expert_num=2, expert_ffn_hidden_size=32),
+    "nllb_moe": dict(model="NllbMoeModel", seq2seq=True, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=64,
+                     decoder_ffn_dim=64, encoder_attention_heads=2, decoder_attention_heads=2, encoder_sparse_step=1,
+                     decoder_sparse_step=1, expert_capacity=16),
+    "qwen3_5_moe": dict(layer_types=["linear_attention", "full_attention"]),
+    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),
+    "qwen4_exp": dict(layer_types=["linear_attention", "full_attention"]),
+    "step3p7": dict(layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["sparse", "sparse"]),
+    "switch_transformers": dict(num_sparse_encoder_layers=2, num_decoder_layers=2, num_sparse_decoder_layers=2,
+                                num_heads=2, d_kv=16, expert_capacity=16),
+    "zaya": dict(num_experts_per_tok=1, router_hidden_size=16),
+}
+
+#: Families compiled with experts_implementation="batched_mm" too (one per experts-class flag signature).
+BATCHED_MM: tuple[str, ...] = ()
+
+#: Recorded status per (family, experts implementation). Regenerate: --update-expected.
+EXPECTED: dict[tuple[str, str], str] = {}
+
+
+# ----------------------------------------------------------------------------- discovery
+
+
+def _transformers():
+    import transformers
+
+    return transformers
+
+
+def _config_fields(cls) -> set[str]:
+    try:
+        return {f.name for f in dataclasses.fields(cls)}
+    except TypeError:
+        return set(inspect.signature(cls.__init__).parameters)
+
+
+EXPERTS_MODULE = re.compile(r"self\.experts\s*=")
+
+#: Families discovery finds that are not token-routed MoE language models (reason), not compiled.
+EXCLUDED = {
+    "vitpose_backbone": "ViTPose+ picks its expert by the dataset index given as input, not by a router",
+}
+
+
+def discover() -> dict[str, list[str]]:
+    """Family (model directory) → names of its configuration classes, for every family whose
+    configuration has a routed-experts field or whose modeling file builds ``self.experts``."""
+    transformers = _transformers()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    models_dir = Path(transformers.__file__).parent / "models"
+    found: dict[str, list[str]] = {}
+    for config_name in CONFIG_MAPPING_NAMES.values():
+        cls = getattr(transformers, config_name, None)
+        if cls is None:
+            continue
+        family = cls.__module__.split(".")[2]
+        modeling = models_dir / family / f"modeling_{family}.py"
+        if (any(f in _config_fields(cls) for f in EXPERT_FIELDS)
+                or (modeling.exists() and EXPERTS_MODULE.search(modeling.read_text()))):
+            found.setdefault(family, []).append(config_name)
+    return dict(sorted(found.items()))
+
+
+def _pick_config(family: str, config_names: list[str]):
+    """The family's text configuration class: ``<family>_text``, else the family's own, else the first."""
+    transformers = _transformers()
+    classes = [getattr(transformers, n) for n in config_names]
+    by_type = {c.model_type: c for c in classes}
+    for key in (f"{family}_text", family):
+        if key in by_type and not by_type[key].sub_configs:
+            return by_type[key]
+    texts = [c for c in classes if "Text" in c.__name__ and not c.sub_configs]
+    return (texts or [c for c in classes if not c.sub_configs] or classes)[0]
+
+
+def _pick_model(family: str, config_cls):
+    """The model class for ``config_cls``: a ``*ForCausalLM`` of the family's modeling module, else its
+    ``*TextModel`` / ``*Model`` / other ``PreTrainedModel``; else what transformers' auto mappings name."""
+    transformers = _transformers()
+    from transformers import PreTrainedModel
+    from transformers.models.auto import modeling_auto
+
+    try:
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    except ImportError:
+        module = None
+    candidates = [
+        c for c in vars(module).values()
+        if inspect.isclass(c) and issubclass(c, PreTrainedModel) and c.__module__ == module.__name__
+        and getattr(c, "config_class", None) is config_cls and not c.__name__.endswith("PreTrainedModel")
+    ] if module else []
+    for suffix in ("ForCausalLM", "TextModel", "Model", ""):
+        named = sorted((c for c in candidates if c.__name__.endswith(suffix)), key=lambda c: c.__name__)
+        if named:
+            return named[0]
+    for mapping in (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, modeling_auto.MODEL_MAPPING_NAMES):
+        name = mapping.get(config_cls.model_type)
+        if name and hasattr(transformers, name):
+            return getattr(transformers, name)
+    raise LookupError(f"{family}: no model class for {config_cls.__name__}")
+
+
+class Logits(torch.nn.Module):
+    """``input_ids`` → the model's logits (a causal LM) or last hidden state (a base model); seq2seq
+    models get the same ids as decoder input."""
+
+    def __init__(self, model: torch.nn.Module, seq2seq: bool = False):
+        super().__init__()
+        self.model = model
+        self.seq2seq = seq2seq
+
+    def forward(self, input_ids):
+        kwargs = {"decoder_input_ids": input_ids} if self.seq2seq else {}
+        out = self.model(input_ids=input_ids, **kwargs)
+        logits = getattr(out, "logits", None)
+        return logits if logits is not None else out.last_hidden_state
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyModel:
+    family: str
+    model: torch.nn.Module   # Logits(...)
+    config_name: str
+    model_name: str
+
+
+def tiny_config(family: str, config_cls=None):
+    """The family's tiny configuration (GENERIC sizes for the fields it has, then SETTINGS[family])."""
+    transformers = _transformers()
+    settings = dict(SETTINGS.get(family, {}))
+    config_name = settings.pop("config", None)
+    settings.pop("model", None)
+    settings.pop("seq2seq", None)
+    settings.pop("experts_impl", None)
+    if config_cls is None:
+        config_cls = getattr(transformers, config_name) if config_name else _pick_config(family, discover()[family])
+    fields = _config_fields(config_cls)
+    kwargs = {k: v for k, v in GENERIC.items() if k in fields}
+    defaults = {f.name: f.default for f in dataclasses.fields(config_cls)} if dataclasses.is_dataclass(config_cls) else {}
+    kwargs.update({k: 0.0 for k, v in defaults.items()
+                   if RANDOM_FIELDS.search(k) and isinstance(v, float) and not isinstance(v, bool)})
+    for k, v in settings.items():
+        if v is None:
+            kwargs.pop(k, None)
+        else:
+            kwargs[k] = v
+    return config_cls(**kwargs)
+
+
+def supports_experts_implementation(model_cls) -> bool:
+    """Whether transformers lets this model switch ``experts_implementation`` (its experts use
+    ``@use_experts_implementation``)."""
+    return bool(model_cls._can_set_experts_implementation())
+
+
+def build(family: str, experts_implementation: str | None = "grouped_mm", seed: int = 0) -> TinyModel:
+    """A tiny random-init model of ``family`` (``experts_implementation`` set where the family supports it)."""
+    transformers = _transformers()
+    settings = SETTINGS.get(family, {})
+    config = tiny_config(family)
+    model_cls = getattr(transformers, settings["model"]) if "model" in settings else _pick_model(family, type(config))
+    if experts_implementation is not None and supports_experts_implementation(model_cls):
+        config._experts_implementation = experts_implementation
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    return TinyModel(family, Logits(model, settings.get("seq2seq", False)), type(config).__name__, model_cls.__name__)
+
+
+def moe_layers_present(model: torch.nn.Module) -> int:
+    """MoE layers of a model: modules with an ``experts`` child (every transformers MoE block has one)."""
+    return sum(isinstance(getattr(m, "experts", None), torch.nn.Module) for m in model.modules())
+
+
+# ----------------------------------------------------------------------------- one family, compiled
+
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+OPTIONS = {"inner": "eager"}   # the fast inner compiler: AOTAutograd's graphs run as they are
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyResult:
+    family: str
+    experts_implementation: str
+    model_name: str
+    present: int          # MoE layers in the model
+    found: int            # ... matched by detect
+    rewritten: int        # ... replaced by the canonical ops
+    status: str           # "rewritten", "left eager: <reason>", "Dynamo cannot capture: <why>, use <fix>"
+    seconds: float
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+_NODE_SUFFIX = re.compile(r"\b([a-z][a-z0-9]*(?:_[a-z][a-z0-9]*)*)_\d+\b")
+
+
+def _reason(message: str) -> str:
+    """A WARNING's reason, stable across graphs: the text after ``left unchanged: ``, without its
+    parenthesised details and with FX node names' ``_<n>`` suffixes dropped (``topk_2`` → ``topk``)."""
+    text = message.split("left unchanged: ", 1)[-1]
+    text = re.sub(r"\s*\(.*", "", text, flags=re.S).strip().rstrip(".:;")
+    return _NODE_SUFFIX.sub(r"\1", text)
+
+
+def _first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"[:160]
+
+
+def _differs(actual: torch.Tensor, expected: torch.Tensor, what: str) -> str:
+    """``what`` when the two differ beyond TOL, else ""."""
+    try:
+        torch.testing.assert_close(actual, expected, **TOL)
+    except AssertionError:
+        return what.split(".")[0] if what.startswith("grad of") else what
+    return ""
+
+
+def _dynamo_why(error: BaseException) -> str:
+    """The first line of Dynamo's error, without its source locations and graph-break hints."""
+    from moe_compile.hf import dynamo_failure_reason
+
+    return dynamo_failure_reason(error)
+
+
+def run_family(family: str, experts_implementation: str = "grouped_mm", backward: bool = True) -> FamilyResult:
+    """Compile the tiny ``family`` model with backend="moe" (fullgraph, fast inner compiler), check it
+    against eager (logits; with ``backward`` every parameter gradient), and say what became of its
+    MoE layers. A mismatch with eager raises (it is a bug, never a status)."""
+    import moe_compile
+    from moe_compile.hf import capture_fix
+
+    start = time.perf_counter()
+    ids = torch.randint(0, GENERIC["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(1))
+    try:
+        tiny = build(family, experts_implementation)
+        model = tiny.model
+        eager = copy.deepcopy(model)
+        out_e = eager(ids)
+    except Exception as e:  # the tiny config is wrong for this family: recorded, never hidden
+        return FamilyResult(family, experts_implementation, "-", 0, 0, 0, f"not built: {_first_line(e)}",
+                            time.perf_counter() - start)
+    present = moe_layers_present(model)
+    handler = _Records()
+    logger = logging.getLogger("moe_compile")
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    torch._dynamo.reset()
+    moe_compile.counters.clear()
+    try:
+        compiled = torch.compile(model, backend="moe", fullgraph=True, options=OPTIONS)
+        try:
+            out_c = compiled(ids)
+        except torch._dynamo.exc.BackendCompilerFailed:
+            raise
+        except Exception as e:  # Dynamo failed before the backend ran
+            if moe_compile.counters["graphs"]:
+                raise
+            why = _dynamo_why(e)
+            status = f"Dynamo cannot capture: {why}, use {capture_fix(family, experts_implementation)}"
+            return FamilyResult(family, experts_implementation, tiny.model_name, present, 0, 0, status,
+                                time.perf_counter() - start)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    found, rewritten = moe_compile.counters["regions_found"], moe_compile.counters["regions_rewritten"]
+    wrong = _differs(out_c, out_e, "logits")
+    if backward and not wrong:
+        out_c.float().pow(2).mean().backward()
+        out_e.float().pow(2).mean().backward()
+        for (name, p_c), (_, p_e) in zip(model.named_parameters(), eager.named_parameters()):
+            if p_e.grad is None:
+                assert p_c.grad is None, f"{family}: {name} has a gradient only when compiled"
+                continue
+            wrong = wrong or _differs(p_c.grad, p_e.grad, f"grad of {name}")
+    if wrong:  # a bug of the backend: recorded so that the table shows it and the test notices a fix
+        return FamilyResult(family, experts_implementation, tiny.model_name, present, found, rewritten,
+                            f"WRONG: compiled {wrong} differs from eager ({rewritten} of {present} rewritten)",
+                            time.perf_counter() - start)
+    warnings = [r.getMessage() for r in handler.records if r.levelno >= logging.WARNING and "left unchanged" in r.getMessage()]
+    if present and rewritten == present:
+        status = "rewritten"
+    elif warnings:
+        status = f"left eager: {_reason(warnings[0])}"
+        if rewritten:
+            status = f"{rewritten} of {present} rewritten; {status}"
+    else:
+        status = "left eager: no WARNING (no top-k router found)"
+    return FamilyResult(family, experts_implementation, tiny.model_name, present, found, rewritten, status,
+                        time.perf_counter() - start)
