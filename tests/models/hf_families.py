@@ -75,7 +75,13 @@ RANDOM_FIELDS = re.compile(r"dropout|pdrop|jitter|layerdrop|noise")
 SETTINGS: dict[str, dict] = {
     "bailing_hybrid": dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["sparse", "sparse"]),
     "beam": dict(layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["sparse", "sparse"]),
-    "dbrx": dict(config="DbrxConfig", max_seq_len=64, attn_config={"kv_n_heads": 1, "rope_theta": 10000.0},
+    "axk2": dict(num_key_value_heads=2),
+    "deepseek_ocr2": dict(mlp_layer_types=["sparse", "sparse"]),
+    "deepseek_v32": dict(num_key_value_heads=2),
+    "glm_moe_dsa": dict(num_key_value_heads=2),
+    "hy_v4_vl": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}),
+    "mistral_large4": dict(num_key_value_heads=2),
+    "dbrx": dict(config="DbrxConfig", max_seq_len=64, attn_config={"kv_n_heads": 1, "rope_theta": 10000.0, "clip_qkv": 8.0},
                  ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2}),
     "doge": dict(is_moe=True, num_experts=16),
     "dots3_note": dict(num_key_value_heads=2),
@@ -84,7 +90,8 @@ SETTINGS: dict[str, dict] = {
                    layer_types=["sliding_attention", "full_attention"]),
     "glm4v_moe": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
                                        "partial_rotary_factor": 0.5}),
-    "glm5_next": dict(num_key_value_heads=2),
+    "glm5_next": dict(num_key_value_heads=2, index_topk=16, qk_rope_head_dim=0, mlp_layer_types=["sparse", "sparse"],
+                      layer_types=["linear_attention", "indexed_attention"]),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
                              mamba_chunk_size=8, shared_intermediate_size=32),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0,
@@ -92,24 +99,27 @@ SETTINGS: dict[str, dict] = {
     "kimi_linear": dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["sparse", "sparse"]),
     "lara_mini": dict(layer_types=["linear_attention", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
-    "longcat_flash": dict(zero_expert_num=2, expert_ffn_hidden_size=32),
+    "longcat_flash": dict(zero_expert_num=2, expert_ffn_hidden_size=32, head_dim=8),
     "nllb_moe": dict(model="NllbMoeModel", seq2seq=True, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=64,
                      decoder_ffn_dim=64, encoder_attention_heads=2, decoder_attention_heads=2, encoder_sparse_step=1,
                      decoder_sparse_step=1, expert_capacity=16),
     "qwen3_5_moe": dict(layer_types=["linear_attention", "full_attention"]),
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),
-    "qwen4_exp": dict(layer_types=["linear_attention", "full_attention"]),
-    "step3p7": dict(layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["sparse", "sparse"]),
+    "qwen4_exp": dict(layer_types=["linear_attention", "full_attention"], indexer_budget=8, indexer_compress_ratio=2,
+                      indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16),
+    "step3p7": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["sparse", "sparse"]),
     "switch_transformers": dict(num_sparse_encoder_layers=2, num_decoder_layers=2, num_sparse_decoder_layers=2,
                                 num_heads=2, d_kv=16, expert_capacity=16),
     "zaya": dict(num_experts_per_tok=1, router_hidden_size=16),
 }
 
+# BEGIN GENERATED (python -m tests.models.hf_families --update-expected)
 #: Families compiled with experts_implementation="batched_mm" too (one per experts-class flag signature).
 BATCHED_MM: tuple[str, ...] = ()
 
-#: Recorded status per (family, experts implementation). Regenerate: --update-expected.
+#: Recorded status per (family, experts implementation).
 EXPECTED: dict[tuple[str, str], str] = {}
+# END GENERATED
 
 
 # ----------------------------------------------------------------------------- discovery
@@ -328,7 +338,8 @@ def _dynamo_why(error: BaseException) -> str:
 def run_family(family: str, experts_implementation: str = "grouped_mm", backward: bool = True) -> FamilyResult:
     """Compile the tiny ``family`` model with backend="moe" (fullgraph, fast inner compiler), check it
     against eager (logits; with ``backward`` every parameter gradient), and say what became of its
-    MoE layers. A mismatch with eager raises (it is a bug, never a status)."""
+    MoE layers. A mismatch with eager is the status ``WRONG: ...`` (a bug of the backend, recorded so that
+    the table shows it and a fix is noticed)."""
     import moe_compile
     from moe_compile.hf import capture_fix
 
@@ -391,3 +402,118 @@ def run_family(family: str, experts_implementation: str = "grouped_mm", backward
         status = "left eager: no WARNING (no top-k router found)"
     return FamilyResult(family, experts_implementation, tiny.model_name, present, found, rewritten, status,
                         time.perf_counter() - start)
+
+
+# ----------------------------------------------------------------------------- batched_mm representatives
+
+
+def experts_signature(model: torch.nn.Module) -> tuple | None:
+    """What decides the graph of transformers' shared experts functions for this model: the
+    ``@use_experts_implementation`` flags of its experts class and whether it overrides ``_apply_gate``
+    (None: no such experts)."""
+    from transformers.integrations import moe
+
+    for m in model.modules():
+        if hasattr(m, "has_gate") and hasattr(m, "_is_expert_parallel"):
+            return (m.has_gate, m.has_bias, m.is_transposed, m.is_concatenated, m.has_post_expert_norm,
+                    type(m)._apply_gate is not moe._default_apply_gate)
+    return None
+
+
+def batched_mm_representatives(families) -> tuple[str, ...]:
+    """The first family (alphabetically) of each experts signature whose tiny model builds."""
+    chosen: dict[tuple, str] = {}
+    for family in sorted(families):
+        try:
+            signature = experts_signature(build(family).model)
+        except Exception:
+            continue
+        if signature is not None and signature not in chosen:
+            chosen[signature] = family
+    return tuple(sorted(chosen.values()))
+
+
+# ----------------------------------------------------------------------------- table, README, CLI
+
+
+def cases() -> list[tuple[str, str]]:
+    """(family, experts implementation) pairs the test runs: every family with grouped_mm, the
+    representatives with batched_mm too."""
+    return sorted(set(EXPECTED))
+
+
+README_BEGIN = "<!-- BEGIN hf-families: generated by `python -m tests.models.hf_families --write-readme` -->"
+README_END = "<!-- END hf-families -->"
+
+
+def readme_table(expected: dict[tuple[str, str], str] | None = None) -> str:
+    """The README's family table, from EXPECTED."""
+    expected = EXPECTED if expected is None else expected
+    rows = [
+        f"Every MoE family of transformers {TRANSFORMERS_VERSION}, tiny random-init models compiled with "
+        "`backend=\"moe\", fullgraph=True` (`tests/test_hf_families.py`; forward and backward equal to eager "
+        "unless marked WRONG). `batched_mm` is compiled for one family per experts-class signature; its "
+        "status is the same as `grouped_mm`'s where not listed.",
+        "",
+        "| family | status (grouped_mm) | batched_mm, where compiled |",
+        "|---|---|---|",
+    ]
+    for family in sorted({f for f, _ in expected}):
+        batched = expected.get((family, "batched_mm"), "")
+        rows.append(f"| {family} | {expected[(family, 'grouped_mm')]} | {batched} |")
+    for family, reason in sorted(EXCLUDED.items()):
+        rows.append(f"| {family} | not compiled: {reason} | |")
+    return "\n".join(rows)
+
+
+def _write_block(path: Path, begin: str, end: str, body: str) -> None:
+    text = path.read_text()
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path}: markers {begin!r} ... {end!r} not found")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n{body}\n{end}{tail}")
+
+
+def _expected_source(batched: tuple[str, ...], expected: dict[tuple[str, str], str]) -> str:
+    lines = ["#: Families compiled with experts_implementation=\"batched_mm\" too (one per experts-class flag signature).",
+             f"BATCHED_MM: tuple[str, ...] = {batched!r}", "",
+             "#: Recorded status per (family, experts implementation).",
+             "EXPECTED: dict[tuple[str, str], str] = {"]
+    lines += [f"    {key!r}: {value!r}," for key, value in sorted(expected.items())]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("families", nargs="*", help="run only these (prints; writes nothing)")
+    parser.add_argument("--update-expected", action="store_true", help="run every family, rewrite EXPECTED in this file")
+    parser.add_argument("--write-readme", action="store_true", help="rewrite README's family table from EXPECTED")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    expected = dict(EXPECTED)
+    if args.families or args.update_expected or not args.write_readme:
+        families = args.families or [f for f in discover() if f not in EXCLUDED]
+        batched = batched_mm_representatives(families) if args.update_expected else BATCHED_MM
+        runs = [(f, "grouped_mm") for f in families] + [(f, "batched_mm") for f in families if f in batched]
+        results = {}
+        for family, impl in runs:
+            r = run_family(family, impl)
+            results[(family, impl)] = r.status
+            print(f"{family:24s} {impl:10s} {r.seconds:5.1f}s {r.rewritten}/{r.present} rewritten  {r.status}", flush=True)
+        print(f"total {sum(1 for _ in runs)} compiles")
+        if args.update_expected and not args.families:
+            expected = results
+            _write_block(Path(__file__), "# BEGIN GENERATED (python -m tests.models.hf_families --update-expected)",
+                         "# END GENERATED", _expected_source(batched, expected))
+            print(f"wrote EXPECTED ({len(expected)} cases) into {Path(__file__).relative_to(ROOT)}")
+    if args.write_readme:
+        _write_block(README, README_BEGIN, README_END, readme_table(expected))
+        print(f"wrote the family table into {README.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
