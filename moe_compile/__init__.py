@@ -5,7 +5,7 @@
 No import is needed for that line (the backend is an entry point); import the
 package for its configuration and counters.
 """
-from . import ops
+from . import hf, ops
 from .collectives import Compressor, register_compressor
 from .collectives.algorithms import AllToAll
 from .collectives.all_to_all_registry import register_all_to_all
@@ -32,6 +32,7 @@ __all__ = [
     "config",
     "counters",
     "full_expert_state_dict",
+    "hf",
     "measure_tasks",
     "ops",
     "PassResult",

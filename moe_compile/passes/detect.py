@@ -245,7 +245,28 @@ def _match(graph: Graph, topk: Node) -> MoERegion:
             experts=experts,
             output=output,
         )
-    raise NoMatch(f"top-k {topk.name}: no enclosing module returns a tensor shaped like its input")
+    raise NoMatch(f"top-k {topk.name}: no enclosing module returns a tensor shaped like its input"
+                  + (_SPLIT_HINT if _leaves_graph(topk) else ""))
+
+
+_SPLIT_HINT = (
+    "; the router's results leave this graph: a graph break inside the layer split it across graphs "
+    "(e.g. transformers' experts_implementation=\"eager\", a loop over nonzero()). Compile with fullgraph=True "
+    "to see where; for a transformers model call moe_compile.hf.prepare(model) first"
+)
+
+
+def _leaves_graph(node: Node) -> bool:
+    """Whether a value computed from ``node`` is an output of its graph (Dynamo ended the graph there)."""
+    seen, todo = {node}, [node]
+    while todo:
+        for user in todo.pop().users:
+            if user.op == "output":
+                return True
+            if user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return False
 
 
 def _topk_args(topk: Node) -> tuple[int, int]:
