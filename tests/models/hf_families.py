@@ -5,6 +5,7 @@
     python -m tests.models.hf_families --write-readme       # README's family table from EXPECTED
     python -m tests.models.hf_families --update-expected --write-readme   # both (after a detection change)
     python -m tests.models.hf_families mixtral dbrx         # some families only (prints, writes nothing)
+    python -m tests.models.hf_families --update-expected mixtral   # rerun and record only these rows
 
 A *family* is a model directory of transformers (``transformers/models/<family>/``) whose
 configuration has a routed-experts field (``num_experts``, ``n_routed_experts``,
@@ -18,8 +19,18 @@ the per-family settings of :data:`SETTINGS` where the generic ones do not fit.
 :func:`run_family` compiles it with ``backend="moe", fullgraph=True`` and the fast inner
 compiler, checks logits and parameter gradients against eager, and returns the
 :class:`FamilyResult`: MoE layers present (modules with an ``experts`` child), found, rewritten,
-and the status — ``rewritten``, ``left eager: <reason of the first WARNING>`` or ``Dynamo cannot
-capture: <why>, use <fix>``. :data:`EXPECTED` is the recorded status per family and experts
+and the status:
+
+- ``rewritten``: every MoE layer replaced by the canonical ops;
+- ``left eager: <reason>``: the first WARNING's reason (``k of n rewritten; ...`` when some are);
+- ``needs moe_compile.hf.prepare(model), then <status>``: Dynamo cannot capture the model as
+  transformers builds it; after the documented one-line fix it compiles, with that status;
+- ``Dynamo cannot capture: <why>, use <fix>``: not even after ``prepare``;
+- ``not built: <error>``: the generic tiny config does not fit the family (a SETTINGS entry is due);
+- ``WRONG: ...``: the compiled model differs from eager — a bug of the backend, recorded so that the
+  table shows it and its fix is noticed.
+
+:data:`EXPECTED` is the recorded status per family and experts
 implementation; the test asserts the run equals it, so a regression fails, and so does an
 improvement until the table is regenerated.
 
@@ -85,7 +96,8 @@ SETTINGS: dict[str, dict] = {
                  ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2}),
     "doge": dict(is_moe=True, num_experts=16),
     "dots3_note": dict(num_key_value_heads=2),
-    "ernie4_5_vl_moe": dict(moe_intermediate_size=[32, 32]),
+    "ernie4_5_vl_moe": dict(moe_intermediate_size=[32, 32], rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                             "mrope_section": [3, 3, 2]}),
     "gemma4": dict(enable_moe_block=True, vocab_size_per_layer_input=64, hidden_size_per_layer_input=8,
                    layer_types=["sliding_attention", "full_attention"]),
     "glm4v_moe": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
@@ -290,7 +302,8 @@ class FamilyResult:
     present: int          # MoE layers in the model
     found: int            # ... matched by detect
     rewritten: int        # ... replaced by the canonical ops
-    status: str           # "rewritten", "left eager: <reason>", "Dynamo cannot capture: <why>, use <fix>"
+    status: str           # "rewritten", "left eager: <reason>", "needs moe_compile.hf.prepare(model), then ...",
+                          # "Dynamo cannot capture: <why>, use <fix>", "not built: <error>", "WRONG: ..."
     seconds: float
 
 
@@ -334,20 +347,24 @@ def _dynamo_why(error: BaseException) -> str:
     return dynamo_failure_reason(error)
 
 
-def run_family(family: str, experts_implementation: str = "grouped_mm", backward: bool = True) -> FamilyResult:
+def run_family(family: str, experts_implementation: str = "grouped_mm", backward: bool = True,
+               prepare_on_failure: bool = True, prepared: bool = False) -> FamilyResult:
     """Compile the tiny ``family`` model with backend="moe" (fullgraph, fast inner compiler), check it
     against eager (logits; with ``backward`` every parameter gradient), and say what became of its
-    MoE layers. A mismatch with eager is the status ``WRONG: ...`` (a bug of the backend, recorded so that
+    MoE layers. When Dynamo cannot capture the model, ``moe_compile.hf.prepare`` (the documented fix) is
+    applied and the model compiled again (``prepared``: build it prepared). A mismatch with eager is the status ``WRONG: ...`` (a bug of the backend, recorded so that
     the table shows it and a fix is noticed)."""
     import moe_compile
-    from moe_compile.hf import capture_fix
+    import moe_compile.hf as hf
 
     start = time.perf_counter()
     ids = torch.randint(0, GENERIC["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(1))
     try:
         tiny = build(family, experts_implementation)
         model = tiny.model
-        eager = copy.deepcopy(model)
+        eager = copy.deepcopy(model)   # the reference: transformers' own forward, also when prepared
+        if prepared:
+            hf._prepare(model)
         out_e = eager(ids)
     except Exception as e:  # the tiny config is wrong for this family: recorded, never hidden
         return FamilyResult(family, experts_implementation, "-", 0, 0, 0, f"not built: {_first_line(e)}",
@@ -370,7 +387,14 @@ def run_family(family: str, experts_implementation: str = "grouped_mm", backward
             if moe_compile.counters["graphs"]:
                 raise
             why = _dynamo_why(e)
-            status = f"Dynamo cannot capture: {why}, use {capture_fix(family, experts_implementation)}"
+            if prepare_on_failure and hf._prepare(model):   # the documented fix; same parameters
+                torch._dynamo.reset()
+                again = run_family(family, experts_implementation, backward, prepare_on_failure=False,
+                                   prepared=True)
+                if not again.status.startswith("Dynamo cannot capture"):
+                    return dataclasses.replace(again, status=f"needs moe_compile.hf.prepare(model), then {again.status}",
+                                               seconds=time.perf_counter() - start)
+            status = f"Dynamo cannot capture: {why}, use {hf.capture_fix(family, experts_implementation)}"
             return FamilyResult(family, experts_implementation, tiny.model_name, present, 0, 0, status,
                                 time.perf_counter() - start)
     finally:
@@ -427,7 +451,7 @@ def batched_mm_representatives(grouped_mm_status: dict[str, str]) -> tuple[str, 
     """The families compiled with batched_mm too: every family rewritten with grouped_mm (its router is
     found, so the experts form decides the rewrite), and for each experts signature none of those
     has, the first family (alphabetically) with it."""
-    chosen = {f for f, status in grouped_mm_status.items() if status == "rewritten"}
+    chosen = {f for f, status in grouped_mm_status.items() if status.endswith("rewritten") and not status.startswith("WRONG")}
     covered = {sig for f in chosen for sig in experts_signatures(f)}
     for family in sorted(grouped_mm_status):
         new = experts_signatures(family) - covered
@@ -491,7 +515,7 @@ def _expected_source(batched: tuple[str, ...], expected: dict[tuple[str, str], s
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("families", nargs="*", help="run only these (prints; writes nothing)")
+    parser.add_argument("families", nargs="*", help="run only these (prints; with --update-expected, updates their rows)")
     parser.add_argument("--update-expected", action="store_true", help="run every family, rewrite EXPECTED in this file")
     parser.add_argument("--write-readme", action="store_true", help="rewrite README's family table from EXPECTED")
     args = parser.parse_args(argv)
@@ -510,14 +534,18 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         for family in families:
             run(family, "grouped_mm")
-        batched = (batched_mm_representatives({f: results[(f, "grouped_mm")] for f in families})
+        merged = {**(expected if args.families else {}), **results}
+        batched = (batched_mm_representatives({f: st for (f, impl), st in merged.items() if impl == "grouped_mm"})
                    if args.update_expected else BATCHED_MM)
         for family in families:
             if family in batched:
                 run(family, "batched_mm")
         print(f"{len(results)} compiles in {time.perf_counter() - start:.0f} s")
-        if args.update_expected and not args.families:
-            expected = results
+        if args.update_expected:
+            missing = [f for f in batched if (f, "batched_mm") not in results and (f, "batched_mm") not in expected]
+            for family in missing:   # a family named earlier became a representative
+                run(family, "batched_mm")
+            expected = {k: v for k, v in {**merged, **results}.items() if k[1] == "grouped_mm" or k[0] in batched}
             _write_block(Path(__file__), "# BEGIN GENERATED (python -m tests.models.hf_families --update-expected)",
                          "# END GENERATED", _expected_source(batched, expected))
             print(f"wrote EXPECTED ({len(expected)} cases) into {Path(__file__).relative_to(ROOT)}")
