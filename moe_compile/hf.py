@@ -37,8 +37,14 @@ log = logging.getLogger("moe_compile")
 
 _FORWARDS: dict[str, Callable] = {}
 
-#: family → (why Dynamo cannot capture its MoE model, the fix); prepare warns with it.
-NO_SUBSTITUTE: dict[str, tuple[str, str]] = {}
+#: family → (why Dynamo cannot capture the whole model even after prepare, the fix); prepare warns with it.
+NO_SUBSTITUTE: dict[str, tuple[str, str]] = {
+    "switch_transformers": (
+        "transformers' output capturing (utils/output_capturing.py) raises a TypeError under Dynamo",
+        "compile each SwitchTransformersSparseMLP instead: torch.compile(layer.mlp, backend=\"moe\", fullgraph=True) "
+        "after moe_compile.hf.prepare(model)",
+    ),
+}
 
 
 def register_forward(class_name: str, forward: Callable, *, replace: bool = False) -> None:
@@ -79,12 +85,20 @@ def prepare(model: torch.nn.Module, experts_implementation: str = "grouped_mm", 
 
     Returns ``model``. Idempotent; a model that needs nothing is returned unchanged.
     """
+    _prepare(model, experts_implementation, strict)
+    return model
+
+
+def _prepare(model: torch.nn.Module, experts_implementation: str = "grouped_mm", strict: bool = False) -> int:
+    """:func:`prepare`; returns how many (sub-)models and modules it changed."""
     if experts_implementation not in ("grouped_mm", "batched_mm"):
         raise ValueError(f"prepare(experts_implementation={experts_implementation!r}): choose 'grouped_mm' or "
                          "'batched_mm' (the forms the moe backend rewrites)")
+    switched = 0
     for module in model.modules():   # outermost first: set_experts_implementation covers its sub-models
         if _runs_eager_experts(module):
             module.set_experts_implementation(experts_implementation)
+            switched += 1
             log.info("moe_compile.hf.prepare: %s switched to experts_implementation=%r", type(module).__name__,
                      experts_implementation)
     replaced = 0
@@ -102,7 +116,7 @@ def prepare(model: torch.nn.Module, experts_implementation: str = "grouped_mm", 
         if strict:
             raise ValueError(message)
         log.warning(message)
-    return model
+    return switched + replaced
 
 
 def capture_fix(family: str, experts_implementation: str | None) -> str:

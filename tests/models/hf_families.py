@@ -331,6 +331,18 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"[:160]
 
 
+def _raises_with_aot_eager(model: torch.nn.Module, ids: torch.Tensor) -> bool:
+    """Whether torch.compile's own aot_eager backend fails on the model too (then it is not the moe backend's bug)."""
+    torch._dynamo.reset()
+    try:
+        torch.compile(copy.deepcopy(model), backend="aot_eager", fullgraph=True)(ids)
+    except Exception:
+        return True
+    finally:
+        torch._dynamo.reset()
+    return False
+
+
 def _differs(actual: torch.Tensor, expected: torch.Tensor, what: str) -> str:
     """``what`` when the two differ beyond TOL, else ""."""
     try:
@@ -383,9 +395,13 @@ def run_family(family: str, experts_implementation: str = "grouped_mm", backward
             out_c = compiled(ids)
         except torch._dynamo.exc.BackendCompilerFailed:
             raise
-        except Exception as e:  # Dynamo failed before the backend ran
+        except Exception as e:  # Dynamo failed before the backend ran, or the compiled model raised
             if moe_compile.counters["graphs"]:
-                raise
+                whose = "also" if _raises_with_aot_eager(eager, ids) else "not"
+                return FamilyResult(family, experts_implementation, tiny.model_name, present,
+                                    moe_compile.counters["regions_found"], moe_compile.counters["regions_rewritten"],
+                                    f"WRONG: the compiled model raises {_first_line(e)} ({whose} with backend=\"aot_eager\")",
+                                    time.perf_counter() - start)
             why = _dynamo_why(e)
             if prepare_on_failure and hf._prepare(model):   # the documented fix; same parameters
                 torch._dynamo.reset()
