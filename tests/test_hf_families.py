@@ -62,32 +62,19 @@ def test_readme_table_is_generated():
     assert block == H.readme_table(), f"README's family table differs from EXPECTED: run `{REGENERATE}`"
 
 
-def _run_case(case: tuple[str, str]):
-    """One case in a worker process (one thread: the workers share the machine's cores)."""
-    torch.set_num_threads(1)
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    return H.run_family(*case)
-
-
 @pytest.fixture(scope="module")
 def family_results(request):
     """The selected test_family cases, run up front on 2 worker processes (the CI box has 2 cores; each
     case is one process-local compile, so 2 run side by side in about half the time)."""
-    import concurrent.futures
-    import multiprocessing
-
     selected = sorted({(item.callspec.params["family"], item.callspec.params["experts_implementation"])
                        for item in request.session.items if item.originalname == "test_family"})
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=2, mp_context=context) as pool:
-        futures = {case: pool.submit(_run_case, case) for case in selected}
-        return {case: future for case, future in futures.items()}
+    return {(r.family, r.experts_implementation): r for r in H.run_cases(selected, jobs=2)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family, experts_implementation", H.cases())
 def test_family(family, experts_implementation, family_results):
-    result = family_results[(family, experts_implementation)].result()   # raises what the case raised
+    result = family_results[(family, experts_implementation)]
     expected = H.EXPECTED[(family, experts_implementation)]
     assert result.status == expected, (
         f"{family} ({experts_implementation}): {result.status!r}, recorded {expected!r} "

@@ -529,11 +529,31 @@ def _expected_source(batched: tuple[str, ...], expected: dict[tuple[str, str], s
     return "\n".join(lines)
 
 
+def _run_case(case: tuple[str, str]) -> FamilyResult:
+    torch.set_num_threads(1)   # the workers share the machine's cores
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    return run_family(*case)
+
+
+def run_cases(cases, jobs: int = 2):
+    """``run_family`` over ``cases`` on ``jobs`` worker processes (fresh, spawned); results as they finish."""
+    import concurrent.futures
+    import multiprocessing
+
+    if jobs <= 1:
+        yield from (run_family(*case) for case in cases)
+        return
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for future in concurrent.futures.as_completed([pool.submit(_run_case, case) for case in cases]):
+            yield future.result()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("families", nargs="*", help="run only these (prints; with --update-expected, updates their rows)")
     parser.add_argument("--update-expected", action="store_true", help="run every family, rewrite EXPECTED in this file")
     parser.add_argument("--write-readme", action="store_true", help="rewrite README's family table from EXPECTED")
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -542,25 +562,21 @@ def main(argv=None) -> int:
         families = args.families or [f for f in discover() if f not in EXCLUDED]
         results = {}
 
-        def run(family, impl):
-            r = run_family(family, impl)
-            results[(family, impl)] = r.status
-            print(f"{family:24s} {impl:10s} {r.seconds:5.1f}s {r.rewritten}/{r.present} rewritten  {r.status}", flush=True)
+        def run(cases):
+            for r in run_cases(cases, args.jobs):
+                results[(r.family, r.experts_implementation)] = r.status
+                print(f"{r.family:24s} {r.experts_implementation:10s} {r.seconds:5.1f}s "
+                      f"{r.rewritten}/{r.present} rewritten  {r.status}", flush=True)
 
         start = time.perf_counter()
-        for family in families:
-            run(family, "grouped_mm")
+        run([(f, "grouped_mm") for f in families])
         merged = {**(expected if args.families else {}), **results}
         batched = (batched_mm_representatives({f: st for (f, impl), st in merged.items() if impl == "grouped_mm"})
                    if args.update_expected else BATCHED_MM)
-        for family in families:
-            if family in batched:
-                run(family, "batched_mm")
+        missing = [f for f in batched if f not in families and (f, "batched_mm") not in expected]
+        run([(f, "batched_mm") for f in families if f in batched] + [(f, "batched_mm") for f in missing])
         print(f"{len(results)} compiles in {time.perf_counter() - start:.0f} s")
         if args.update_expected:
-            missing = [f for f in batched if (f, "batched_mm") not in results and (f, "batched_mm") not in expected]
-            for family in missing:   # a family named earlier became a representative
-                run(family, "batched_mm")
             expected = {k: v for k, v in {**merged, **results}.items() if k[1] == "grouped_mm" or k[0] in batched}
             _write_block(Path(__file__), "# BEGIN GENERATED (python -m tests.models.hf_families --update-expected)",
                          "# END GENERATED", _expected_source(batched, expected))
