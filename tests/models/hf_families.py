@@ -129,7 +129,53 @@ SETTINGS: dict[str, dict] = {
 BATCHED_MM: tuple[str, ...] = ()
 
 #: Recorded status per (family, experts implementation).
-EXPECTED: dict[tuple[str, str], str] = {}
+EXPECTED: dict[tuple[str, str], str] = {
+    ('afmoe', 'grouped_mm'): 'left eager: top-k topk: its values or indices are unused',
+    ('aria', 'grouped_mm'): 'left eager: its canonical form does not reproduce it',
+    ('axk1', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('axk2', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('bailing_hybrid', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('beam', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('cohere2_moe', 'grouped_mm'): 'left eager: its canonical form does not reproduce it',
+    ('dbrx', 'grouped_mm'): 'needs moe_compile.hf.prepare(model), then left eager: no expert linear layers',
+    ('deepseek_ocr2', 'grouped_mm'): 'left eager: its canonical form does not reproduce it',
+    ('deepseek_v2', 'grouped_mm'): 'left eager: its canonical form does not reproduce it',
+    ('deepseek_v3', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('deepseek_v32', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('deepseek_v4', 'grouped_mm'): 'left eager: no WARNING (no top-k router found)',
+    ('diffusion_gemma', 'grouped_mm'): 'WRONG: compiled logits differs from eager (1 of 2 rewritten)',
+    ('doge', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('dots1', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('dots3_note', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('ernie4_5_moe', 'grouped_mm'): 'left eager: top-k topk: its values or indices are unused',
+    ('ernie4_5_vl_moe', 'grouped_mm'): 'left eager: top-k topk: its values or indices are unused',
+    ('exaone_moe', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('flex_olmo', 'grouped_mm'): 'rewritten',
+    ('flint', 'grouped_mm'): 'left eager: its canonical form does not reproduce it',
+    ('gemma4', 'grouped_mm'): 'WRONG: compiled logits differs from eager (1 of 2 rewritten)',
+    ('glm4_moe', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('glm4_moe_lite', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('glm4v_moe', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('glm5_next', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('glm_moe_dsa', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('gpt_oss', 'grouped_mm'): 'left eager: expert activation add is not one of relu, gelu, silu',
+    ('granitemoe', 'grouped_mm'): 'left eager: its canonical form does not reproduce it',
+    ('granitemoe_swa', 'grouped_mm'): 'left eager: its canonical form does not reproduce it',
+    ('granitemoehybrid', 'grouped_mm'): 'left eager: its canonical form does not reproduce it',
+    ('granitemoeshared', 'grouped_mm'): 'left eager: its canonical form does not reproduce it',
+    ('hunyuan_v1_moe', 'grouped_mm'): 'left eager: its canonical form does not reproduce it',
+    ('hy_v3', 'grouped_mm'): 'left eager: top-k topk: its values or indices are unused',
+    ('hy_v4', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('hy_v4_vl', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('inkling', 'grouped_mm'): 'left eager: top-k topk: its values or indices are unused',
+    ('inkling2', 'grouped_mm'): 'left eager: top-k topk: its values or indices are unused',
+    ('inkling2_loop', 'grouped_mm'): 'left eager: top-k topk: its values or indices are unused',
+    ('jamba', 'grouped_mm'): 'rewritten',
+    ('jetmoe', 'grouped_mm'): 'left eager: no expert linear layers',
+    ('kimi_linear', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('kolibri1', 'grouped_mm'): 'left eager: top-k topk: its values or indices are unused',
+    ('laguna', 'grouped_mm'): 'left eager: top-k topk: its values or indices are unused',
+}
 # END GENERATED
 
 
@@ -419,8 +465,13 @@ def run_family(family: str, experts_implementation: str = "grouped_mm", backward
     found, rewritten = moe_compile.counters["regions_found"], moe_compile.counters["regions_rewritten"]
     wrong = _differs(out_c, out_e, "logits")
     if backward and not wrong:
-        out_c.float().pow(2).mean().backward()
         out_e.float().pow(2).mean().backward()
+        try:
+            out_c.float().pow(2).mean().backward()
+        except Exception as e:  # the compiled backward raised: a bug, recorded like a mismatch
+            return FamilyResult(family, experts_implementation, tiny.model_name, present, found, rewritten,
+                                f"WRONG: the compiled backward raises {_first_line(e)} "
+                                f"({rewritten} of {present} rewritten)", time.perf_counter() - start)
         for (name, p_c), (_, p_e) in zip(model.named_parameters(), eager.named_parameters()):
             if p_e.grad is None:
                 assert p_c.grad is None, f"{family}: {name} has a gradient only when compiled"
@@ -544,8 +595,13 @@ def run_cases(cases, jobs: int = 2):
         yield from (run_family(*case) for case in cases)
         return
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for future in concurrent.futures.as_completed([pool.submit(_run_case, case) for case in cases]):
-            yield future.result()
+        futures = {pool.submit(_run_case, case): case for case in cases}
+        for future in concurrent.futures.as_completed(futures):
+            try:
+                yield future.result()
+            except Exception as e:  # never lose the other cases: the status names the error
+                family, impl = futures[future]
+                yield FamilyResult(family, impl, "-", 0, 0, 0, f"ERROR: {_first_line(e)}", 0.0)
 
 
 def main(argv=None) -> int:
