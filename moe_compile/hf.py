@@ -39,6 +39,15 @@ _FORWARDS: dict[str, Callable] = {}
 
 #: family → (why Dynamo cannot capture the whole model even after prepare, the fix); prepare warns with it.
 NO_SUBSTITUTE: dict[str, tuple[str, str]] = {
+    "longcat_flash": (
+        "its experts loop `for expert_idx_tensor in expert_hit` over nonzero() has no registered substitute yet",
+        "compile without fullgraph=True (its MoE layers then stay eager), or register a Dynamo-safe forward "
+        "for its experts module with moe_compile.hf.register_forward",
+    ),
+    "qwen4_exp": (
+        "its attention branches on a tensor value (`if num_complete_blocks > 0:`), outside the MoE layers",
+        "compile without fullgraph=True, or compile its MoE blocks alone (torch.compile(layer.mlp, backend=\"moe\"))",
+    ),
     "switch_transformers": (
         "transformers' output capturing (utils/output_capturing.py) raises a TypeError under Dynamo",
         "compile each SwitchTransformersSparseMLP instead: torch.compile(layer.mlp, backend=\"moe\", fullgraph=True) "
@@ -119,12 +128,16 @@ def _prepare(model: torch.nn.Module, experts_implementation: str = "grouped_mm",
     return switched + replaced
 
 
-def capture_fix(family: str, experts_implementation: str | None) -> str:
-    """What a user does when Dynamo cannot capture a transformers ``family`` model (the test table's
-    ``use <fix>``)."""
-    if family in NO_SUBSTITUTE:
-        return NO_SUBSTITUTE[family][1]
-    return "moe_compile.hf.prepare(model)"
+GENERIC_FIX = (
+    "compile without fullgraph=True (Dynamo breaks the graph there; what it splits stays eager), or register a "
+    "Dynamo-safe forward for the module with moe_compile.hf.register_forward"
+)
+
+
+def capture_fix(family: str, experts_implementation: str | None = None) -> str:
+    """What a user does when Dynamo cannot capture a transformers ``family`` model even after
+    :func:`prepare` (the test table's ``use <fix>``)."""
+    return NO_SUBSTITUTE[family][1] if family in NO_SUBSTITUTE else GENERIC_FIX
 
 
 _CAUSED_BY = re.compile(r"Caused by: (?P<code>.+?)\s+# (?P<file>\S+?):\d+ in ")

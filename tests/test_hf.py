@@ -33,6 +33,9 @@ def _compare(model, ids):
     out_c.pow(2).mean().backward()
     out_e.pow(2).mean().backward()
     for (name, p_c), (_, p_e) in zip(model.named_parameters(), eager.named_parameters()):
+        if p_e.grad is None:   # an expert no token chose: eager never used it, the compiled loop adds zeros
+            assert p_c.grad is None or not p_c.grad.count_nonzero(), name
+            continue
         torch.testing.assert_close(p_c.grad, p_e.grad, **H.TOL, msg=lambda m: f"grad of {name}: {m}")
 
 

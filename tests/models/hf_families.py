@@ -126,15 +126,17 @@ SETTINGS: dict[str, dict] = {
 
 # BEGIN GENERATED (python -m tests.models.hf_families --update-expected)
 #: Families compiled with experts_implementation="batched_mm" too (one per experts-class flag signature).
-BATCHED_MM: tuple[str, ...] = ()
+BATCHED_MM: tuple[str, ...] = ('aria', 'beam', 'flex_olmo', 'gpt_oss', 'jamba', 'mellum', 'minimax', 'mixtral', 'muse_spark', 'nemotron_h', 'olmoe', 'openai_privacy_filter', 'qwen3_moe', 'qwen3_omni_moe', 'qwen3_vl_moe')
 
 #: Recorded status per (family, experts implementation).
 EXPECTED: dict[tuple[str, str], str] = {
     ('afmoe', 'grouped_mm'): 'left eager: top-k topk: its values or indices are unused',
+    ('aria', 'batched_mm'): 'left eager: its canonical form does not reproduce it',
     ('aria', 'grouped_mm'): 'left eager: its canonical form does not reproduce it',
     ('axk1', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
     ('axk2', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
     ('bailing_hybrid', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('beam', 'batched_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
     ('beam', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
     ('cohere2_moe', 'grouped_mm'): 'left eager: its canonical form does not reproduce it',
     ('dbrx', 'grouped_mm'): 'needs moe_compile.hf.prepare(model), then left eager: no expert linear layers',
@@ -150,6 +152,7 @@ EXPECTED: dict[tuple[str, str], str] = {
     ('ernie4_5_moe', 'grouped_mm'): 'left eager: top-k topk: its values or indices are unused',
     ('ernie4_5_vl_moe', 'grouped_mm'): 'left eager: top-k topk: its values or indices are unused',
     ('exaone_moe', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('flex_olmo', 'batched_mm'): 'rewritten',
     ('flex_olmo', 'grouped_mm'): 'rewritten',
     ('flint', 'grouped_mm'): 'left eager: its canonical form does not reproduce it',
     ('gemma4', 'grouped_mm'): 'WRONG: compiled logits differs from eager (1 of 2 rewritten)',
@@ -158,6 +161,7 @@ EXPECTED: dict[tuple[str, str], str] = {
     ('glm4v_moe', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
     ('glm5_next', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
     ('glm_moe_dsa', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('gpt_oss', 'batched_mm'): 'left eager: expert activation add is not one of relu, gelu, silu',
     ('gpt_oss', 'grouped_mm'): 'left eager: expert activation add is not one of relu, gelu, silu',
     ('granitemoe', 'grouped_mm'): 'left eager: its canonical form does not reproduce it',
     ('granitemoe_swa', 'grouped_mm'): 'left eager: its canonical form does not reproduce it',
@@ -170,11 +174,54 @@ EXPECTED: dict[tuple[str, str], str] = {
     ('inkling', 'grouped_mm'): 'left eager: top-k topk: its values or indices are unused',
     ('inkling2', 'grouped_mm'): 'left eager: top-k topk: its values or indices are unused',
     ('inkling2_loop', 'grouped_mm'): 'left eager: top-k topk: its values or indices are unused',
+    ('jamba', 'batched_mm'): 'rewritten',
     ('jamba', 'grouped_mm'): 'rewritten',
     ('jetmoe', 'grouped_mm'): 'left eager: no expert linear layers',
     ('kimi_linear', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
     ('kolibri1', 'grouped_mm'): 'left eager: top-k topk: its values or indices are unused',
     ('laguna', 'grouped_mm'): 'left eager: top-k topk: its values or indices are unused',
+    ('lara_mini', 'grouped_mm'): "WRONG: the compiled backward raises RuntimeError: view size is not compatible with input tensor's size and stride (at least one dimension spans across two contiguous subspaces). Use .reshape(...)  (0 of 2 rewritten)",
+    ('lfm2_moe', 'grouped_mm'): 'left eager: top-k topk: its values or indices are unused',
+    ('llama4', 'grouped_mm'): 'left eager: expert activation getitem is not one of relu, gelu, silu',
+    ('longcat_flash', 'grouped_mm'): 'Dynamo cannot capture: data-dependent `for expert_idx_tensor in expert_hit:` in transformers/models/longcat_flash/modeling_longcat_flash.py, use compile without fullgraph=True (its MoE layers then stay eager), or register a Dynamo-safe forward for its experts module with moe_compile.hf.register_forward',
+    ('mellum', 'batched_mm'): 'rewritten',
+    ('mellum', 'grouped_mm'): 'rewritten',
+    ('mimo_v2_flash', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('minimax', 'batched_mm'): 'rewritten',
+    ('minimax', 'grouped_mm'): 'rewritten',
+    ('minimax_m2', 'grouped_mm'): 'left eager: top-k topk: its values or indices are unused',
+    ('minimax_m3_vl', 'grouped_mm'): 'left eager: top-k topk: its values or indices are unused',
+    ('mistral4', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('mistral_large4', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('mixtral', 'batched_mm'): 'rewritten',
+    ('mixtral', 'grouped_mm'): 'rewritten',
+    ('muse_spark', 'batched_mm'): 'left eager: top-k topk: its values or indices are unused',
+    ('muse_spark', 'grouped_mm'): 'left eager: top-k topk: its values or indices are unused',
+    ('nemotron_h', 'batched_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('nemotron_h', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('nllb_moe', 'grouped_mm'): 'needs moe_compile.hf.prepare(model), then left eager: no WARNING (no top-k router found)',
+    ('olmoe', 'batched_mm'): 'rewritten',
+    ('olmoe', 'grouped_mm'): 'rewritten',
+    ('openai_privacy_filter', 'batched_mm'): 'left eager: expert activation add is not one of relu, gelu, silu',
+    ('openai_privacy_filter', 'grouped_mm'): 'left eager: expert activation add is not one of relu, gelu, silu',
+    ('phimoe', 'grouped_mm'): 'left eager: no WARNING (no top-k router found)',
+    ('qwen2_moe', 'grouped_mm'): 'left eager: its canonical form does not reproduce it',
+    ('qwen3_5_moe', 'grouped_mm'): "WRONG: the compiled backward raises RuntimeError: view size is not compatible with input tensor's size and stride (at least one dimension spans across two contiguous subspaces). Use .reshape(...)  (0 of 2 rewritten)",
+    ('qwen3_moe', 'batched_mm'): 'rewritten',
+    ('qwen3_moe', 'grouped_mm'): 'rewritten',
+    ('qwen3_next', 'grouped_mm'): "WRONG: the compiled backward raises RuntimeError: view size is not compatible with input tensor's size and stride (at least one dimension spans across two contiguous subspaces). Use .reshape(...)  (0 of 2 rewritten)",
+    ('qwen3_omni_moe', 'batched_mm'): 'rewritten',
+    ('qwen3_omni_moe', 'grouped_mm'): 'rewritten',
+    ('qwen3_vl_moe', 'batched_mm'): 'rewritten',
+    ('qwen3_vl_moe', 'grouped_mm'): 'rewritten',
+    ('qwen4_exp', 'grouped_mm'): 'Dynamo cannot capture: data-dependent `if num_complete_blocks > 0:` in transformers/models/qwen4_exp/modeling_qwen4_exp.py, use compile without fullgraph=True, or compile its MoE blocks alone (torch.compile(layer.mlp, backend="moe"))',
+    ('sarvam_mla', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('sarvam_moe', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('solar_open', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
+    ('step3p7', 'grouped_mm'): 'Dynamo cannot capture: data-dependent `for expert_idx in hit:` in transformers/models/step3p7/modeling_step3p7.py, use compile without fullgraph=True (Dynamo breaks the graph there; what it splits stays eager), or register a Dynamo-safe forward for the module with moe_compile.hf.register_forward',
+    ('switch_transformers', 'grouped_mm'): 'Dynamo cannot capture: TypeError("\'NoneType\' object is not subscriptable") raised while tracing, use compile each SwitchTransformersSparseMLP instead: torch.compile(layer.mlp, backend="moe", fullgraph=True) after moe_compile.hf.prepare(model)',
+    ('unlimited_ocr', 'grouped_mm'): 'left eager: its canonical form does not reproduce it',
+    ('zaya', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
 }
 # END GENERATED
 
@@ -389,12 +436,14 @@ def _raises_with_aot_eager(model: torch.nn.Module, ids: torch.Tensor) -> bool:
     return False
 
 
-def _differs(actual: torch.Tensor, expected: torch.Tensor, what: str) -> str:
+def _differs(actual: torch.Tensor | None, expected: torch.Tensor, what: str) -> str:
     """``what`` when the two differ beyond TOL, else ""."""
+    if actual is None:
+        return f"{what} (missing)"
     try:
         torch.testing.assert_close(actual, expected, **TOL)
     except AssertionError:
-        return what.split(".")[0] if what.startswith("grad of") else what
+        return what
     return ""
 
 
@@ -473,8 +522,9 @@ def run_family(family: str, experts_implementation: str = "grouped_mm", backward
                                 f"WRONG: the compiled backward raises {_first_line(e)} "
                                 f"({rewritten} of {present} rewritten)", time.perf_counter() - start)
         for (name, p_c), (_, p_e) in zip(model.named_parameters(), eager.named_parameters()):
-            if p_e.grad is None:
-                assert p_c.grad is None, f"{family}: {name} has a gradient only when compiled"
+            if p_e.grad is None:   # eager never used it (an expert no token chose); compiled: none or zeros
+                if p_c.grad is not None and p_c.grad.count_nonzero():
+                    wrong = wrong or f"grad of {name} (eager has none)"
                 continue
             wrong = wrong or _differs(p_c.grad, p_e.grad, f"grad of {name}")
     if wrong:  # a bug of the backend: recorded so that the table shows it and the test notices a fix
