@@ -41,17 +41,17 @@ _FORWARDS: dict[str, Callable] = {}
 NO_SUBSTITUTE: dict[str, tuple[str, str]] = {
     "longcat_flash": (
         "its experts loop `for expert_idx_tensor in expert_hit` over nonzero() has no registered substitute yet",
-        "compile without fullgraph=True (its MoE layers then stay eager), or register a Dynamo-safe forward "
-        "for its experts module with moe_compile.hf.register_forward",
+        "torch.compile without fullgraph=True (its MoE layers then stay eager), or a Dynamo-safe forward for its "
+        "experts module registered with moe_compile.hf.register_forward",
     ),
     "qwen4_exp": (
         "its attention branches on a tensor value (`if num_complete_blocks > 0:`), outside the MoE layers",
-        "compile without fullgraph=True, or compile its MoE blocks alone (torch.compile(layer.mlp, backend=\"moe\"))",
+        "torch.compile without fullgraph=True, or torch.compile(layer.mlp, backend=\"moe\") on its MoE blocks alone",
     ),
     "switch_transformers": (
         "transformers' output capturing (utils/output_capturing.py) raises a TypeError under Dynamo",
-        "compile each SwitchTransformersSparseMLP instead: torch.compile(layer.mlp, backend=\"moe\", fullgraph=True) "
-        "after moe_compile.hf.prepare(model)",
+        "torch.compile(layer.mlp, backend=\"moe\", fullgraph=True) on each SwitchTransformersSparseMLP after "
+        "moe_compile.hf.prepare(model)",
     ),
 }
 
@@ -121,7 +121,7 @@ def _prepare(model: torch.nn.Module, experts_implementation: str = "grouped_mm",
     families = {_family(m) for m in model.modules() if _is_transformers(m)} & set(NO_SUBSTITUTE)
     for family in sorted(families):
         why, fix = NO_SUBSTITUTE[family]
-        message = f"moe_compile.hf.prepare: transformers' {family} cannot be captured by Dynamo ({why}); {fix}"
+        message = f"moe_compile.hf.prepare: transformers' {family} cannot be captured by Dynamo ({why}); use {fix}"
         if strict:
             raise ValueError(message)
         log.warning(message)
@@ -129,8 +129,8 @@ def _prepare(model: torch.nn.Module, experts_implementation: str = "grouped_mm",
 
 
 GENERIC_FIX = (
-    "compile without fullgraph=True (Dynamo breaks the graph there; what it splits stays eager), or register a "
-    "Dynamo-safe forward for the module with moe_compile.hf.register_forward"
+    "torch.compile without fullgraph=True (Dynamo breaks the graph there; what it splits stays eager), or a "
+    "Dynamo-safe forward for the module registered with moe_compile.hf.register_forward"
 )
 
 
