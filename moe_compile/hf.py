@@ -18,8 +18,10 @@ Two things stop Dynamo before the ``moe`` backend ever sees a transformers MoE m
    loop form the backend recognises (README, "Supported MoE patterns"). Same parameters, same
    result; an expert that receives no token contributes nothing, as before.
 
-Blocks ``prepare`` knows no substitute for are listed in :data:`NO_SUBSTITUTE`; ``prepare`` says so at
-WARNING with the fix (and ``strict=True`` raises ``ValueError`` instead). transformers is never
+Families ``prepare`` cannot make capturable as a whole (longcat_flash's and step3p7's experts loops
+have no substitute yet; qwen4_exp's attention branches on a tensor value; switch_transformers'
+output capturing fails under Dynamo even with its experts substituted) are listed in
+:data:`NO_SUBSTITUTE`; ``prepare`` says so at WARNING with the fix (and ``strict=True`` raises ``ValueError`` instead). transformers is never
 imported by this module: classes are matched by module and name.
 """
 from __future__ import annotations
@@ -47,6 +49,11 @@ NO_SUBSTITUTE: dict[str, tuple[str, str]] = {
     "qwen4_exp": (
         "its attention branches on a tensor value (`if num_complete_blocks > 0:`), outside the MoE layers",
         "torch.compile without fullgraph=True, or torch.compile(layer.mlp, backend=\"moe\") on its MoE blocks alone",
+    ),
+    "step3p7": (
+        "its experts loop `for expert_idx in hit` over nonzero() has no registered substitute yet",
+        "torch.compile without fullgraph=True (its MoE layers then stay eager), or a Dynamo-safe forward for its "
+        "experts module registered with moe_compile.hf.register_forward",
     ),
     "switch_transformers": (
         "transformers' output capturing (utils/output_capturing.py) raises a TypeError under Dynamo",

@@ -96,3 +96,15 @@ def test_graph_break_inside_the_layer_is_named(caplog):
     assert warnings and all("graph break inside the layer" in w and "moe_compile.hf.prepare(model)" in w
                             for w in warnings), warnings
     assert moe_compile.counters["regions_rewritten"] == 0
+
+
+def test_prepare_names_the_fix_where_it_has_no_substitute(caplog):
+    """switch_transformers: its experts get the substitute, but the whole model still cannot be captured:
+    a WARNING (strict: ValueError) names the fix."""
+    model = H.build("switch_transformers").model
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    hf.prepare(model)
+    assert any("switch_transformers cannot be captured by Dynamo" in r.getMessage()
+               and "on each SwitchTransformersSparseMLP" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="use torch.compile\\(layer.mlp"):
+        hf.prepare(model, strict=True)

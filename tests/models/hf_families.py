@@ -218,7 +218,7 @@ EXPECTED: dict[tuple[str, str], str] = {
     ('sarvam_mla', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
     ('sarvam_moe', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
     ('solar_open', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
-    ('step3p7', 'grouped_mm'): 'Dynamo cannot capture: data-dependent `for expert_idx in hit:` in transformers/models/step3p7/modeling_step3p7.py, use torch.compile without fullgraph=True (Dynamo breaks the graph there; what it splits stays eager), or a Dynamo-safe forward for the module registered with moe_compile.hf.register_forward',
+    ('step3p7', 'grouped_mm'): 'Dynamo cannot capture: data-dependent `for expert_idx in hit:` in transformers/models/step3p7/modeling_step3p7.py, use torch.compile without fullgraph=True (its MoE layers then stay eager), or a Dynamo-safe forward for its experts module registered with moe_compile.hf.register_forward',
     ('switch_transformers', 'grouped_mm'): 'Dynamo cannot capture: TypeError("\'NoneType\' object is not subscriptable") raised while tracing, use torch.compile(layer.mlp, backend="moe", fullgraph=True) on each SwitchTransformersSparseMLP after moe_compile.hf.prepare(model)',
     ('unlimited_ocr', 'grouped_mm'): 'left eager: its canonical form does not reproduce it',
     ('zaya', 'grouped_mm'): 'left eager: top-k topk is not over the last dim of a [T, E] score tensor',
