@@ -5,7 +5,7 @@
 No import is needed for that line (the backend is an entry point); import the
 package for its configuration and counters.
 """
-from . import ops
+from . import hf, ops
 from .collectives import Compressor, register_compressor
 from .collectives.algorithms import AllToAll
 from .collectives.all_to_all_registry import register_all_to_all
@@ -34,6 +34,7 @@ __all__ = [
     "counters",
     "full_expert_state_dict",
     "fully_shard",
+    "hf",
     "measure_tasks",
     "ops",
     "PassResult",

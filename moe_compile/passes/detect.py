@@ -287,7 +287,28 @@ def _match(graph: Graph, router: Router) -> MoERegion:
             routing=router.form,
             routed=routed_output(region, selection, output, experts, (shape_of(tokens), shape_of(hidden))),
         )
-    raise NoMatch(f"top-k {selection.name}: no enclosing module returns a tensor shaped like its input")
+    raise NoMatch(f"top-k {selection.name}: no enclosing module returns a tensor shaped like its input"
+                  + (_SPLIT_HINT if _leaves_graph(selection) else ""))
+
+
+_SPLIT_HINT = (
+    "; the router's results leave this graph: a graph break inside the layer split it across graphs "
+    "(e.g. transformers' experts_implementation=\"eager\", a loop over nonzero()). Compile with fullgraph=True "
+    "to see where; for a transformers model call moe_compile.hf.prepare(model) first"
+)
+
+
+def _leaves_graph(node: Node) -> bool:
+    """Whether a value computed from ``node`` is an output of its graph (Dynamo ended the graph there)."""
+    seen, todo = {node}, [node]
+    while todo:
+        for user in todo.pop().users:
+            if user.op == "output":
+                return True
+            if user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return False
 
 
 def _layer_output(inputs: list[Node], outputs: list[Node]) -> tuple[Node | None, Node | None]:

@@ -1,0 +1,110 @@
+"""``moe_compile.hf.prepare``: transformers models Dynamo cannot capture, made capturable in one line.
+
+Models come from tests/models/hf_families.py (tiny, random init); each prepared model is compiled
+with backend="moe" (fullgraph) and compared with transformers' own eager forward, logits and every
+gradient.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import moe_compile
+import moe_compile.hf as hf
+from tests.models import hf_families as H
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def _compare(model, ids):
+    """Compiled (moe backend, fullgraph) vs eager, logits and every gradient."""
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="moe", fullgraph=True, options=H.OPTIONS)
+    out_c, out_e = compiled(ids), eager(ids)
+    torch.testing.assert_close(out_c, out_e, **H.TOL)
+    out_c.pow(2).mean().backward()
+    out_e.pow(2).mean().backward()
+    for (name, p_c), (_, p_e) in zip(model.named_parameters(), eager.named_parameters()):
+        if p_e.grad is None:   # an expert no token chose: eager never used it, the compiled loop adds zeros
+            assert p_c.grad is None or not p_c.grad.count_nonzero(), name
+            continue
+        torch.testing.assert_close(p_c.grad, p_e.grad, **H.TOL, msg=lambda m: f"grad of {name}: {m}")
+
+
+def _ids():
+    return torch.randint(0, H.GENERIC["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.slow
+def test_prepare_switches_eager_experts():
+    """experts_implementation="eager": Dynamo fails naming the loop; after prepare every layer is rewritten."""
+    model = H.build("mixtral", "eager").model
+    with pytest.raises(Exception) as failure:
+        torch.compile(copy.deepcopy(model), backend="moe", fullgraph=True, options=H.OPTIONS)(_ids())
+    assert "`for expert_idx in expert_hit:`" in hf.dynamo_failure_reason(failure.value)
+    assert moe_compile.counters["graphs"] == 0
+    torch._dynamo.reset()
+    assert hf.prepare(model) is model
+    assert model.model.config._experts_implementation == "grouped_mm"
+    _compare(model, _ids())
+    assert moe_compile.counters["regions_rewritten"] == 2 == H.moe_layers_present(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["nllb_moe", "dbrx"])
+def test_prepare_substitutes_the_experts_loop(family):
+    """A registered Dynamo-safe forward: the same parameters, the same logits and gradients, captured."""
+    model = H.build(family).model
+    reference = copy.deepcopy(model)
+    hf.prepare(model)
+    assert sorted(n for n, _ in model.named_parameters()) == sorted(n for n, _ in reference.named_parameters())
+    torch.testing.assert_close(model(_ids()), reference(_ids()), **H.TOL)
+    _compare(model, _ids())
+    assert moe_compile.counters["graphs"] == 1
+
+
+def test_prepare_leaves_other_models_alone():
+    from tests.models.sort import SortMoE
+
+    layer = SortMoE(8, 16, 4)
+    forward = layer.forward
+    assert hf.prepare(layer) is layer and layer.forward == forward
+    with pytest.raises(ValueError, match="choose 'grouped_mm' or 'batched_mm'"):
+        hf.prepare(layer, "eager")
+    with pytest.raises(ValueError, match="already registered"):
+        hf.register_forward("DbrxExperts", lambda self, *a: None)
+
+
+@pytest.mark.slow
+def test_graph_break_inside_the_layer_is_named(caplog):
+    """Without fullgraph, experts_implementation="eager" breaks the graph inside the MoE layer: the WARNING
+    says so and names the fix."""
+    model = H.build("mixtral", "eager").model
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    eager = copy.deepcopy(model)
+    out = torch.compile(model, backend="moe", options=H.OPTIONS)(_ids())
+    torch.testing.assert_close(out, eager(_ids()), **H.TOL)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "moe_compile" and r.levelno == logging.WARNING]
+    assert warnings and all("graph break inside the layer" in w and "moe_compile.hf.prepare(model)" in w
+                            for w in warnings), warnings
+    assert moe_compile.counters["regions_rewritten"] == 0
+
+
+def test_prepare_names_the_fix_where_it_has_no_substitute(caplog):
+    """switch_transformers: its experts get the substitute, but the whole model still cannot be captured:
+    a WARNING (strict: ValueError) names the fix."""
+    model = H.build("switch_transformers").model
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    hf.prepare(model)
+    assert any("switch_transformers cannot be captured by Dynamo" in r.getMessage()
+               and "on each SwitchTransformersSparseMLP" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="use torch.compile\\(layer.mlp"):
+        hf.prepare(model, strict=True)

@@ -1,0 +1,128 @@
+"""Every MoE family of the pinned transformers, compiled with backend="moe": the recorded status holds.
+
+The families, their tiny configs and the expected statuses live in ``tests/models/hf_families.py``.
+Each case compiles one family (fullgraph, aot-eager-like inner compiler), checks logits and every
+parameter gradient against eager, and asserts the status (rewritten / left eager and why / Dynamo
+cannot capture and the fix) equals the table: a regression fails, and so does an improvement until
+
+    python -m tests.models.hf_families --update-expected --write-readme
+
+regenerates the table and README's copy of it. One spawn of 2 gloo ranks runs every rewritten
+family expert-parallel (``moe_compile.hf.prepare`` itself: tests/test_hf.py).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import moe_compile
+import moe_compile.hf as hf
+from tests.models import hf_families as H
+
+transformers = pytest.importorskip("transformers")
+if transformers.__version__ != H.TRANSFORMERS_VERSION:
+    pytest.skip(f"the family table is for transformers {H.TRANSFORMERS_VERSION} (the pinned test extra), "
+                f"not {transformers.__version__}", allow_module_level=True)
+
+REGENERATE = "python -m tests.models.hf_families --update-expected --write-readme"
+REWRITTEN = sorted(f for (f, impl), status in H.EXPECTED.items() if impl == "grouped_mm" and status.endswith("rewritten")
+                   and not status.startswith("WRONG"))
+NEEDS_PREPARE = {f for (f, impl), status in H.EXPECTED.items() if status.startswith("needs moe_compile.hf.prepare")}
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def test_every_family_is_in_the_table():
+    """A family a transformers upgrade adds (or removes) is named here."""
+    discovered = set(H.discover()) - set(H.EXCLUDED)
+    recorded = {f for f, _ in H.EXPECTED}
+    assert discovered == recorded, (
+        f"MoE families of transformers {transformers.__version__} not in the table: {sorted(discovered - recorded)}; "
+        f"in the table but gone: {sorted(recorded - discovered)}. Give a new family a tiny config in "
+        f"tests/models/hf_families.py (SETTINGS) if the generic one does not build, then run `{REGENERATE}`")
+    assert all((f, "grouped_mm") in H.EXPECTED for f in recorded)
+    assert {f for f, impl in H.EXPECTED if impl == "batched_mm"} == set(H.BATCHED_MM)
+
+
+def test_batched_mm_covers_every_experts_signature():
+    """batched_mm runs for every rewritten family and one family per other experts-class signature."""
+    grouped = {f: status for (f, impl), status in H.EXPECTED.items() if impl == "grouped_mm"}
+    assert H.batched_mm_representatives(grouped) == H.BATCHED_MM, f"run `{REGENERATE}`"
+
+
+def test_readme_table_is_generated():
+    text = H.README.read_text()
+    block = text.split(H.README_BEGIN, 1)[1].split(H.README_END, 1)[0].strip("\n")
+    assert block == H.readme_table(), f"README's family table differs from EXPECTED: run `{REGENERATE}`"
+
+
+@pytest.fixture(scope="module")
+def family_results(request):
+    """The selected test_family cases, run up front on 2 worker processes (the CI box has 2 cores; each
+    case is one process-local compile, so 2 run side by side in about half the time)."""
+    selected = sorted({(item.callspec.params["family"], item.callspec.params["experts_implementation"])
+                       for item in request.session.items if item.originalname == "test_family"})
+    return {(r.family, r.experts_implementation): r for r in H.run_cases(selected, jobs=2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, experts_implementation", H.cases())
+def test_family(family, experts_implementation, family_results):
+    result = family_results[(family, experts_implementation)]
+    expected = H.EXPECTED[(family, experts_implementation)]
+    assert result.status == expected, (
+        f"{family} ({experts_implementation}): {result.status!r}, recorded {expected!r} "
+        f"({result.rewritten} of {result.present} MoE layers rewritten). If the change is intended: `{REGENERATE}`")
+    if result.status.endswith("rewritten") and not result.status.startswith("WRONG"):
+        assert result.rewritten == result.present > 0
+
+
+# ----------------------------------------------------------------------------- 2 ranks, expert parallel
+
+
+def _ep_families(rank: int, world_size: int, families: list[str]) -> int:
+    """Every family's tiny model on this rank's batch, expert-parallel over the 2 ranks: logits equal
+    the eager model's on the same batch; every gradient summed over the ranks (what DDP's all-reduce
+    gives) equals the eager gradients summed."""
+    import torch.distributed as dist
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    for family in families:
+        torch._dynamo.reset()
+        moe_compile.counters.clear()
+        model = H.build(family).model          # seeded: the same parameters on every rank
+        eager = copy.deepcopy(model)
+        if family in NEEDS_PREPARE:
+            hf.prepare(model)
+        ids = torch.randint(0, H.GENERIC["vocab_size"], (2, 6 + 2 * rank), generator=torch.Generator().manual_seed(rank))
+        compiled = torch.compile(model, backend="moe", fullgraph=True, options={**H.OPTIONS, "ep_group": "world"})
+        out_c, out_e = compiled(ids), eager(ids)
+        present = H.moe_layers_present(model)
+        assert moe_compile.counters["regions_expert_parallel"] == present, (family, dict(moe_compile.counters))
+        torch.testing.assert_close(out_c, out_e, **H.TOL, msg=lambda m: f"{family} rank {rank} logits: {m}")
+        out_c.pow(2).mean().backward()
+        out_e.pow(2).mean().backward()
+        for (name, p_c), (_, p_e) in zip(model.named_parameters(), eager.named_parameters()):
+            if p_e.grad is None:
+                continue
+            g_c, g_e = p_c.grad.clone(), p_e.grad.clone()
+            dist.all_reduce(g_c)
+            dist.all_reduce(g_e)
+            torch.testing.assert_close(g_c, g_e, **H.TOL, msg=lambda m: f"{family} rank {rank} summed grad of {name}: {m}")
+    return len(families)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_rewritten_families_expert_parallel_2_ranks():
+    from moe_compile.testing import spawn
+
+    assert REWRITTEN, "no family is rewritten: the table is empty or detection regressed"
+    assert spawn(_ep_families, 2, REWRITTEN, timeout=560) == [len(REWRITTEN)] * 2
