@@ -26,7 +26,7 @@ from .counters import counters
 from .faults import name_collective_faults
 from .passes import pipeline
 from .passes.checkpoint_bodies import checkpoint_bodies, mark_sharded_operands
-from .passes.saved_order import partition
+from .passes.saved_order import inductor_partitioner, partition
 from .passes.local_weights import SHARD_INPUTS, sharded_placeholders
 from .shard_record import expert_shard
 from .passes.graph_utils import on_cuda
@@ -160,7 +160,9 @@ def _compile(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.GraphM
 
         # no AOTAutograd cache: a hit (from an earlier process) would skip inductor_inner, so the stage-2
         # passes would not run and the streams pass's programs would not be registered in this process
-        with torch._functorch.config.patch(enable_autograd_cache=False):
+        partitioner = inductor_partitioner()  # AC's saved RNG states before sharded experts' DeviceMesh
+        patches = {"custom_partitioner_fn": partitioner} if partitioner is not None else {}
+        with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(patches):
             return compile_fx(gm, list(example_inputs), inner_compile=inductor_inner)
 
     def eager_inner(graph, inputs, prefix):

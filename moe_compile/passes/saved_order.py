@@ -23,8 +23,8 @@ backward's inputs::
 Values are untouched; a graph without both (every graph today that has no sharded
 experts, or no random op in a checkpoint) is left as it is. It runs as part of the
 backend's partition function (:func:`partition`: AOTAutograd's default partition,
-then this), before AOTAutograd counts the saved values by kind. The inductor inner
-compiler partitions on its own, so there the combination still fails inside torch.
+then this; with the inductor inner compiler :func:`inductor_partitioner`, Inductor's
+min-cut partition then this), before AOTAutograd counts the saved values by kind.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-__all__ = ["order_saved_rng_states", "partition"]
+__all__ = ["inductor_partitioner", "order_saved_rng_states", "partition"]
 
 
 def partition(joint_module: GraphModule, joint_inputs, **kwargs) -> tuple[GraphModule, GraphModule]:
@@ -41,7 +41,30 @@ def partition(joint_module: GraphModule, joint_inputs, **kwargs) -> tuple[GraphM
     AOTAutograd counts the saved values by kind, so its counts and the graphs agree)."""
     from torch._functorch.partitioners import default_partition
 
-    forward, backward = default_partition(joint_module, joint_inputs, **kwargs)
+    return _in_order(*default_partition(joint_module, joint_inputs, **kwargs))
+
+
+def inductor_partitioner():
+    """Inductor's partition (min-cut rematerialization) followed by :func:`order_saved_rng_states`, as
+    ``torch._inductor.config.custom_partitioner_fn``; None where this torch has no such setting."""
+    try:
+        from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+    except ImportError:
+        return None
+
+    class _InOrder(CustomPartitionerFn):
+        def __call__(self, gm, joint_inputs, **kwargs):
+            from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+            return _in_order(*min_cut_rematerialization_partition(gm, joint_inputs, **kwargs))
+
+        def uuid(self):
+            return get_hash_for_files((__file__,))
+
+    return _InOrder()
+
+
+def _in_order(forward: GraphModule, backward: GraphModule) -> tuple[GraphModule, GraphModule]:
     if order_saved_rng_states(forward, backward=False) != order_saved_rng_states(backward, backward=True):
         raise AssertionError("moe_compile: saved RNG states reordered in only one of the forward and backward graphs")
     return forward, backward

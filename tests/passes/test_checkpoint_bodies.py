@@ -263,3 +263,20 @@ def test_sharded_per_expert_weights_inside_a_checkpoint_are_a_clear_error(fake_g
     compiled = torch.compile(model, backend="moe", fullgraph=True, options={"ep_group": "world"})
     with pytest.raises(Exception, match="per-expert weights inside activation checkpointing are not supported"):
         compiled(x)
+
+
+@pytest.mark.parametrize("inner", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_sharded_experts_beside_a_checkpointed_attention(fake_group, inner):
+    """Sharded experts outside a checkpoint whose SDPA torch counts as random: AOTAutograd saves the
+    checkpoint's RNG states and the experts' DeviceMesh for backward, in an order its runtime misreads
+    unless the backend's partition puts them right (``passes/saved_order.py``); either inner compiler."""
+    example = _load_example()
+    fake_group(2)
+    model = example.MoETransformer(vocab=32, dim=8, hidden=16, num_experts=4, num_layers=1, num_heads=2,
+                                   checkpoint_attention=True)
+    tokens = example.synthetic_batch(2, 5, 32, torch.Generator().manual_seed(0))
+    moe_compile.shard_experts(model, "world", tokens, options={"ep_group": "world"})
+    compiled = torch.compile(model, backend="moe", fullgraph=True, options={"ep_group": "world", "inner": inner})
+    compiled(tokens).backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None for g in grads)
