@@ -129,8 +129,9 @@ def _slot_sources(expert_ids: Tensor, locations: Tensor, num_experts: int, capac
 def _gather_rows(rows: Tensor, source: Tensor, top_k: int, weights: Tensor | None = None) -> Tensor:
     """``rows[t]`` (times ``weights[t, j]``) for every buffer row routed from choice ``(t, j)`` (``source``),
     zero for padding rows."""
-    if rows.shape[0] == 0:  # an empty batch: every buffer row is padding
-        return rows.new_zeros(source.shape[0], rows.shape[1])
+    if rows.shape[0] == 0:  # an empty batch: every buffer row is padding (still a function of rows, whose
+        # gradient is then an empty tensor, not None, as the gather's would be)
+        return (rows.sum(0, keepdim=True) * 0).expand(source.shape[0], rows.shape[1]).contiguous()
     choice = source.clamp(min=0)
     buffer = rows.index_select(0, choice // top_k)
     if weights is not None:
