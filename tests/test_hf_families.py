@@ -51,7 +51,7 @@ def test_every_family_is_in_the_table():
 
 
 def test_batched_mm_covers_every_experts_signature():
-    """batched_mm runs for every rewritten family and one family per other experts-class signature."""
+    """batched_mm runs for one family per experts-class signature, a rewritten one where there is one."""
     grouped = {f: status for (f, impl), status in H.EXPECTED.items() if impl == "grouped_mm"}
     assert H.batched_mm_representatives(grouped) == H.BATCHED_MM, f"run `{REGENERATE}`"
 
@@ -72,6 +72,7 @@ def family_results(request):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the first case's setup runs every case (the module fixture)
 @pytest.mark.parametrize("family, experts_implementation", H.cases())
 def test_family(family, experts_implementation, family_results):
     result = family_results[(family, experts_implementation)]
@@ -120,9 +121,9 @@ def _ep_families(rank: int, world_size: int, families: list[str]) -> int:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_rewritten_families_expert_parallel_2_ranks():
     from moe_compile.testing import spawn
 
     assert REWRITTEN, "no family is rewritten: the table is empty or detection regressed"
-    assert spawn(_ep_families, 2, REWRITTEN, timeout=560) == [len(REWRITTEN)] * 2
+    assert spawn(_ep_families, 2, REWRITTEN, timeout=860) == [len(REWRITTEN)] * 2
