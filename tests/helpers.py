@@ -29,3 +29,14 @@ def compile_and_compare(model, *inputs, options=None, rtol=None, atol=None, dyna
         if x_e.grad is not None:
             torch.testing.assert_close(x_c.grad, x_e.grad, rtol=rtol, atol=atol)
     return compiled
+
+
+class CausalLMLogits(torch.nn.Module):
+    """A transformers causal LM as ``input_ids → logits`` (what the tiny-family tests compile and compare)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits

@@ -154,22 +154,14 @@ class LocalWeights:
         if placeholder not in self.local_attrs and BODY_SHARD in placeholder.meta:
             self.local_attrs[placeholder] = self._local_input(placeholder, shard)
         if placeholder not in self.local_attrs:
-            param = shard.local
-            if param is None:
-                raise ConfigError(f"the module owning sharded expert weight {placeholder.name} no longer exists")
-            placeholders = list(self.gm.graph.find_nodes(op="placeholder"))
-            with self.gm.graph.inserting_after(placeholders[-1]):
-                attr = self.gm.graph.placeholder(f"moe_ep_shard_{len(self.local_attrs)}")
-            attr.meta.update({k: placeholder.meta[k] for k in ("nn_module_stack",) if k in placeholder.meta})
-            fake_value(attr, param)
+            # the backend feeds it, at every call, the shard of the weight passed at that position
+            attr, param = self._new_input(placeholder, shard, f"moe_ep_shard_{len(self.local_attrs)}", SHARD_INPUTS)
             source = getattr(placeholder, "_dynamo_source", None)
             if source is not None:  # AOTAutograd names every input by its source: the module's parameter
                 from torch._dynamo.source import AttrSource, DictGetItemSource
 
                 base = getattr(source, "base", source)
                 attr._dynamo_source = DictGetItemSource(AttrSource(base, "_parameters"), shard.local_name)
-            # the backend feeds it, at every call, the shard of the weight passed at that position
-            self.gm.meta.setdefault(SHARD_INPUTS, []).append(placeholders.index(placeholder))
             if isinstance(param, DTensor):  # its local [El, ...] experts
                 with self.gm.graph.inserting_after(attr):
                     local = self.gm.graph.call_method("to_local", (attr,))
@@ -182,16 +174,22 @@ class LocalWeights:
     def _local_input(self, placeholder: Node, shard: ExpertShard) -> Node:
         """In a checkpoint body: a new last input, ``[El, ...]``, that the callers feed the local shard
         (recorded in the body's ``meta[LOCAL_OPERANDS]`` as the position of the full-size input it replaces)."""
+        return self._new_input(placeholder, shard, f"{placeholder.name}_local", LOCAL_OPERANDS, local=True)[0]
+
+    def _new_input(self, placeholder: Node, shard: ExpertShard, name: str, record: str,
+                   local: bool = False) -> tuple[Node, torch.Tensor]:
+        """A new last input ``name`` of the graph with the value of ``shard``'s parameter (its local tensor
+        with ``local``), the position of ``placeholder`` appended to ``gm.meta[record]``; and the parameter."""
         param = shard.local
         if param is None:
             raise ConfigError(f"the module owning sharded expert weight {placeholder.name} no longer exists")
         placeholders = list(self.gm.graph.find_nodes(op="placeholder"))
         with self.gm.graph.inserting_after(placeholders[-1]):
-            local = self.gm.graph.placeholder(f"{placeholder.name}_local")
-        local.meta.update({k: placeholder.meta[k] for k in ("nn_module_stack",) if k in placeholder.meta})
-        fake_value(local, param.to_local() if isinstance(param, DTensor) else param)
-        self.gm.meta.setdefault(LOCAL_OPERANDS, []).append(placeholders.index(placeholder))
-        return local
+            node = self.gm.graph.placeholder(name)
+        node.meta.update({k: placeholder.meta[k] for k in ("nn_module_stack",) if k in placeholder.meta})
+        fake_value(node, param.to_local() if local and isinstance(param, DTensor) else param)
+        self.gm.meta.setdefault(record, []).append(placeholders.index(placeholder))
+        return node, param
 
     def erase_dead(self) -> None:
         """Erase the full-size weight chains the local ones replaced (once nothing reads them)."""

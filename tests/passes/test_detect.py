@@ -6,7 +6,7 @@ import torch
 
 import moe_compile
 from moe_compile.passes.detect import find_moe_regions
-from tests.helpers import compile_and_compare
+from tests.helpers import CausalLMLogits, compile_and_compare
 from tests.models.gshard import GShardMoE
 from tests.models.loop import LoopMoE
 from tests.models.sort import SortMoE
@@ -110,20 +110,11 @@ def _tiny_mixtral(experts_implementation, num_experts=4, top_k=2):
     return transformers.MixtralForCausalLM(cfg)
 
 
-class _Logits(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids).logits
-
-
 @pytest.mark.parametrize("experts_implementation", ["grouped_mm", "batched_mm"])
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_hf_mixtral(tmp_path, experts_implementation, top_k):
     """A random-init transformers MixtralForCausalLM: both MoE layers found and rewritten, logits and grads equal."""
-    model = _Logits(_tiny_mixtral(experts_implementation, top_k=top_k))
+    model = CausalLMLogits(_tiny_mixtral(experts_implementation, top_k=top_k))
     ids = torch.randint(0, 64, (2, 7))
     compile_and_compare(model, ids, options={"debug_dir": str(tmp_path)})
     assert moe_compile.counters["regions_found"] == 2

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import moe_compile
+from tests.helpers import CausalLMLogits
 from tests.models.routers import (
     BiasCorrectedMoE, GroupLimitedMoE, IndexedAttentionBlock, NoisyTopkMoE, SoftmaxAfterTopkMoE, SwitchMaxMoE,
     TwoPickMoE,
@@ -251,15 +252,6 @@ def _tiny_family(family: str):
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
-class _Logits(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids).logits
-
-
 FAMILIES = {
     # family: (training mode, the routing the found line names)
     "deepseek_v3": (False, "group-limited top-k, selection-only bias"),
@@ -276,7 +268,7 @@ def test_hf_family_routing(tmp_path, caplog, family):
     logits and grads equal to eager (phimoe in training mode: sparsemixer samples its picks)."""
     train, routing = FAMILIES[family]
     caplog.set_level(logging.INFO, logger="moe_compile")
-    model = _Logits(_tiny_family(family))
+    model = CausalLMLogits(_tiny_family(family))
     _compare(model, torch.randint(0, 64, (2, 7)), train=train, tmp_path=tmp_path)
     assert moe_compile.counters["regions_rewritten"] == moe_compile.counters["regions_found"] == 2
     assert not _messages(caplog, logging.WARNING)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import moe_compile
-from tests.helpers import compile_and_compare
+from tests.helpers import CausalLMLogits, compile_and_compare
 from tests.models.shared import SharedExpertMoE
 
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -61,15 +61,6 @@ def _tiny(name: str, **extra):
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
-class _Logits(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids).logits
-
-
 FAMILIES = {
     "qwen2_moe": ({}, "shared_expert_gate"),                            # sigmoid-gated shared expert
     "hunyuan_v1_moe": ({}, "shared_mlp"),
@@ -84,7 +75,7 @@ FAMILIES = {
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_hf_family_with_shared_experts(tmp_path, family):
     extra, shared_name = FAMILIES[family]
-    model = _Logits(_tiny(family, **extra))
+    model = CausalLMLogits(_tiny(family, **extra))
     compile_and_compare(model, torch.randint(0, 64, (2, 7)), options={"debug_dir": str(tmp_path)}, **TOL)
     assert moe_compile.counters["regions_found"] == 2
     assert moe_compile.counters["regions_rewritten"] == 2, dict(moe_compile.counters)
@@ -101,7 +92,7 @@ def test_hf_gpt_oss():
     for name, p in model.named_parameters():
         if "experts" in name and "bias" in name:
             torch.nn.init.normal_(p, std=0.5)  # zero at init: nonzero, so a bias that went missing would show
-    compile_and_compare(_Logits(model), torch.randint(0, 64, (2, 7)), **TOL)
+    compile_and_compare(CausalLMLogits(model), torch.randint(0, 64, (2, 7)), **TOL)
     assert moe_compile.counters["regions_rewritten"] == 2, dict(moe_compile.counters)
 
 
