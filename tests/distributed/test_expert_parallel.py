@@ -42,9 +42,10 @@ class Case:
 def _model(case: Case) -> torch.nn.Module:
     torch.manual_seed(0)  # the same parameters on every rank
     if case.model == "mixtral":
-        from tests.passes.test_detect import _Logits, _tiny_mixtral
+        from tests.helpers import CausalLMLogits
+        from tests.passes.test_detect import _tiny_mixtral
 
-        return _Logits(_tiny_mixtral("grouped_mm", num_experts=case.num_experts, top_k=case.top_k))
+        return CausalLMLogits(_tiny_mixtral("grouped_mm", num_experts=case.num_experts, top_k=case.top_k))
     if case.model == "gshard":
         from tests.models.gshard import GShardMoE
 
