@@ -60,6 +60,7 @@ __all__ = [
     "Volumes",
     "contiguous_expert_devices",
     "cost_matrices",
+    "move_volumes",
     "sample_expert_counts",
     "solve_placement",
     "volumes",
@@ -173,18 +174,35 @@ def _assign(cost: np.ndarray, slots_per_column: int, home: np.ndarray) -> np.nda
     return column
 
 
-def _counts(num: np.ndarray) -> np.ndarray:
-    """Integer counts for the matching: predicted (float) counts in thousandths of a token.
+def _integer_units(num: np.ndarray, move_tokens: float) -> tuple[np.ndarray, int]:
+    """Counts and move cost as integers for the matching: predicted (float) ones in thousandths of a token.
 
     Integers keep the tie-break of :func:`_assign` exact (a move costs less than one unit).
     """
-    if np.issubdtype(num.dtype, np.integer):
-        return num.astype(np.int64)
-    return np.rint(num * 1000.0).astype(np.int64)
+    scale = 1 if np.issubdtype(num.dtype, np.integer) and float(move_tokens).is_integer() else 1000
+    return np.rint(num * scale).astype(np.int64), int(round(move_tokens * scale))
+
+
+def move_volumes(sample_device: np.ndarray, new_device: np.ndarray, ranks_per_node: int,
+                 move_tokens: float) -> Volumes:
+    """The tokens that moving samples from ``sample_device`` to ``new_device`` sends, ``move_tokens`` per moved sample.
+
+    Not in the paper's eq (8): what a sample carries when it changes device outside
+    the gather (here the residual of its tokens, :mod:`moe_compile.collectives.sample_placement`).
+    """
+    home = np.asarray(sample_device, dtype=np.int64)
+    new = np.asarray(new_device, dtype=np.int64)
+    other_node = home // ranks_per_node != new // ranks_per_node
+    other_device = (home != new) & ~other_node
+    return Volumes(intra=float(other_device.sum() * move_tokens), inter=float(other_node.sum() * move_tokens))
+
+
+def _plus(a: Volumes, b: Volumes) -> Volumes:
+    return Volumes(intra=a.intra + b.intra, inter=a.inter + b.inter)
 
 
 def solve_placement(num: np.ndarray, expert_device: np.ndarray, num_devices: int, ranks_per_node: int,
-                    sample_device: np.ndarray | None = None) -> Placement:
+                    sample_device: np.ndarray | None = None, move_tokens: float = 0) -> Placement:
     """Alg. 1 ``Solve(num)``: stage 1 (eq 10) samples → nodes, stage 2 (eq 7) samples → devices of each node.
 
     ``num``: ``[I, E]`` tokens per sample and expert of the all-to-alls to optimise
@@ -192,6 +210,10 @@ def solve_placement(num: np.ndarray, expert_device: np.ndarray, num_devices: int
     ``[E]`` ``ExpDev``; ``sample_device``: the current ``SmpDev`` (default: sample ``i``
     on device ``i // (I / J)``, the data-parallel split). Every device keeps ``I / J``
     samples; the inter-node volume never exceeds the current placement's.
+    ``move_tokens``: tokens a sample sends when it changes device besides the gather
+    (its residual, when it does not ride in the gather; 0 in the paper): added to
+    ``c[i, n]`` for a node other than its own and to ``c'[i, j]`` for another device of
+    its node, and counted in ``before`` / ``after``.
     """
     started = time.perf_counter()
     num = np.asarray(num)
@@ -203,7 +225,13 @@ def solve_placement(num: np.ndarray, expert_device: np.ndarray, num_devices: int
             else np.asarray(sample_device, dtype=np.int64))
     if home.shape != (samples,) or np.bincount(home, minlength=num_devices).tolist() != [per_device] * num_devices:
         raise ValueError(f"sample_device must place I/J = {per_device} samples on each of the {num_devices} devices")
-    c, c_prime = cost_matrices(_counts(num), expert_device, num_devices, ranks_per_node)
+    units, move = _integer_units(num, move_tokens)
+    c, c_prime = cost_matrices(units, expert_device, num_devices, ranks_per_node)
+    if move:
+        home_node = home // ranks_per_node
+        c = c + move * (np.arange(c.shape[1])[None, :] != home_node[:, None])
+        devices = np.arange(num_devices)[None, :]
+        c_prime = c_prime + move * ((devices != home[:, None]) & (devices // ranks_per_node == home_node[:, None]))
     nodes = _assign(c, per_device * ranks_per_node, home // ranks_per_node)          # stage 1
     new_device = np.empty(samples, dtype=np.int64)
     for node in range(num_devices // ranks_per_node):                                # stage 2, per node
@@ -214,7 +242,8 @@ def solve_placement(num: np.ndarray, expert_device: np.ndarray, num_devices: int
     return Placement(
         sample_device=new_device,
         before=volumes(num, expert_device, home, ranks_per_node),
-        after=volumes(num, expert_device, new_device, ranks_per_node),
+        after=_plus(volumes(num, expert_device, new_device, ranks_per_node),
+                    move_volumes(home, new_device, ranks_per_node, move_tokens)),
         moved_nodes=int((nodes != home // ranks_per_node).sum()),
         moved_devices=int((new_device != home).sum()),
         seconds=time.perf_counter() - started,

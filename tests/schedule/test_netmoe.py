@@ -161,3 +161,20 @@ def test_transition_predictor_learns_routing_statistics():
     for i in range(4):
         assert predicted[i].argmax() == pi[i]
         assert predicted[i].sum() == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_move_cost_is_counted_and_never_worse_than_staying(seed):
+    """With a cost per moved sample (its residual), stage 1 still never sends more between nodes
+    than the current placement, moves included, and equals brute force over node placements."""
+    rng = np.random.default_rng(200 + seed)
+    num = sample_expert_counts(_local_routing(rng, 8, 8, 6, 2, 0.3), 8)
+    experts = contiguous_expert_devices(8, 4)
+    home = np.repeat(np.arange(4), 2)
+    for move in (0, 3, 6, 100):
+        solved = solve_placement(num, experts, 4, 2, move_tokens=move)
+        assert solved.after.inter <= solved.before.inter
+        best = min(volumes(num, experts, p, 2).inter + move * int((np.array(p) // 2 != home // 2).sum())
+                   for p in _balanced_placements(8, 4))
+        assert solved.after.inter == best
+    assert solve_placement(num, experts, 4, 2, move_tokens=10_000).moved_devices == 0
