@@ -202,7 +202,8 @@ def _plus(a: Volumes, b: Volumes) -> Volumes:
 
 
 def solve_placement(num: np.ndarray, expert_device: np.ndarray, num_devices: int, ranks_per_node: int,
-                    sample_device: np.ndarray | None = None, move_tokens: float = 0) -> Placement:
+                    sample_device: np.ndarray | None = None, move_tokens: float = 0,
+                    origin: np.ndarray | None = None, return_tokens: float = 0) -> Placement:
     """Alg. 1 ``Solve(num)``: stage 1 (eq 10) samples → nodes, stage 2 (eq 7) samples → devices of each node.
 
     ``num``: ``[I, E]`` tokens per sample and expert of the all-to-alls to optimise
@@ -213,7 +214,9 @@ def solve_placement(num: np.ndarray, expert_device: np.ndarray, num_devices: int
     ``move_tokens``: tokens a sample sends when it changes device besides the gather
     (its residual, when it does not ride in the gather; 0 in the paper): added to
     ``c[i, n]`` for a node other than its own and to ``c'[i, j]`` for another device of
-    its node, and counted in ``before`` / ``after``.
+    its node, and counted in ``before`` / ``after``. ``return_tokens`` likewise per sample
+    away from ``origin`` (its device at the start of the step): what it costs to bring it
+    back after the last placed layer (the caller passes it at that layer only).
     """
     started = time.perf_counter()
     num = np.asarray(num)
@@ -225,13 +228,16 @@ def solve_placement(num: np.ndarray, expert_device: np.ndarray, num_devices: int
             else np.asarray(sample_device, dtype=np.int64))
     if home.shape != (samples,) or np.bincount(home, minlength=num_devices).tolist() != [per_device] * num_devices:
         raise ValueError(f"sample_device must place I/J = {per_device} samples on each of the {num_devices} devices")
+    origin = home if origin is None else np.asarray(origin, dtype=np.int64)
     units, move = _integer_units(num, move_tokens)
+    back = _integer_units(num, return_tokens)[1]
     c, c_prime = cost_matrices(units, expert_device, num_devices, ranks_per_node)
-    if move:
-        home_node = home // ranks_per_node
-        c = c + move * (np.arange(c.shape[1])[None, :] != home_node[:, None])
-        devices = np.arange(num_devices)[None, :]
-        c_prime = c_prime + move * ((devices != home[:, None]) & (devices // ranks_per_node == home_node[:, None]))
+    devices = np.arange(num_devices)[None, :]
+    for start, tokens in ((home, move), (origin, back)):
+        if tokens:  # a move from `start`: inter-node off its node, intra-node to another device of it
+            start_node = start // ranks_per_node
+            c = c + tokens * (np.arange(c.shape[1])[None, :] != start_node[:, None])
+            c_prime = c_prime + tokens * ((devices != start[:, None]) & (devices // ranks_per_node == start_node[:, None]))
     nodes = _assign(c, per_device * ranks_per_node, home // ranks_per_node)          # stage 1
     new_device = np.empty(samples, dtype=np.int64)
     for node in range(num_devices // ranks_per_node):                                # stage 2, per node
@@ -241,9 +247,11 @@ def solve_placement(num: np.ndarray, expert_device: np.ndarray, num_devices: int
         new_device[members] = devices[local]
     return Placement(
         sample_device=new_device,
-        before=volumes(num, expert_device, home, ranks_per_node),
-        after=_plus(volumes(num, expert_device, new_device, ranks_per_node),
-                    move_volumes(home, new_device, ranks_per_node, move_tokens)),
+        before=_plus(volumes(num, expert_device, home, ranks_per_node),
+                     move_volumes(origin, home, ranks_per_node, return_tokens)),
+        after=_plus(_plus(volumes(num, expert_device, new_device, ranks_per_node),
+                          move_volumes(home, new_device, ranks_per_node, move_tokens)),
+                    move_volumes(origin, new_device, ranks_per_node, return_tokens)),
         moved_nodes=int((nodes != home // ranks_per_node).sum()),
         moved_devices=int((new_device != home).sum()),
         seconds=time.perf_counter() - started,

@@ -178,3 +178,17 @@ def test_move_cost_is_counted_and_never_worse_than_staying(seed):
                    for p in _balanced_placements(8, 4))
         assert solved.after.inter == best
     assert solve_placement(num, experts, 4, 2, move_tokens=10_000).moved_devices == 0
+
+
+def test_return_home_cost_pulls_samples_back():
+    """At the last placed layer a sample away from its origin costs return_tokens to bring back."""
+    experts = contiguous_expert_devices(4, 4)
+    num = np.zeros((8, 4), dtype=np.int64)
+    for i in range(8):
+        num[i, (i // 2 + 2) % 4] = 10       # every sample's tokens go to the other node
+    away = np.array([2, 2, 3, 3, 0, 0, 1, 1])  # currently on the other node (where its experts are)
+    origin = np.repeat(np.arange(4), 2)
+    stay = solve_placement(num, experts, 4, 2, sample_device=away, origin=origin, return_tokens=1)
+    assert stay.sample_device.tolist() == away.tolist() and stay.before.inter == 8  # 8 samples × 1 to go home
+    home = solve_placement(num, experts, 4, 2, sample_device=away, origin=origin, return_tokens=100)
+    assert home.sample_device.tolist() == origin.tolist() and home.after.inter == 80
