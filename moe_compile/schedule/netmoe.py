@@ -45,6 +45,11 @@ from routing frequency statistics (§3.3 "Offloading Solving Process", citing
 FlexMoE / SmartMoE): :class:`TransitionPredictor` keeps the counts of "a token at
 expert ``e`` in layer ``l`` goes to ``e'`` in layer ``l + 1``" over past steps and
 predicts ``num_next = num · T`` (``T`` the row-normalised transition counts).
+
+Pricing (the cost model of ``benchmarks/netmoe.py``): :func:`link_bytes` splits an
+all-to-all's volume by sender (each device's intra-node bytes, each node's inter-node
+bytes) and :func:`all_to_all_seconds` prices it with eq (1) on the two-level
+``NetworkModel`` of :mod:`.collective_models`, the slowest sender deciding.
 """
 from __future__ import annotations
 
@@ -58,8 +63,10 @@ __all__ = [
     "Placement",
     "TransitionPredictor",
     "Volumes",
+    "all_to_all_seconds",
     "contiguous_expert_devices",
     "cost_matrices",
+    "link_bytes",
     "move_volumes",
     "sample_expert_counts",
     "solve_placement",
@@ -293,3 +300,43 @@ class TransitionPredictor:
         seen = totals[:, 0] > 0
         transition = np.where(seen[:, None], self.counts / np.where(totals > 0, totals, 1.0), np.eye(self.num_experts))
         return num @ transition
+
+
+def link_bytes(num: np.ndarray, expert_device: np.ndarray, sample_device: np.ndarray, ranks_per_node: int,
+               token_bytes: float, direction: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sender bytes of one all-to-all: ``(intra[j], inter[n])``, what device ``j`` sends to its node, node ``n`` to others.
+
+    ``direction="scatter"``: tokens go from ``SmpDev(i)`` to ``ExpDev(e)``; ``"gather"``: back
+    from ``ExpDev(e)`` to ``SmpDev(i)`` (eqs 3-4 split by sender).
+    """
+    if direction not in ("scatter", "gather"):
+        raise ValueError(f"link_bytes: direction={direction!r}; choose 'scatter' or 'gather'")
+    num = np.asarray(num, dtype=np.float64)
+    sample_device = np.asarray(sample_device, dtype=np.int64)
+    expert_device = np.asarray(expert_device, dtype=np.int64)
+    num_devices = int(max(sample_device.max(), expert_device.max())) + 1
+    num_devices += (-num_devices) % ranks_per_node
+    # pair[j, j']: tokens between sample device j and expert device j'
+    pair = np.zeros((num_devices, num_devices))
+    np.add.at(pair, (sample_device[:, None].repeat(num.shape[1], 1), expert_device[None, :].repeat(num.shape[0], 0)), num)
+    sent = pair if direction == "scatter" else pair.T          # sent[sender, receiver]
+    node = np.arange(num_devices) // ranks_per_node
+    same_node = node[:, None] == node[None, :]
+    np.fill_diagonal(sent, 0.0)
+    intra = (sent * same_node).sum(axis=1) * token_bytes
+    inter_dev = (sent * ~same_node).sum(axis=1) * token_bytes
+    inter = np.bincount(node, weights=inter_dev, minlength=num_devices // ranks_per_node)
+    return intra, inter
+
+
+def all_to_all_seconds(intra: np.ndarray, inter: np.ndarray, ranks_per_node: int, network) -> float:
+    """Eq (1), ``max(t_intra, t_inter)``, for the slowest sender, on a two-level ``NetworkModel``.
+
+    ``t_intra = (M−1)·α_intra + max_j intra[j]·β_intra`` (each device's port into the node);
+    ``t_inter = (J−M)·α_inter + max_n inter[n]·β_nic / nics_per_node`` (the node's NICs shared by
+    its senders, as :mod:`.collective_models` prices the flat all-to-all).
+    """
+    devices = intra.shape[0]
+    t_intra = (ranks_per_node - 1) * network.alpha_intra + float(intra.max()) * network.beta_intra
+    t_inter = (devices - ranks_per_node) * network.alpha_inter + float(inter.max()) * network.beta_nic / network.nics_per_node
+    return max(t_intra, t_inter) if devices > ranks_per_node else t_intra

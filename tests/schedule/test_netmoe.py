@@ -192,3 +192,27 @@ def test_return_home_cost_pulls_samples_back():
     assert stay.sample_device.tolist() == away.tolist() and stay.before.inter == 8  # 8 samples × 1 to go home
     home = solve_placement(num, experts, 4, 2, sample_device=away, origin=origin, return_tokens=100)
     assert home.sample_device.tolist() == origin.tolist() and home.after.inter == 80
+
+
+def test_link_bytes_split_the_volumes_by_sender():
+    from moe_compile.schedule.collective_models import NetworkModel
+    from moe_compile.schedule.netmoe import all_to_all_seconds, link_bytes
+
+    rng = np.random.default_rng(5)
+    num = rng.integers(0, 6, size=(8, 8))
+    experts = contiguous_expert_devices(8, 4)
+    place = rng.permutation(np.repeat(np.arange(4), 2))
+    total = volumes(num, experts, place, 2)
+    for direction in ("scatter", "gather"):
+        intra, inter = link_bytes(num, experts, place, 2, 2.0, direction)
+        assert intra.sum() == 2.0 * total.intra and inter.sum() == 2.0 * total.inter
+    intra, inter = link_bytes(num, experts, place, 2, 1.0, "scatter")
+    for j in range(4):   # scatter: device j sends its samples' tokens to experts of its node on other devices
+        mine = num[place == j]
+        assert intra[j] == sum(mine[:, e].sum() for e in range(8) if experts[e] // 2 == j // 2 and experts[e] != j)
+    net = NetworkModel(alpha_intra=1.0, beta_intra=0.5, alpha_inter=2.0, beta_nic=1.0, nics_per_node=2,
+                       beta_memory=0.0, ranks_per_node=2)
+    expected = max(1.0 + intra.max() * 0.5, 2 * 2.0 + inter.max() * 1.0 / 2)
+    assert all_to_all_seconds(intra, inter, 2, net) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="direction"):
+        link_bytes(num, experts, place, 2, 1.0, "both")
