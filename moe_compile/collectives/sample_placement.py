@@ -22,12 +22,16 @@ input's shape; its rows are the samples ``held_new`` (the ids placed on this ran
 in increasing order), returned with it.
 
 Residual (Appendix A, "Expert Residual Inlining"): the paper adds the residual
-to the expert output before the gather so that it arrives with the token. Here
-the residual of a sample that stays is added where it is; the residual of a
-sample that moves is sent from its old device to its new one (one more
-count-exact exchange, only of moved samples). The solver is told this cost
-(``move_tokens = S``), so the placement never sends more between nodes than
-the current one when the residual is counted.
+to the expert output before the gather, so that it arrives with the token. With
+``pre`` (the per-token ops between the residual stream ``h`` and the experts'
+input, a pre-norm's ``LayerNorm``) the scatter sends ``h`` itself instead of
+``pre(h)``, the expert rank computes ``w_k·expert_k(pre(h)) + h / K`` for each of a
+token's ``K`` choices, and the gather's sum is ``h + Σ_k w_k·expert_k(pre(h))``:
+the residual costs no byte. Without ``pre`` the residual of a sample that stays is
+added where it is and the residual of a sample that moves is sent from its old
+device to its new one (one more count-exact exchange, only of moved samples); the
+solver is told that cost (``move_tokens = S``), so the placement never sends more
+between nodes than the current one when the residual is counted.
 
 The scatter sends each of a token's ``K`` choices as one row of ``M + 1`` values
 (the token and its gate weight, so the weight's gradient flows back through the
@@ -145,6 +149,7 @@ def placed_moe_layer(
     experts: Callable[[int, Tensor], Tensor], expert_rank: Tensor, ranks_per_node: int,
     group=None, counter: WireCounter | None = None, place: bool = True,
     predict_next: Callable[[np.ndarray], np.ndarray] | None = None, last: bool = False,
+    pre: Callable[[Tensor], Tensor] | None = None,
 ) -> PlacedLayerResult:
     """One expert-parallel MoE layer whose gather places samples by NetMoE (module docstring).
 
@@ -156,9 +161,13 @@ def placed_moe_layer(
     the objective (eq 5); ``None`` predicts that a sample's tokens keep their experts.
     ``last``: no MoE layer follows; the objective is this gather plus :func:`restore_order`'s
     return of every sample to its original rank (instead of a next scatter).
+    ``pre``: the per-token ops between the residual stream and the experts (the layer's norm,
+    ``x = pre(residual)``); given, the residual is inlined (Appendix A): the scatter carries
+    the residual rows instead of ``x``, each expert computes ``w·expert(pre(row)) + row / K``,
+    and no residual moves (``x`` is then only used by the caller's gate, and may be None).
     """
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    batch, seq, model_dim = x.shape
+    batch, seq, model_dim = residual.shape
     num_experts = expert_rank.numel()
     top_k = expert_ids.shape[-1]
 
@@ -179,12 +188,13 @@ def placed_moe_layer(
             objective = objective + (predict_next(objective) if predict_next is not None else objective)
         origin = np.arange(size * batch) // batch
         future = _SOLVER.submit(solve_placement, objective, expert_rank.numpy(), size, ranks_per_node,
-                                current.numpy(), seq, origin, seq if last else 0)
+                                current.numpy(), 0 if pre is not None else seq, origin, seq if last else 0)
 
     # scatter (Alg. 1 line 10): every choice (b, s, k) to the rank of its expert, with its gate weight
     ids = expert_ids.reshape(-1)
-    tokens = x.reshape(batch * seq, model_dim).repeat_interleave(top_k, dim=0)
-    rows = torch.cat([tokens, gate_weights.reshape(-1, 1).to(x.dtype)], dim=1)
+    source = residual if pre is not None else x
+    tokens = source.reshape(batch * seq, model_dim).repeat_interleave(top_k, dim=0)
+    rows = torch.cat([tokens, gate_weights.reshape(-1, 1).to(source.dtype)], dim=1)
     positions = torch.arange(batch * seq).repeat_interleave(top_k)
     token_key = held.repeat_interleave(seq * top_k) * seq + positions % seq     # sample id · S + position
     (got, got_meta), _ = _route(expert_rank[ids], size, [rows, token_key * num_experts + ids], group, counter,
@@ -196,10 +206,14 @@ def placed_moe_layer(
     mine = torch.nonzero(expert_rank == rank).squeeze(1)
     local_of[mine] = torch.arange(mine.numel())           # e_local: the order of this rank's experts
     local = local_of[got_expert]
-    y = torch.zeros(got.shape[0], model_dim, dtype=x.dtype)
+    y = torch.zeros(got.shape[0], model_dim, dtype=source.dtype)
     for e_local in torch.unique(local).tolist():
         pick = torch.nonzero(local == e_local).squeeze(1)
-        out_e = experts(e_local, got.index_select(0, pick)[:, :model_dim]) * got.index_select(0, pick)[:, model_dim:]
+        rows_e = got.index_select(0, pick)
+        if pre is None:
+            out_e = experts(e_local, rows_e[:, :model_dim]) * rows_e[:, model_dim:]
+        else:   # Appendix A: Σ_k (w_k·expert_k(pre(h)) + h/K) = h + MoE(pre(h))
+            out_e = experts(e_local, pre(rows_e[:, :model_dim])) * rows_e[:, model_dim:] + rows_e[:, :model_dim] / top_k
         y = y.index_add(0, pick, out_e)
     overlap = time.perf_counter() - started
 
@@ -221,9 +235,13 @@ def placed_moe_layer(
     # gather (Alg. 1 line 14): each expert output to the new device of its sample
     (back, back_key), _ = _route(new_rank[got_key // seq], size, [y, got_key], group, counter, "gather")
     target = slot_of[back_key // seq] * seq + back_key % seq
-    out = torch.zeros(batch * seq, model_dim, dtype=x.dtype).index_add(0, target, back)
+    out = torch.zeros(batch * seq, model_dim, dtype=source.dtype).index_add(0, target, back)
 
-    # residual (Appendix A): added here for samples that stay, sent along for samples that move
+    if pre is not None:
+        return PlacedLayerResult(out=out.reshape(batch, seq, model_dim), held_new=held_new, placement=placement,
+                                 solve_seconds=placement.seconds if placement is not None else 0.0,
+                                 overlap_seconds=overlap, waited_seconds=waited)
+    # residual not inlined: added here for samples that stay, sent along for samples that move
     move_dest = new_rank[held].repeat_interleave(seq)
     keep = move_dest == rank
     (res_back, res_meta), _ = _route(move_dest[~keep], size,

@@ -4,7 +4,8 @@ One spawn holds every check: a 2-layer tiny decoder (causal attention per sample
 trained 3 AdamW steps with samples placed by the solver at every MoE layer and the hidden
 states restored to the original order before the head: every step's loss (summed over
 ranks), every gradient, the logits and the final weights equal the one-process eager model;
-the same with placement off (FastMoE's layer). On a routing with locality (each sample's
+the same with the residual inlined into the experts (Appendix A: the scatter carries the
+residual stream, the norm runs at the expert rank) and with placement off (FastMoE's layer). On a routing with locality (each sample's
 tokens prefer, 9 to 1, the experts of one node) the inter-node payload bytes counted on the wire
 are lower with placement, with the return to the original ranks included, and never
 higher on a routing without locality; the solver starts on its own thread before the
@@ -69,7 +70,7 @@ class TinyDecoder(nn.Module):
             h = h + moe
         return self.head(self.norm_f(h))
 
-    def forward_placed(self, tokens, rank, counter, place, solves):
+    def forward_placed(self, tokens, rank, counter, place, solves, inline):
         """Expert parallel over the world, samples placed by NetMoE at every MoE layer."""
         from moe_compile.collectives.sample_placement import placed_moe_layer, restore_order
         from moe_compile.schedule.netmoe import contiguous_expert_devices
@@ -85,9 +86,10 @@ class TinyDecoder(nn.Module):
             x = self.norm2[layer](h)
             ids, weights = self.route(layer, x)
             result = placed_moe_layer(
-                x, h, ids, weights, held,
+                None if inline else x, h, ids, weights, held,
                 lambda e, rows, layer=layer: self.expert(layer, rank * per_rank + e, rows),
-                expert_rank, RANKS_PER_NODE, counter=counter, place=place, last=layer == layers - 1)
+                expert_rank, RANKS_PER_NODE, counter=counter, place=place, last=layer == layers - 1,
+                pre=self.norm2[layer] if inline else None)
             h, held = result.out, result.held_new
             solves.append(result)
         h = restore_order(h, held, counter=counter)
@@ -98,7 +100,7 @@ def _tokens(seed):
     return torch.randint(0, VOCAB, (SAMPLES, SEQ + 1), generator=torch.Generator().manual_seed(seed))
 
 
-def _train_checks(rank, place):
+def _train_checks(rank, place, inline):
     from moe_compile.collectives.sample_placement import WireCounter
 
     torch.manual_seed(0)
@@ -117,7 +119,7 @@ def _train_checks(rank, place):
         opt_eager.zero_grad()
         loss_ref.backward()
 
-        logits = placed.forward_placed(inputs[home], rank, counter, place, solves)
+        logits = placed.forward_placed(inputs[home], rank, counter, place, solves, inline)
         # per-rank loss: this rank's original samples, scaled so that the sum over ranks is the mean
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets[home].reshape(-1), reduction="sum") / targets.numel()
         opt_placed.zero_grad()
@@ -139,7 +141,7 @@ def _train_checks(rank, place):
             + counter.total("inter", "residual") + counter.total("inter", "restore")}
 
 
-def _synthetic_bytes(rank, locality, seed):
+def _synthetic_bytes(rank, locality, seed, inline):
     """Forward bytes between nodes of 2 placed layers + the return, placement off and on: payload, then all."""
     import numpy as np
 
@@ -165,7 +167,8 @@ def _synthetic_bytes(rank, locality, seed):
         for layer in range(2):
             result = placed_moe_layer(h, h, ids_all[held], torch.full((batch, seq, k), 0.5), held,
                                       lambda e, rows: rows * (e + 1), expert_rank, RANKS_PER_NODE,
-                                      counter=counter, place=place, last=layer == 1)
+                                      counter=counter, place=place, last=layer == 1,
+                                      pre=(lambda rows: rows.tanh()) if inline else None)
             h, held = result.out, result.held_new
         h = restore_order(h, held, counter=counter)
         payload = sum(counter.total("inter", what) for what in ("scatter", "gather", "residual", "restore"))
@@ -211,10 +214,11 @@ def _solver_thread(rank):
 
 
 def _checks(rank, world):
-    results = {"placed": _train_checks(rank, True), "stay": _train_checks(rank, False)}
+    results = {"placed": _train_checks(rank, True, False), "stay": _train_checks(rank, False, False),
+               "inlined": _train_checks(rank, True, True)}
     results["solver"] = _solver_thread(rank)
-    results["locality"] = [_synthetic_bytes(rank, 0.9, seed) for seed in range(3)]
-    results["uniform"] = [_synthetic_bytes(rank, 0.5, seed) for seed in range(2)]
+    results["locality"] = [_synthetic_bytes(rank, 0.9, seed, inline) for seed in range(3) for inline in (False, True)]
+    results["uniform"] = [_synthetic_bytes(rank, 0.5, seed, inline) for seed in range(2) for inline in (False, True)]
     return results
 
 
@@ -223,6 +227,7 @@ def test_placed_training_equals_eager_and_saves_inter_node_bytes():
     for r in results:
         assert r["stay"]["moved"] == 0
     assert sum(r["placed"]["moved"] for r in results) > 0            # the solver did move samples
+    assert sum(r["inlined"]["moved"] for r in results) > 0
     for r in results:
         assert r["solver"]["thread"].startswith("netmoe-solve") and r["solver"]["started_before_experts"]
     for before, after, before_all, after_all in results[0]["locality"]:
