@@ -15,10 +15,12 @@ Three parts, each a table, all written to ``--json``:
    next layer's counts by this layer's. Every all-to-all (forward scatter and gather,
    and their backward exchanges) is priced with eq (1) on the paper's cluster (Table 2:
    NVLink 400 GB/s per GPU, 100 GB/s InfiniBand per node) by
-   :func:`~moe_compile.schedule.netmoe.all_to_all_seconds`, bf16 tokens. Two accountings:
-   ``paper`` (the residual inlined, Appendix A: moving a sample costs nothing beyond the
-   gather) and ``ours`` (``collectives/sample_placement.py``: the residual of a moved
-   sample is sent too, and the samples return to their ranks after the last layer).
+   :func:`~moe_compile.schedule.netmoe.all_to_all_seconds`, bf16 tokens. Three accountings
+   (``ACCOUNTINGS``): ``paper`` (the residual inlined, Appendix A, and the loss taken where
+   the samples are: moving a sample costs nothing beyond the gather), ``inlined``
+   (``collectives/sample_placement.py`` with ``pre``: inlined, and the samples return to
+   their ranks after the last layer, ``restore_order``) and ``residual sent`` (without
+   ``pre``: the residual of a moved sample is sent too, and the return).
    The end-to-end estimate adds the expert and attention GEMMs at ``--tflops`` (an
    assumption, stated in the table) to the all-to-all time, FastMoE-like: no overlap.
 
@@ -93,12 +95,20 @@ def draw_routing(rng, samples, experts, tokens_x_k, layers, alpha, corr):
     return np.stack(out)
 
 
+ACCOUNTINGS = {
+    # name: (a moved sample sends its residual, samples return to their ranks after the last layer)
+    "paper": (False, False),        # Appendix A inlining; the loss is taken where the samples are
+    "inlined": (False, True),       # placed_moe_layer(pre=norm) + restore_order
+    "residual sent": (True, True),  # placed_moe_layer without pre + restore_order
+}
+
+
 def simulate_chain(nums, devices, per_node, seq, token_bytes, accounting):
     """Price one iteration's all-to-alls of a chain of layers, placement off and on (see the module docstring)."""
     experts = contiguous_expert_devices(nums.shape[2], devices)
     samples = nums.shape[1]
     home = np.arange(samples) // (samples // devices)
-    ours = accounting == "ours"
+    sends_residual, restores = ACCOUNTINGS[accounting]
 
     def exchange(num, place, direction):
         return link_bytes(num, experts, place, per_node, token_bytes, direction)
@@ -114,8 +124,8 @@ def simulate_chain(nums, devices, per_node, seq, token_bytes, accounting):
         return seconds, inter
 
     def move(src, dst):
-        """The residual of moved samples (ours), forward and backward, as a count-exact exchange of S tokens each."""
-        if not ours or (src == dst).all():
+        """S tokens per moved sample (a residual, or the return), forward and backward, count-exact."""
+        if (src == dst).all():
             return 0.0, 0.0
         onehot = np.zeros((samples, devices))
         onehot[np.arange(samples), dst] = seq
@@ -133,16 +143,17 @@ def simulate_chain(nums, devices, per_node, seq, token_bytes, accounting):
     for layer, num in enumerate(nums):
         last = layer == len(nums) - 1
         objective = num if last else num + num        # next layer predicted: this layer's counts
-        solved = solve_placement(objective, experts, devices, per_node, place, move_tokens=seq if ours else 0,
-                                 origin=home, return_tokens=seq if (ours and last) else 0)
+        solved = solve_placement(objective, experts, devices, per_node, place,
+                                 move_tokens=seq if sends_residual else 0,
+                                 origin=home, return_tokens=seq if (restores and last) else 0)
         solve_s.append(solved.seconds)
         moved_nodes.append(solved.moved_nodes / samples)
         new = solved.sample_device
         t, b = price(num, place, new)
-        mt, mb = move(place, new)
+        mt, mb = move(place, new) if sends_residual else (0.0, 0.0)
         net_t, net_inter = net_t + t + mt, net_inter + b + mb
         place = new
-    if ours:   # restore_order: every sample back to its rank
+    if restores:   # restore_order: every sample back to its rank
         mt, mb = move(place, home)
         net_t, net_inter = net_t + mt, net_inter + mb
     return {"base_s": base_t, "netmoe_s": net_t, "base_inter": base_inter, "netmoe_inter": net_inter,
@@ -179,7 +190,7 @@ def part_simulated(args):
         devices = nodes * per_node
         for model, hidden in TABLE_3.items():
             compute = args.layers * compute_seconds(hidden, 1024, 4, 2, args.tflops)
-            for accounting in ("paper", "ours"):
+            for accounting in ACCOUNTINGS:
                 runs = [simulate_chain(draw_routing(rng, 4 * devices, 2 * devices, 1024 * 2, args.layers, alpha,
                                                     args.layer_corr), devices, per_node, 1024, hidden * 2, accounting)
                         for _ in range(args.draws)]
@@ -208,7 +219,7 @@ def part_simulated(args):
 
 # --------------------------------------------------------------------------- measured on gloo
 
-def _measured_rank(rank, world, layers, alpha, corr, seq, dim, seed):
+def _measured_rank(rank, world, layers, alpha, corr, seq, dim, seed, inline):
     import torch
 
     from moe_compile.collectives.sample_placement import WireCounter, placed_moe_layer, restore_order
@@ -225,6 +236,7 @@ def _measured_rank(rank, world, layers, alpha, corr, seq, dim, seed):
                for e in range(experts)]
     expert_rank = torch.arange(experts) // (experts // world)
     x0 = torch.randn(world * batch, seq, dim, generator=torch.Generator().manual_seed(seed))
+    norm = torch.nn.LayerNorm(dim)
     out = {}
     for place in (False, True):
         counter = WireCounter(rank, per_node)
@@ -235,7 +247,8 @@ def _measured_rank(rank, world, layers, alpha, corr, seq, dim, seed):
         for layer in range(layers):
             result = placed_moe_layer(h, h, routes[layer][held], torch.full((batch, seq, top_k), 0.5), held,
                                       lambda e, rows: rows @ weights[rank * (experts // world) + e], expert_rank,
-                                      per_node, counter=counter, place=place, last=layer == layers - 1)
+                                      per_node, counter=counter, place=place, last=layer == layers - 1,
+                                      pre=norm if inline else None)
             h, held = result.out, result.held_new
             timing.append((result.solve_seconds, result.overlap_seconds, result.waited_seconds))
         h = restore_order(h, held, counter=counter)
@@ -252,8 +265,9 @@ def part_measured(args, alpha):
     from moe_compile.testing import spawn
 
     results = []
-    for locality, a in (("calibrated", alpha), ("none", 1000.0)):
-        per_rank = spawn(_measured_rank, 4, args.layers, a, args.layer_corr, args.seq, args.dim, args.seed,
+    for (locality, a), inline in [(loc, inl) for loc in (("calibrated", alpha), ("none", 1000.0))
+                                  for inl in (True, False)]:
+        per_rank = spawn(_measured_rank, 4, args.layers, a, args.layer_corr, args.seq, args.dim, args.seed, inline,
                          timeout=900)
         totals = {}
         for r in per_rank:
@@ -263,7 +277,7 @@ def part_measured(args, alpha):
                     kind = "meta" if what == "meta" else "payload"
                     totals[(place, kind, link)] = totals.get((place, kind, link), 0) + n
         timing = [t for r in per_rank for t in r["True"]["timing"]]
-        results.append({"locality": locality, "alpha": a,
+        results.append({"locality": locality, "alpha": a, "residual": "inlined" if inline else "sent",
                         "bytes": {f"{p}:{k}:{lk}": n for (p, k, lk), n in totals.items()},
                         "solve_ms": 1e3 * statistics.median(t[0] for t in timing),
                         "scatter_expert_ms": 1e3 * statistics.median(t[1] for t in timing),
@@ -274,15 +288,16 @@ def part_measured(args, alpha):
         for kind in ("payload", "meta"):
             for link in ("inter", "intra"):
                 off, on = b.get(f"False:{kind}:{link}", 0), b.get(f"True:{kind}:{link}", 0)
-                rows.append([rec["locality"], kind, link, f"{off}", f"{on}",
+                rows.append([rec["locality"], rec["residual"], kind, link, f"{off}", f"{on}",
                              f"{100.0 * (on / off - 1.0):+.1f} %" if off else "–"])
     print_table(f"measured: 4 gloo ranks as 2 nodes × 2, {args.layers} layers, I/J = 4, S = {args.seq}, M = {args.dim}, "
                 "E = 8, K = 2, fwd+bwd bytes handed to all_to_all_single (all ranks)",
-                ["routing", "bytes", "link", "placement off", "NetMoE", "change"], rows, left={"routing", "bytes", "link"})
+                ["routing", "residual", "bytes", "link", "placement off", "NetMoE", "change"], rows,
+                left={"routing", "residual", "bytes", "link"})
     print_table("measured: the solver on its thread vs the scatter + experts it runs behind (medians per layer)",
-                ["routing", "solve ms", "scatter + experts ms", "caller waited ms"],
-                [[r["locality"], f"{r['solve_ms']:.2f}", f"{r['scatter_expert_ms']:.2f}", f"{r['waited_ms']:.2f}"]
-                 for r in results], left={"routing"})
+                ["routing", "residual", "solve ms", "scatter + experts ms", "caller waited ms"],
+                [[r["locality"], r["residual"], f"{r['solve_ms']:.2f}", f"{r['scatter_expert_ms']:.2f}", f"{r['waited_ms']:.2f}"]
+                 for r in results], left={"routing", "residual"})
     return results
 
 
@@ -324,7 +339,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--draws", type=int, default=3)
-    parser.add_argument("--alphas", type=float, nargs="+", default=[0.02, 0.05, 0.1, 0.2, 0.5, 1.0])
+    parser.add_argument("--alphas", type=float, nargs="+", default=[0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.3])
     parser.add_argument("--layer-corr", type=float, default=0.5)
     parser.add_argument("--tflops", type=float, default=150.0, help="assumed achieved bf16 GEMM TFLOP/s of an A800")
     parser.add_argument("--seq", type=int, default=64, help="tokens per sample of the measured run")
