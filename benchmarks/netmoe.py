@@ -229,8 +229,9 @@ def _measured_rank(rank, world, layers, alpha, corr, seq, dim, seed, inline):
     pref = rng.dirichlet(np.full(experts, alpha), size=world * batch)
     routes = []
     for _ in range(layers):
+        floor = (pref + 1e-9) / (pref + 1e-9).sum(axis=1, keepdims=True)   # K distinct experts need K non-zeros
         routes.append(torch.from_numpy(np.stack([
-            np.stack([rng.choice(experts, top_k, replace=False, p=p) for _ in range(seq)]) for p in pref])))
+            np.stack([rng.choice(experts, top_k, replace=False, p=p) for _ in range(seq)]) for p in floor])))
         pref = corr * pref + (1 - corr) * rng.dirichlet(np.full(experts, alpha), size=world * batch)
     weights = [torch.randn(dim, dim, generator=torch.Generator().manual_seed(100 + e)) / dim ** 0.5
                for e in range(experts)]
