@@ -167,9 +167,18 @@ def placed_moe_layer(
     and no residual moves (``x`` is then only used by the caller's gate, and may be None).
     """
     size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if residual.dim() != 3:
+        raise ValueError(f"placed_moe_layer: residual must be [B, S, M] (samples first), got shape {tuple(residual.shape)}")
     batch, seq, model_dim = residual.shape
     num_experts = expert_rank.numel()
     top_k = expert_ids.shape[-1]
+    if expert_ids.shape != (batch, seq, top_k) or gate_weights.shape != expert_ids.shape:
+        raise ValueError(f"placed_moe_layer: expert_ids {tuple(expert_ids.shape)} and gate_weights "
+                         f"{tuple(gate_weights.shape)} must both be [B, S, K] = [{batch}, {seq}, K]")
+    if held.shape != (batch,) or held.dtype != torch.int64:
+        raise ValueError(f"placed_moe_layer: held must be the [B] = [{batch}] int64 global ids of this rank's samples")
+    if pre is None and (x is None or x.shape != residual.shape):
+        raise ValueError("placed_moe_layer: without pre, x (the experts' input) must have the residual's shape")
 
     future = None
     started = time.perf_counter()
