@@ -85,6 +85,7 @@ class PauseMPSchedule(_StrOption):
 INNER_COMPILERS = tuple(m.value for m in InnerCompiler)
 KERNELS = tuple(m.value for m in Kernels)
 SCHEDULES = tuple(m.value for m in ScheduleName)
+SAMPLE_PLACEMENT = ("none", "netmoe")
 PAUSE_MP = tuple(m.value for m in PauseMPSchedule)
 
 
@@ -165,6 +166,11 @@ class MoECompileConfig:
     #: gate, MP-AllGather after the return all-to-all), or "auto" (Parm Algorithm 1 on the
     #: fitted cost models). S1 and S2 use the fused EP&ESP-AlltoAll.
     pause_mp: PauseMPSchedule = PauseMPSchedule.AUTO
+    #: NetMoE's dynamic sample placement (netmoe.txt §3): "none", or "netmoe" (each placed
+    #: layer's gather delivers a sample to the device the Kuhn-Munkres solver picks, cutting
+    #: inter-node bytes; needs ``ep_group`` and ``ranks_per_node``, and samples independent
+    #: along the batch: passes/sample_placement.py).
+    sample_placement: str = "none"
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> MoECompileConfig:
@@ -234,6 +240,12 @@ class MoECompileConfig:
         if self.pause_mp not in PAUSE_MP:
             raise ConfigError(f"options['pause_mp']={self.pause_mp!r}: choose one of {', '.join(PAUSE_MP)}")
         self.pause_mp = PauseMPSchedule(self.pause_mp)
+        if self.sample_placement not in SAMPLE_PLACEMENT:
+            raise ConfigError(f"options['sample_placement']={self.sample_placement!r}: choose one of "
+                              f"{', '.join(SAMPLE_PLACEMENT)}")
+        if self.sample_placement != "none" and (self.ep_group is None or self.ranks_per_node is None):
+            raise ConfigError(f"options['sample_placement']={self.sample_placement!r} needs options['ep_group'] and "
+                              f"options['ranks_per_node'] (samples are placed over the nodes of the group)")
         b = self.capacity_bucket
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ConfigError(f"options['capacity_bucket']={b!r}: expected an integer >= 1")

@@ -5,7 +5,7 @@ Stage 1 runs on Dynamo's graph (torch IR, before AOTAutograd); each pass
 either decides (writes the per-layer plans of ``gm.meta["moe"]``,
 :mod:`.state`) or builds from what was decided::
 
-    detect → canonicalize → expert_parallel → pause_mp → chunk → exchange
+    detect → canonicalize → [sample_placement] → expert_parallel → pause_mp → chunk → exchange
     (find)   (rewrite to     (plan: group,     (plan:      (plan:  (build every plan's
               moe.dispatch/   layout,           Parm's      r)      exchange, once)
               experts/        algorithm)        schedule)
@@ -29,13 +29,14 @@ from .emit_exchange import Exchange
 from .expert_parallel import ExpertParallel
 from .lower import Lower
 from .pause_mp import PauseMP
+from .sample_placement import SamplePlacement
 from .schedule import SchedulePass
 from .streams import StreamsPass
 
 __all__ = ["STAGE1", "STAGE2", "stage1_passes", "stage2_passes"]
 
 #: the built-in passes of stage 1 (Dynamo graph), in the order they run
-STAGE1 = ("detect", "canonicalize", "expert_parallel", "pause_mp", "chunk", "exchange")
+STAGE1 = ("detect", "canonicalize", "sample_placement", "expert_parallel", "pause_mp", "chunk", "exchange")
 #: the built-in passes of stage 2 (each AOTAutograd graph), in the order they run
 STAGE2 = ("drop_dead_collectives", "schedule", "lower", "streams")
 
@@ -47,7 +48,8 @@ def stage1_passes(cfg: MoECompileConfig, body: bool = False) -> list:
         return []
     group = resolve_group(cfg.ep_group)
     layout = resolve_layout(cfg.ep_group, cfg.esp_group, cfg.mp_group) if group is not None else None
-    passes = [Detect(expert_parallel=group is not None, report_empty=not body), Canonicalize(cfg), ExpertParallel(cfg, group, layout),
+    passes = [Detect(expert_parallel=group is not None, report_empty=not body), Canonicalize(cfg), SamplePlacement(cfg, group),
+              ExpertParallel(cfg, group, layout),
               PauseMP(cfg), Chunk(cfg), Exchange(cfg, group)]
     assert tuple(p.name for p in passes) == STAGE1
     return passes
