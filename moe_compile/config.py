@@ -243,9 +243,6 @@ class MoECompileConfig:
         if self.sample_placement not in SAMPLE_PLACEMENT:
             raise ConfigError(f"options['sample_placement']={self.sample_placement!r}: choose one of "
                               f"{', '.join(SAMPLE_PLACEMENT)}")
-        if self.sample_placement != "none" and (self.ep_group is None or self.ranks_per_node is None):
-            raise ConfigError(f"options['sample_placement']={self.sample_placement!r} needs options['ep_group'] and "
-                              f"options['ranks_per_node'] (samples are placed over the nodes of the group)")
         b = self.capacity_bucket
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ConfigError(f"options['capacity_bucket']={b!r}: expected an integer >= 1")
@@ -321,6 +318,9 @@ def _check_dependencies(cfg: MoECompileConfig) -> MoECompileConfig:
                     f"options['ep_group'] is None (no expert parallelism): set options['ep_group'] "
                     f"(e.g. 'world') or leave {name} at {off!r}"
                 )
+    if cfg.sample_placement != "none" and (cfg.ep_group is None or cfg.ranks_per_node is None):
+        raise ConfigError(f"options['sample_placement']={cfg.sample_placement!r} needs options['ep_group'] and "
+                          f"options['ranks_per_node'] (samples are placed over the nodes of the group)")
     if cfg.nan_check and cfg.compressor == "none":
         raise ConfigError(
             "options['nan_check']=True checks what a compressor is given, but options['compressor'] is "

@@ -22,7 +22,7 @@ rank. Nothing is stored without a gradient (eval, ``no_grad``), and a layer keep
 at most :data:`MAX_PENDING` forwards whose backward never came (the oldest is
 dropped with a WARNING).
 
-Both run on one worker thread ("netmoe-layer"): a custom op's body runs below
+Both run on one worker thread ("netmoe-layer"), every output contiguous and every gradient with its input's strides (the fake ones too): a custom op's body runs below
 the autograd dispatch key (no graph would be recorded on the caller's thread);
 a fresh thread records one. :data:`PLACE_SAMPLES` ``= False`` makes every layer
 gather home (FastMoE's layer, the wire-bytes baseline of tests and benchmarks);
@@ -143,7 +143,7 @@ def _run_layer(key, h, x, expert_ids, gate_weights, held, w1, w2, w3, b1, b2, b3
             held = torch.arange(rank * batch, (rank + 1) * batch)
         top_k = expert_ids.shape[-1]
         result = placed_moe_layer(
-            None if pre is not None else lx.reshape(batch, seq, model_dim), lh,
+            None if lx is None else lx.reshape(batch, seq, model_dim), lh,
             expert_ids.reshape(batch, seq, top_k), lgw.reshape(batch, seq, top_k).to(h.dtype), held,
             experts, expert_rank, spec.ranks_per_node, group=group, counter=_counter(spec),
             place=PLACE_SAMPLES, last=spec.last, pre=pre)
@@ -160,11 +160,11 @@ def _run_layer(key, h, x, expert_ids, gate_weights, held, w1, w2, w3, b1, b2, b3
                   result.placement.before.inter, result.placement.after.inter,
                   result.solve_seconds * 1e3, result.waited_seconds * 1e3)
     ticket = _keep(key, spec, result.out, leaves)
-    return result.out.detach(), result.held_new, torch.tensor(ticket, dtype=torch.int64)
+    return result.out.detach().contiguous(), result.held_new.contiguous(), torch.tensor(ticket, dtype=torch.int64)
 
 
 @torch.library.custom_op("moe::netmoe_layer", mutates_args=())
-def netmoe_layer(h: Tensor, x: Tensor, expert_ids: Tensor, gate_weights: Tensor, held: Tensor | None,
+def netmoe_layer(h: Tensor, x: Tensor | None, expert_ids: Tensor, gate_weights: Tensor, held: Tensor | None,
                  w1: Tensor, w2: Tensor, w3: Tensor | None, b1: Tensor | None, b2: Tensor | None,
                  b3: Tensor | None, norm_w: Tensor | None, norm_b: Tensor | None,
                  spec: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -175,7 +175,7 @@ def netmoe_layer(h: Tensor, x: Tensor, expert_ids: Tensor, gate_weights: Tensor,
 
 @netmoe_layer.register_fake
 def _netmoe_layer_fake(h, x, expert_ids, gate_weights, held, w1, w2, w3, b1, b2, b3, norm_w, norm_b, spec):
-    return torch.empty_like(h), h.new_empty((h.shape[0],), dtype=torch.int64), h.new_empty((), dtype=torch.int64)
+    return h.new_empty(h.shape), h.new_empty((h.shape[0],), dtype=torch.int64), h.new_empty((), dtype=torch.int64)
 
 
 def _run_restore(key, t, held):
@@ -185,7 +185,7 @@ def _run_restore(key, t, held):
     with torch.enable_grad():
         out = restore_order(leaf.reshape(batch, -1), held, group=spec.group, counter=_counter(spec)).reshape(t.shape)
     ticket = _keep(key, spec, out, [leaf])
-    return out.detach(), torch.tensor(ticket, dtype=torch.int64)
+    return out.detach().contiguous(), torch.tensor(ticket, dtype=torch.int64)
 
 
 @torch.library.custom_op("moe::netmoe_restore", mutates_args=())
@@ -196,14 +196,14 @@ def netmoe_restore(t: Tensor, held: Tensor, spec: int) -> tuple[Tensor, Tensor]:
 
 @netmoe_restore.register_fake
 def _netmoe_restore_fake(t, held, spec):
-    return torch.empty_like(t), t.new_empty((), dtype=torch.int64)
+    return t.new_empty(t.shape), t.new_empty((), dtype=torch.int64)
 
 
 def _run_backward(key, ticket, grad, like):
     outputs, leaves = _PENDING[key].pop(int(ticket))
     wanted = [t for t in leaves if t is not None and t.is_floating_point()]
     grads = torch.autograd.grad(outputs, wanted, grad, allow_unused=True)
-    return [torch.zeros_like(ref) if g is None else g.to(ref.dtype) for g, ref in zip(grads, like)]
+    return [torch.zeros_like(ref) if g is None else torch.empty_like(ref).copy_(g) for g, ref in zip(grads, like)]
 
 
 @torch.library.custom_op("moe::netmoe_backward", mutates_args=())

@@ -12,7 +12,7 @@ with one opaque node (:mod:`moe_compile.ops.netmoe`)::
     before                                          after
     x   = layer_norm(h).reshape(T, M)               x   = layer_norm(h).reshape(T, M)   (router input, kept)
     ids, w = router(x)                              ids, w = router(x)
-    buf, loc = moe.dispatch(x, ids, E, 0)           out, held1, _ = moe.netmoe_layer(h, x, ids, w, held0,
+    buf, loc = moe.dispatch(x, ids, E, 0)           out, held1, _ = moe.netmoe_layer(h, None, ids, w, held0,
     y   = moe.experts(buf, w1, w2, w3, "silu")                         w1, w2, w3, ..., norm_w, norm_b, spec)
     m   = moe.combine(y, ids, loc, w)
     h2  = h + m.reshape(B, S, M)                    h2  = out
@@ -23,7 +23,7 @@ with one opaque node (:mod:`moe_compile.ops.netmoe`)::
 the graph; the first placed layer starts from this rank's own samples. The
 residual is inlined into the experts (Appendix A) when the layer's input is a
 ``layer_norm`` / ``rms_norm`` of the residual stream (the scatter carries ``h``,
-the expert rank runs the norm); otherwise moved samples' residuals travel with
+the expert rank runs the norm, and ``x`` is no argument: only the router reads it); otherwise moved samples' residuals travel with
 them (one more count-exact exchange, priced in the solver's objective). The next
 layer's scatter is predicted as the paper does: the routing statistics of this
 layer (a sample's tokens keep their experts), unless the layer is the last
@@ -257,7 +257,7 @@ class SamplePlacement:
             if len(layers_in) > 1:
                 names = sorted(lay.name for lay in layers_in)
                 late = max(layers_in, key=lambda lay: list(active.values()).index(lay))
-                return late.name, f"{node.format_node()} mixes the rows placed by layers {names}"
+                return late.name, f"{_name(node)} ({node.name}) mixes the rows placed by layers {names}"
             lay = next(iter(layers_in))
             if node.op == "output":
                 if not all(_shape(a) and isinstance(_shape(a)[0], int) and _shape(a)[0] % lay.batch == 0
@@ -270,13 +270,14 @@ class SamplePlacement:
                 epoch[node] = lay
             else:
                 restores.append((node, lay, reason))
-        for item in restores:
-            if len(item) == 3 and followers[item[1]]:
-                return item[1].name, f"{item[0].format_node()}: {item[2]}"
+        order = list(active.values())
+        for item in restores:    # a return before the next placed layer: placing this one only adds traffic
+            if len(item) == 3 and order.index(item[1]) < len(order) - 1:
+                return item[1].name, f"{_name(item[0])} ({item[0].name}): {item[2]}"
             if len(item) == 3 and not all(
                     _shape(a) and isinstance(_shape(a)[0], int) and _shape(a)[0] % item[1].batch == 0
                     for a in item[0].all_input_nodes if epoch.get(a) is item[1]):
-                return item[1].name, f"{item[0].format_node()} reads its rows without a leading sample dimension"
+                return item[1].name, f"{_name(item[0])} ({item[0].name}) reads its rows without a leading sample dimension"
         self.restores, self.epoch, self.followers = restores, epoch, followers
         return None
 
@@ -391,7 +392,8 @@ class SamplePlacement:
             meta = {k: lay.dispatch.meta[k] for k in ("nn_module_stack", "stack_trace", "moe_region")
                     if k in lay.dispatch.meta}
             with graph.inserting_before(add):
-                op = insert_node(graph, torch.ops.moe.netmoe_layer.default, lay.residual, lay.tokens,
+                tokens = None if lay.norm is not None else lay.tokens     # Appendix A: the experts read h
+                op = insert_node(graph, torch.ops.moe.netmoe_layer.default, lay.residual, tokens,
                                  lay.dispatch.args[1], lay.combine.args[3], held_of.get(src), w1, w2, w3,
                                  extra.get("b1"), extra.get("b2"), extra.get("b3"), norm_w, norm_b, key, meta=meta)
                 out = insert_node(graph, operator.getitem, op, 0, meta=meta)

@@ -42,7 +42,7 @@ class TinyMoEDecoder(nn.Module):
             h = h + self.proj[i](F.scaled_dot_product_attention(q, k, v, is_causal=True))
             h = h + moe(self.norm2[i](h))
             if self.mix is not None and i == 0:
-                h = self.mix(h.transpose(1, 2)).transpose(1, 2)
+                h = self.mix(h.reshape(-1, h.shape[-1])).reshape(h.shape)
         logits = self.head(self.norm_f(h))
         if self.loss:
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
