@@ -230,6 +230,7 @@ BAD_VALUES = {
     "mp_group": ["everyone", 1],
     "esp_group": ["everyone", 1],
     "pause_mp": ["s3", None, True],
+    "sample_placement": ["fastmoe", None, 1, True],
 }
 
 

@@ -4,7 +4,7 @@
 ``head(norm_f(h))``. ``locality``: the embedding's first feature is +3 on the lower half of the
 vocabulary and -3 on the upper half, and each router favours, by that feature, the experts of
 node 0 or node 1 (``experts // 2`` each): a sample drawn mostly from one half routes mostly to one
-node (NetMoE Fig. 2's locality). ``mix``: a ``BatchNorm1d`` over the hidden state after the first
+node (NetMoE Fig. 2's locality). ``mix``: a ``BatchNorm1d`` over the hidden state's ``[B·S, M]`` rows after the first
 layer (samples are not independent there). ``loss``: ``forward(tokens, targets)`` returns the
 summed cross-entropy (the loss inside the compiled graph).
 """
