@@ -345,7 +345,7 @@ class SamplePlacement:
             mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
             if not all(n in epoch for n in (q, k, v)):
                 return "its query, key and value are not all placed"
-            if isinstance(mask, Node) and mask not in epoch and not unbatched(mask, 4):
+            if isinstance(mask, Node) and mask not in epoch and not unbatched(mask, len(_shape(q))):
                 return f"its mask {mask.name} is in the original sample order"
             return None
         if target in (torch.bmm, torch.matmul, operator.matmul) or name in ("bmm", "matmul"):

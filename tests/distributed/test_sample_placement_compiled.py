@@ -5,7 +5,8 @@ One spawn holds every check. A 2-layer tiny decoder (tests/models/decoder.py) co
 each rank's own samples: the logits leave the graph in the original sample order and equal the
 one-process eager model's, the per-rank losses sum to eager's, every gradient (summed over ranks)
 and the final weights equal eager's; the same with the loss inside the graph (the pass restores the
-rows before the cross-entropy that reads the targets). Bytes: on a routing with locality, the
+rows before the cross-entropy that reads the targets), and with ``h + MoE(h)`` (no norm to inline:
+the residual of a moved sample travels with it). Bytes: on a routing with locality, the
 inter-node bytes counted on the wire (payload and metadata, forward and backward) are lower than the
 same compiled model with every layer gathering home (``ops.netmoe.PLACE_SAMPLES = False``); on a
 routing without locality, a single placed layer (whose objective, its gather plus the return, is
@@ -30,12 +31,12 @@ OPTIONS = {"ep_group": "world", "ranks_per_node": RANKS_PER_NODE, "sample_placem
 TOL = dict(rtol=1e-4, atol=1e-5)
 
 
-def _train(rank, loss_in_graph):
+def _train(rank, loss_in_graph, prenorm=True):
     import moe_compile
     from tests.models.decoder import TinyMoEDecoder, local_tokens
 
     torch.manual_seed(0)
-    eager = TinyMoEDecoder(locality=True, loss=loss_in_graph)
+    eager = TinyMoEDecoder(locality=True, loss=loss_in_graph, prenorm=prenorm)
     model = copy.deepcopy(eager)
     compiled = torch.compile(model, backend="moe", fullgraph=True, options=OPTIONS)
     opt_eager = torch.optim.AdamW(eager.parameters(), lr=1e-2)
@@ -61,12 +62,15 @@ def _train(rank, loss_in_graph):
         opt.zero_grad()
         loss.backward()
         for p in model.parameters():
-            dist.all_reduce(p.grad)
+            if p.grad is not None:      # None: unused (norm2 with prenorm=False), and then in eager too
+                dist.all_reduce(p.grad)
         total = loss.detach().clone()
         dist.all_reduce(total)
         torch.testing.assert_close(total, loss_ref.detach(), rtol=1e-5, atol=1e-6)
         for (name, p), p_ref in zip(model.named_parameters(), eager.parameters()):
-            torch.testing.assert_close(p.grad, p_ref.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+            assert (p.grad is None) == (p_ref.grad is None), name
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, p_ref.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
         opt_eager.step()
         opt.step()
     for p, p_ref in zip(model.parameters(), eager.parameters()):
@@ -108,6 +112,7 @@ def _wire(rank, layers, locality, seed):
 
 def _checks(rank, world):
     return {"logits": _train(rank, False), "loss_in_graph": _train(rank, True),
+            "not_inlined": _train(rank, False, prenorm=False),
             "locality": [_wire(rank, 2, True, seed) for seed in range(2)],
             "uniform": [_wire(rank, 1, False, seed) for seed in range(2)]}
 
@@ -115,10 +120,11 @@ def _checks(rank, world):
 def test_compiled_sample_placement_equals_eager_and_saves_inter_node_bytes():
     results = spawn(_checks, WORLD, timeout=540)
     for r in results:
-        for case in ("logits", "loss_in_graph"):
+        for case in ("logits", "loss_in_graph", "not_inlined"):
             assert r[case]["placed"] == 2, r[case]          # both layers placed by the pass
             assert r[case]["pending"] == 0, r[case]         # every forward's graph popped by its backward
-    assert sum(r["logits"]["moved"] for r in results) > 0  # samples did move
+    for case in ("logits", "not_inlined"):
+        assert sum(r[case]["moved"] for r in results) > 0    # samples did move
     for before, after, before_all, after_all in results[0]["locality"]:
         assert after < before and after_all < before_all, (before, after, before_all, after_all)
     for before, after, _, _ in results[0]["uniform"]:

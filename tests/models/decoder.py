@@ -6,7 +6,10 @@ vocabulary and -3 on the upper half, and each router favours, by that feature, t
 node 0 or node 1 (``experts // 2`` each): a sample drawn mostly from one half routes mostly to one
 node (NetMoE Fig. 2's locality). ``mix``: a ``BatchNorm1d`` over the hidden state's ``[B·S, M]`` rows after the first
 layer (samples are not independent there). ``loss``: ``forward(tokens, targets)`` returns the
-summed cross-entropy (the loss inside the compiled graph).
+summed cross-entropy (the loss inside the compiled graph). ``prenorm=False``: ``h += MoE(h)`` (no
+norm between the residual stream and the experts: the residual is not inlined). ``forward(...,
+mask=m)``: ``m`` (``[B, S, S]``, the caller's samples in their original order) is every
+attention's mask.
 """
 import torch
 import torch.nn.functional as F
@@ -16,9 +19,10 @@ from tests.models.sort import SortMoE
 
 
 class TinyMoEDecoder(nn.Module):
-    def __init__(self, layers=2, model_dim=8, hidden=16, experts=8, vocab=32, locality=False, mix=False, loss=False):
+    def __init__(self, layers=2, model_dim=8, hidden=16, experts=8, vocab=32, locality=False, mix=False, loss=False,
+                 prenorm=True):
         super().__init__()
-        self.loss = loss
+        self.loss, self.prenorm = loss, prenorm
         self.embed = nn.Embedding(vocab, model_dim)
         self.norm1 = nn.ModuleList(nn.LayerNorm(model_dim) for _ in range(layers))
         self.qkv = nn.ModuleList(nn.Linear(model_dim, 3 * model_dim, bias=False) for _ in range(layers))
@@ -35,12 +39,12 @@ class TinyMoEDecoder(nn.Module):
                 for moe in self.moe:
                     moe.router.weight[:, 0] = 2.0 * sign
 
-    def forward(self, tokens, targets=None):
+    def forward(self, tokens, targets=None, mask=None):
         h = self.embed(tokens)
         for i, moe in enumerate(self.moe):
             q, k, v = self.qkv[i](self.norm1[i](h)).chunk(3, dim=-1)
-            h = h + self.proj[i](F.scaled_dot_product_attention(q, k, v, is_causal=True))
-            h = h + moe(self.norm2[i](h))
+            h = h + self.proj[i](F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None))
+            h = h + moe(self.norm2[i](h) if self.prenorm else h)
             if self.mix is not None and i == 0:
                 h = self.mix(h.reshape(-1, h.shape[-1])).reshape(h.shape)
         logits = self.head(self.norm_f(h))

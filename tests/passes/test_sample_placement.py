@@ -1,7 +1,7 @@
 """The ``sample_placement`` pass (passes/sample_placement.py) in one process, on a 1-rank gloo group.
 
-A layer whose placed rows reach an op that mixes samples (here a ``BatchNorm1d`` between the two MoE
-layers) while another placed layer follows is left as written (still ``moe.dispatch`` / ``experts`` /
+A layer whose placed rows reach an op that mixes samples (a ``BatchNorm1d`` between the two MoE
+layers) or reads a tensor of the original sample order (an attention mask) while another placed layer follows is left as written (still ``moe.dispatch`` / ``experts`` /
 ``combine``) with a WARNING naming the op; the layer after it is placed, its output restored before
 the graph output; forward and backward equal eager. Nothing is kept for a backward when no gradient
 is needed; a training step's kept graphs are all popped by its backward. Bad option values raise
@@ -40,26 +40,32 @@ def _pending():
     return sum(len(v) for v in netmoe._PENDING.values())
 
 
-def test_layer_before_batch_norm_left_unplaced_with_warning(gloo_world_1, caplog, tmp_path):
+@pytest.mark.parametrize("case, words", [("batch_norm", ["batch_norm"]), ("mask", ["mask", "original sample order"])])
+def test_layer_that_cannot_be_proven_per_sample_left_unplaced_with_warning(gloo_world_1, caplog, tmp_path, case, words):
     from tests.models.decoder import TinyMoEDecoder
 
     torch.manual_seed(0)
-    eager = TinyMoEDecoder(mix=True)
+    eager = TinyMoEDecoder(mix=case == "batch_norm")
     model = copy.deepcopy(eager)
     moe_compile.counters.clear()
     compiled = torch.compile(model, backend="moe", fullgraph=True, options={**OPTIONS, "debug_dir": str(tmp_path)})
     tokens = torch.randint(0, 32, (3, 5), generator=torch.Generator().manual_seed(1))
+    # a per-sample mask (causal, plus the last key hidden from the first sample), in the caller's order
+    mask = torch.ones(3, 5, 5, dtype=torch.bool).tril()
+    mask[0, 1:, 0] = False
+    args = (tokens, None, mask) if case == "mask" else (tokens,)
     with caplog.at_level(logging.INFO, logger="moe_compile.passes.sample_placement"):
-        out = compiled(tokens)
+        out = compiled(*args)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "moe.0" in warnings[0] and "batch_norm" in warnings[0], warnings
+    assert len(warnings) == 1 and "moe.0" in warnings[0], warnings
+    assert all(w in warnings[0] for w in words), warnings
     assert moe_compile.counters["sample_placement:placed"] == 1
     assert moe_compile.counters["sample_placement:refused"] == 1
     graph = next(tmp_path.rglob("*_sample_placement_after.py")).read_text()
     assert graph.count("torch.ops.moe.dispatch.default(") == 1            # moe.0 as canonicalize left it
     assert graph.count("torch.ops.moe.netmoe_layer.default(") == 1        # moe.1 placed
     assert graph.count("torch.ops.moe.netmoe_restore.default(") == 1      # before the output
-    ref = eager(tokens)
+    ref = eager(*args)
     torch.testing.assert_close(out, ref, **TOL)
     out.square().sum().backward()
     ref.square().sum().backward()
@@ -67,7 +73,7 @@ def test_layer_before_batch_norm_left_unplaced_with_warning(gloo_world_1, caplog
         torch.testing.assert_close(p.grad, p_ref.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
     assert _pending() == 0
     with torch.no_grad():                       # recompiled without grad: nothing kept for a backward
-        torch.testing.assert_close(compiled(tokens), eager(tokens), **TOL)
+        torch.testing.assert_close(compiled(*args), eager(*args), **TOL)
     assert _pending() == 0
 
 
