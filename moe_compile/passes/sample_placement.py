@@ -92,7 +92,6 @@ _DIM_OPS = {torch.nn.functional.softmax, torch.softmax, torch.topk, torch.nn.fun
             torch.sum, torch.mean, torch.amax, torch.argmax, torch.chunk, torch.split,
             "softmax", "log_softmax", "topk", "sum", "mean", "amax", "max", "argmax", "chunk", "split", "norm",
             "cumsum", torch.cumsum}
-_CANONICAL = {torch.ops.moe.dispatch.default, torch.ops.moe.experts.default, torch.ops.moe.combine.default}
 
 
 def _val(node):
@@ -235,10 +234,33 @@ class SamplePlacement:
         for lay in active.values():
             internal.update([lay.dispatch, lay.buffer, lay.experts, lay.combine, *lay.chain])
             internal.update(u for u in lay.dispatch.users)
+        # a layer left as canonical ops acts per token (its exchange returns every row to its rank and row):
+        # its combine's rows are in the order of its tokens; its buffer and experts are not rows of samples
+        canonical = {}
+        for dispatch in gm.graph.find_nodes(op="call_function", target=torch.ops.moe.dispatch.default):
+            if dispatch in internal:
+                continue
+            for user in dispatch.users:
+                internal.add(user)
+                for experts in user.users:
+                    if experts.target is torch.ops.moe.experts.default:
+                        internal.add(experts)
+                        canonical.update({c: dispatch for c in experts.users if c.target is torch.ops.moe.combine.default})
+            internal.add(dispatch)
+        internal -= set(canonical)
         followers: dict[_Layer, bool] = {lay: False for lay in active.values()}
         restores = []
         for node in gm.graph.nodes:
             if node in internal:
+                continue
+            if node in canonical:
+                dispatch = canonical[node]
+                orders = {epoch.get(n) for n in (dispatch.args[0], dispatch.args[1], node.args[3])}
+                if len(orders) > 1:
+                    lay = next(o for o in orders if o is not None)
+                    return lay.name, f"the layer of {dispatch.name} reads rows of several orders"
+                if orders != {None}:
+                    epoch[node] = orders.pop()
                 continue
             if node in active:
                 lay = active[node]
@@ -290,7 +312,7 @@ class SamplePlacement:
         target, name = node.target, _name(node)
         shape = _shape(node)
         first = node.args[0] if node.args else None
-        placed = [a for a in node.all_input_nodes if a in epoch]
+        placed = [a for a in node.all_input_nodes if a in epoch and isinstance(_val(a), torch.Tensor)]
 
         def lead_ok(n):
             s = _shape(n)
@@ -308,14 +330,14 @@ class SamplePlacement:
             if isinstance(node.args[1], int) and isinstance(_val(first), (tuple, list)):
                 return None
             return "indexing a placed tensor is not known to keep samples apart"
-        if not all(lead_ok(p) for p in placed if isinstance(_val(p), torch.Tensor)):
+        if not placed or not all(lead_ok(p) for p in placed):
             return "its placed input has no leading sample dimension"
-        if target in _CANONICAL or (name in _ELEMENTWISE or target in _ELEMENTWISE):
+        if name in _ELEMENTWISE or target in _ELEMENTWISE:
             ndim = max(len(_shape(p) or ()) for p in placed)
             for a in node.all_input_nodes:
                 if a not in epoch and isinstance(_val(a), torch.Tensor) and not unbatched(a, ndim):
                     return f"it reads {a.name}, a tensor of the original sample order"
-            if target in _CANONICAL or all(_shape(p) == _shape(placed[0]) or len(_shape(p)) < ndim for p in placed):
+            if all(len(_shape(p)) == ndim and _shape(p)[0] == _shape(placed[0])[0] for p in placed):
                 return None
             return "its placed inputs have different leading dimensions"
         if target in _ROW_WISE:

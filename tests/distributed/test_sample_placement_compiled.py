@@ -6,7 +6,9 @@ each rank's own samples: the logits leave the graph in the original sample order
 one-process eager model's, the per-rank losses sum to eager's, every gradient (summed over ranks)
 and the final weights equal eager's; the same with the loss inside the graph (the pass restores the
 rows before the cross-entropy that reads the targets), and with ``h + MoE(h)`` (no norm to inline:
-the residual of a moved sample travels with it). Bytes: on a routing with locality, the
+the residual of a moved sample travels with it), and with a last layer ``h = MoE(norm(h))`` that has no
+residual add (left expert-parallel: the first layer's placed rows go through its per-token exchange
+and return before the output). Bytes: on a routing with locality, the
 inter-node bytes counted on the wire (payload and metadata, forward and backward) are lower than the
 same compiled model with every layer gathering home (``ops.netmoe.PLACE_SAMPLES = False``); on a
 routing without locality, a single placed layer (whose objective, its gather plus the return, is
@@ -31,12 +33,12 @@ OPTIONS = {"ep_group": "world", "ranks_per_node": RANKS_PER_NODE, "sample_placem
 TOL = dict(rtol=1e-4, atol=1e-5)
 
 
-def _train(rank, loss_in_graph, prenorm=True):
+def _train(rank, loss_in_graph, prenorm=True, plain_last=False):
     import moe_compile
     from tests.models.decoder import TinyMoEDecoder, local_tokens
 
     torch.manual_seed(0)
-    eager = TinyMoEDecoder(locality=True, loss=loss_in_graph, prenorm=prenorm)
+    eager = TinyMoEDecoder(locality=True, loss=loss_in_graph, prenorm=prenorm, plain_last=plain_last)
     model = copy.deepcopy(eager)
     compiled = torch.compile(model, backend="moe", fullgraph=True, options=OPTIONS)
     opt_eager = torch.optim.AdamW(eager.parameters(), lr=1e-2)
@@ -113,6 +115,7 @@ def _wire(rank, layers, locality, seed):
 def _checks(rank, world):
     return {"logits": _train(rank, False), "loss_in_graph": _train(rank, True),
             "not_inlined": _train(rank, False, prenorm=False),
+            "through_canonical": _train(rank, False, plain_last=True),
             "locality": [_wire(rank, 2, True, seed) for seed in range(2)],
             "uniform": [_wire(rank, 1, False, seed) for seed in range(2)]}
 
@@ -123,7 +126,8 @@ def test_compiled_sample_placement_equals_eager_and_saves_inter_node_bytes():
         for case in ("logits", "loss_in_graph", "not_inlined"):
             assert r[case]["placed"] == 2, r[case]          # both layers placed by the pass
             assert r[case]["pending"] == 0, r[case]         # every forward's graph popped by its backward
-    for case in ("logits", "not_inlined"):
+        assert r["through_canonical"]["placed"] == 1 and r["through_canonical"]["pending"] == 0
+    for case in ("logits", "not_inlined", "through_canonical"):
         assert sum(r[case]["moved"] for r in results) > 0    # samples did move
     for before, after, before_all, after_all in results[0]["locality"]:
         assert after < before and after_all < before_all, (before, after, before_all, after_all)

@@ -9,7 +9,8 @@ layer (samples are not independent there). ``loss``: ``forward(tokens, targets)`
 summed cross-entropy (the loss inside the compiled graph). ``prenorm=False``: ``h += MoE(h)`` (no
 norm between the residual stream and the experts: the residual is not inlined). ``forward(...,
 mask=m)``: ``m`` (``[B, S, S]``, the caller's samples in their original order) is every
-attention's mask.
+attention's mask. ``plain_last``: the last layer is ``h = MoE(norm2(h))`` (no residual add: the
+backend leaves it as canonical ops, per token).
 """
 import torch
 import torch.nn.functional as F
@@ -20,9 +21,9 @@ from tests.models.sort import SortMoE
 
 class TinyMoEDecoder(nn.Module):
     def __init__(self, layers=2, model_dim=8, hidden=16, experts=8, vocab=32, locality=False, mix=False, loss=False,
-                 prenorm=True):
+                 prenorm=True, plain_last=False):
         super().__init__()
-        self.loss, self.prenorm = loss, prenorm
+        self.loss, self.prenorm, self.plain_last = loss, prenorm, plain_last
         self.embed = nn.Embedding(vocab, model_dim)
         self.norm1 = nn.ModuleList(nn.LayerNorm(model_dim) for _ in range(layers))
         self.qkv = nn.ModuleList(nn.Linear(model_dim, 3 * model_dim, bias=False) for _ in range(layers))
@@ -44,7 +45,8 @@ class TinyMoEDecoder(nn.Module):
         for i, moe in enumerate(self.moe):
             q, k, v = self.qkv[i](self.norm1[i](h)).chunk(3, dim=-1)
             h = h + self.proj[i](F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None))
-            h = h + moe(self.norm2[i](h) if self.prenorm else h)
+            x = self.norm2[i](h) if self.prenorm else h
+            h = moe(x) if self.plain_last and i == len(self.moe) - 1 else h + moe(x)
             if self.mix is not None and i == 0:
                 h = self.mix(h.reshape(-1, h.shape[-1])).reshape(h.shape)
         logits = self.head(self.norm_f(h))

@@ -108,3 +108,28 @@ def test_bad_sample_placement_options(options, words):
         MoECompileConfig().merged(options)
     for word in words:
         assert word in str(info.value), (word, str(info.value))
+
+
+def test_rows_pass_through_a_layer_left_as_canonical_ops(gloo_world_1, caplog):
+    """moe.1 has no residual add (not a candidate): moe.0's rows flow through its per-token canonical
+    ops and are restored only before the output."""
+    from tests.models.decoder import TinyMoEDecoder
+
+    torch.manual_seed(0)
+    eager = TinyMoEDecoder(plain_last=True)
+    model = copy.deepcopy(eager)
+    moe_compile.counters.clear()
+    compiled = torch.compile(model, backend="moe", fullgraph=True, options=OPTIONS)
+    tokens = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(3))
+    with caplog.at_level(logging.INFO, logger="moe_compile.passes.sample_placement"):
+        out = compiled(tokens)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("moe.1" in r.getMessage() and "residual" in r.getMessage() for r in caplog.records)
+    assert moe_compile.counters["sample_placement:placed"] == 1
+    ref = eager(tokens)
+    torch.testing.assert_close(out, ref, **TOL)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    for (name, p), p_ref in zip(model.named_parameters(), eager.parameters()):
+        if p_ref.grad is not None:
+            torch.testing.assert_close(p.grad, p_ref.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
