@@ -48,7 +48,7 @@ def stage1_passes(cfg: MoECompileConfig, body: bool = False) -> list:
         return []
     group = resolve_group(cfg.ep_group)
     layout = resolve_layout(cfg.ep_group, cfg.esp_group, cfg.mp_group) if group is not None else None
-    passes = [Detect(expert_parallel=group is not None, report_empty=not body), Canonicalize(cfg), SamplePlacement(cfg, group),
+    passes = [Detect(expert_parallel=group is not None, report_empty=not body), Canonicalize(cfg), SamplePlacement(cfg, group, body=body),
               ExpertParallel(cfg, group, layout),
               PauseMP(cfg), Chunk(cfg), Exchange(cfg, group)]
     assert tuple(p.name for p in passes) == STAGE1

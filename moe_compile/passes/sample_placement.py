@@ -33,7 +33,9 @@ Which layers (why the pass can prove the result equals eager). A layer is a
 candidate when its combine's output, through ``to`` / ``reshape`` / ``view``,
 is added to a residual ``h: [B, S, M]`` with ``B·S`` tokens, it is dropless
 (capacity 0: the placed layer is count-exact), its experts are ``[E, ...]``
-tensors with ``E`` a multiple of the group size, and ``B`` is static. From a
+tensors with ``E`` a multiple of the group size, ``B`` is static, and it is not inside an
+activation-checkpoint body (a recomputation would solve and exchange again; those layers stay
+expert-parallel, WARNING). From a
 candidate's output the pass follows the rows forward ("placed by layer L") and
 requires every reader to act on each sample alone, with the sample dimension
 first (an allowlist: element-wise ops whose other operands do not span the
@@ -190,11 +192,16 @@ class SamplePlacement:
 
     name = "sample_placement"
 
-    def __init__(self, cfg: MoECompileConfig, group):
-        self.cfg, self.group = cfg, group
+    def __init__(self, cfg: MoECompileConfig, group, body: bool = False):
+        self.cfg, self.group, self.body = cfg, group, body
 
     def __call__(self, gm: GraphModule) -> PassResult:
         if self.cfg.sample_placement == "none" or self.group is None:
+            return PassResult(gm, False)
+        if self.body:   # a recomputed forward would solve and exchange again, and keep a second autograd graph
+            if gm.graph.find_nodes(op="call_function", target=torch.ops.moe.dispatch.default):
+                log.warning("moe_compile: sample_placement: the MoE layers inside an activation-checkpoint body are "
+                            "left unplaced (expert-parallel as usual)")
             return PassResult(gm, False)
         from ..collectives.group import resolve_group
 

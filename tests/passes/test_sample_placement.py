@@ -133,3 +133,34 @@ def test_rows_pass_through_a_layer_left_as_canonical_ops(gloo_world_1, caplog):
     for (name, p), p_ref in zip(model.named_parameters(), eager.parameters()):
         if p_ref.grad is not None:
             torch.testing.assert_close(p.grad, p_ref.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_layers_inside_activation_checkpoint_left_unplaced_with_warning(gloo_world_1, caplog):
+    from torch.utils.checkpoint import checkpoint
+
+    from tests.models.decoder import TinyMoEDecoder
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = TinyMoEDecoder()
+
+        def forward(self, tokens):
+            return checkpoint(self.inner, tokens, use_reentrant=False)
+
+    torch.manual_seed(0)
+    eager = Checkpointed()
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, backend="moe", fullgraph=True, options=OPTIONS)
+    tokens = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(4))
+    with caplog.at_level(logging.WARNING, logger="moe_compile.passes.sample_placement"):
+        out = compiled(tokens)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "activation-checkpoint" in warnings[0], warnings
+    assert moe_compile.counters["sample_placement:placed"] == 0
+    ref = eager(tokens)
+    torch.testing.assert_close(out, ref, **TOL)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    for (name, p), p_ref in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
