@@ -164,3 +164,24 @@ def test_layers_inside_activation_checkpoint_left_unplaced_with_warning(gloo_wor
     ref.square().sum().backward()
     for (name, p), p_ref in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, p_ref.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.slow
+def test_placed_layers_under_inductor(gloo_world_1):
+    """The opaque ops (and their ``Tensor[]`` backward) through Inductor, the default inner compiler on CUDA."""
+    from tests.models.decoder import TinyMoEDecoder
+
+    torch.manual_seed(0)
+    eager = TinyMoEDecoder()
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, backend="moe", fullgraph=True, options={**OPTIONS, "inner": "inductor"})
+    tokens = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(5))
+    out = compiled(tokens)
+    assert moe_compile.counters["sample_placement:placed"] == 2
+    ref = eager(tokens)
+    torch.testing.assert_close(out, ref, **TOL)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    for (name, p), p_ref in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    assert _pending() == 0
