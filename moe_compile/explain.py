@@ -170,6 +170,15 @@ def _explain_graph(dump: GraphDump, console, png: bool) -> list[Path]:
                 table.add_row(stage, p["pass"], "yes" if p["modified"] else "no")
         console.print(table)
 
+    placement = summary.get("sample_placement") or []
+    if placement:
+        table = Table(title="NetMoE sample placement (options['sample_placement'])", title_justify="left")
+        for column in ("layer", "placed", "residual", "why / after it"):
+            table.add_column(column)
+        for p in placement:
+            table.add_row(p["layer"], "yes" if p["placed"] else "no", p.get("residual", "-"), p["why"])
+        console.print(table)
+
     layers = {entry["layer"]: dict(entry) for entry in summary.get("layers") or []}
     for plan in dump.schedule.get("layers") or []:
         layers.setdefault(plan["layer"], {}).update({k: v for k, v in plan.items() if k != "timelines"})

@@ -53,6 +53,8 @@ placed rows — a graph output, or an op outside the allowlist (a loss reading t
 targets) — first gets ``moe.netmoe_restore``: the rows go back to their original
 rank and order, so whatever leaves the graph, and every gradient, equals eager.
 
+``gm.meta["moe"].placement`` (``summary.json``'s ``sample_placement``, a table of ``explain``):
+each layer placed (its residual inlined or not, last or followed) or refused (why).
 Counters (:mod:`moe_compile.counters`): ``sample_placement:placed`` /
 ``sample_placement:refused`` at compile time; per call of a placed layer
 ``netmoe:<layer>:samples_moved_in`` (samples that arrived on this rank),
@@ -73,6 +75,7 @@ from ..counters import counters
 from ..ops import netmoe as netmoe_ops
 from .fake_values import insert_node
 from .manager import PassResult
+from .state import moe_state
 
 __all__ = ["SamplePlacement"]
 
@@ -223,6 +226,7 @@ class SamplePlacement:
                 break
             name, reason = problem
             refused[name] = reason
+            moe_state(gm).placement.append({"layer": name, "placed": False, "why": reason})
             log.warning("moe_compile: sample_placement: layer %s left unplaced: %s", name, reason)
             counters["sample_placement:refused"] += 1
         if not active:
@@ -433,6 +437,10 @@ class SamplePlacement:
                 if not dead.users:
                     graph.erase_node(dead)
             counters["sample_placement:placed"] += 1
+            moe_state(gm).placement.append({
+                "layer": lay.name, "placed": True,
+                "residual": "inlined (Appendix A)" if lay.norm is not None else "sent with moved samples",
+                "why": "last placed layer: rows restored after it" if spec.last else "a placed layer follows"})
             log.info("moe_compile: sample_placement: layer %s placed by NetMoE (residual %s; %s)", lay.name,
                      "inlined into the experts (Appendix A)" if lay.norm is not None else "sent with moved samples",
                      "last placed layer: rows restored after it" if spec.last else "a placed layer follows")

@@ -65,6 +65,16 @@ def test_layer_that_cannot_be_proven_per_sample_left_unplaced_with_warning(gloo_
     assert graph.count("torch.ops.moe.dispatch.default(") == 1            # moe.0 as canonicalize left it
     assert graph.count("torch.ops.moe.netmoe_layer.default(") == 1        # moe.1 placed
     assert graph.count("torch.ops.moe.netmoe_restore.default(") == 1      # before the output
+    from rich.console import Console
+
+    from moe_compile.explain import explain
+
+    console = Console(record=True, width=400, file=open("/dev/null", "w"))   # noqa: SIM115
+    explain(tmp_path, console=console, png=False)
+    text = console.export_text()
+    assert "NetMoE sample placement" in text and "inlined (Appendix A)" in text
+    assert any("moe.0" in line and " no " in line and words[0] in line for line in text.splitlines()), text
+    assert any("moe.1" in line and " yes " in line and "last placed layer" in line for line in text.splitlines()), text
     ref = eager(*args)
     torch.testing.assert_close(out, ref, **TOL)
     out.square().sum().backward()
