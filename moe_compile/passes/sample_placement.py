@@ -155,6 +155,8 @@ def _match(dispatch: Node, group_size: int) -> tuple[_Layer | None, str]:
     shape, tokens = _shape(residual), dispatch.args[0]
     if shape is None or len(shape) != 3 or _shape(add) != shape or _shape(node) != shape:
         return None, f"its residual stream is not [B, S, M] (got {shape})"
+    if _val(add).dtype != _val(residual).dtype:
+        return None, f"h + MoE(x) is {_val(add).dtype}, the residual stream {_val(residual).dtype}"
     if not all(isinstance(d, int) for d in shape) or shape[0] * shape[1] != (_shape(tokens) or (0,))[0]:
         return None, "the batch is not static, or the tokens are not the residual's B·S rows"
     norm = None
