@@ -22,6 +22,8 @@ from moe_compile.testing import spawn
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
 
 TOL = dict(rtol=1e-4, atol=1e-5)
+#: expert weight gradients: r chunks sum each expert's gradient in r parts (another float32 summation order)
+GRAD_TOL = dict(rtol=1e-4, atol=1e-4)
 TOKENS, MODEL_DIM, HIDDEN = 64, 8, 16
 #: how strongly a step's tokens lean towards expert 0: 0 = balanced (R ≈ T/E), 6 = most tokens there (R ≈ T)
 SKEWS = (0.0, 6.0, 1.5, 0.0, 6.0, 1.5)
@@ -70,7 +72,7 @@ def _steps(rank: int, world: int, num_experts: int, options: dict, rounds: int) 
                 mine = torch.zeros_like(expected)
                 mine[local] = expected[local]
                 expected = mine
-            torch.testing.assert_close(p.grad, expected, **TOL, msg=lambda m: f"{what} grad {name}: {m}")
+            torch.testing.assert_close(p.grad, expected, **GRAD_TOL, msg=lambda m: f"{what} grad {name}: {m}")
         rows.append(decisions()[-1].rows)
         if step == 0:
             graphs_after_warmup = (torch._dynamo.utils.counters["stats"]["unique_graphs"],
