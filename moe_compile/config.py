@@ -203,7 +203,7 @@ class MoECompileConfig:
         self.schedule = ScheduleName(self.schedule)
         r = self.num_chunks
         if not (r in ("auto", "adaptive") or (isinstance(r, int) and not isinstance(r, bool) and r >= 1)):
-            raise ConfigError(f"options['num_chunks']={r!r}: expected an integer >= 1, 'auto' or 'adaptive'")
+            raise ConfigError(f"options['num_chunks']={r!r}: expected an integer >= 1 or 'auto', or 'adaptive'")
         _check_adaptive(self)
         _check_optional_str(self, "cost_models")
         if self.emulate_link is not None:
