@@ -15,9 +15,11 @@ chunked exchange built into the graph, ScheMoE's optimal order). The emulated li
 is flat only, so the algorithm is not varied here (``all_to_all="adaptive"`` needs
 real hierarchical links).
 
-The trace runs twice per variant: the first pass compiles and warms up (the adaptive
-variant explores its candidates there, ``TRIALS`` runs of each per bucket), the second
-is timed: per step, a barrier, then forward + backward, the slowest rank's time.
+The trace runs twice: the first pass compiles and warms up (the adaptive variant
+explores its candidates there, ``TRIALS`` runs of each per bucket), the second is
+timed. Every step of the trace runs every variant on the same batch, in an order
+rotated per step (so a change of load on a shared machine hits all variants alike):
+per variant a barrier, then forward + backward, the slowest rank's time.
 Reported per segment (median ms per step) and over the whole trace (sum), with the
 adaptive variant's choices and its per-call decision cost (``choose``: the table
 lookup; median and max over the timed pass). Outputs of every variant are checked
@@ -81,7 +83,11 @@ def _trace(args) -> list[float]:
     return [skew for skew in args.skews for _ in range(args.segment_steps)]
 
 
-def _run(rank: int, world: int, args, variant) -> dict:
+def _run(rank: int, world: int, args, variants) -> dict:
+    """Every variant on every step of the trace, interleaved (order rotated per step), so that a change of the
+    machine's load (shared CPUs) hits all variants alike."""
+    import copy
+
     from moe_compile.schedule.adaptive import decisions, reset_adaptive_tables
 
     torch.set_num_threads(1)
@@ -89,31 +95,37 @@ def _run(rank: int, world: int, args, variant) -> dict:
     reset_adaptive_tables()
     torch.manual_seed(args.seed)
     layer = Layer(args.model_dim, args.hidden_dim, args.experts, args.top_k)
-    options = {"ep_group": "world", "inner": args.inner, "num_chunks": variant, "capacity_bucket": 8,
-               "emulate_link": {"alpha_us": args.alpha_us, "gbps": args.gbps}}
-    compiled = torch.compile(layer, backend="moe", fullgraph=True, options=options)
+    layers, compiled = {}, {}
+    for variant in variants:
+        layers[variant] = copy.deepcopy(layer)
+        options = {"ep_group": "world", "inner": args.inner, "num_chunks": variant, "capacity_bucket": 8,
+                   "emulate_link": {"alpha_us": args.alpha_us, "gbps": args.gbps}}
+        compiled[variant] = torch.compile(layers[variant], backend="moe", fullgraph=True, options=options)
     trace = _trace(args)
-    times, firsts, warm = [], [], 0
+    times = {v: [] for v in variants}
+    firsts = {v: [] for v in variants}
+    chosen = []
     for timed in (False, True):
-        warm = len(decisions())
         for step, skew in enumerate(trace):
-            x = _batch(layer, args, rank, step, skew).requires_grad_()
-            dist.barrier()
-            start = time.perf_counter()
-            out = compiled(x)
-            out.square().mean().backward()
-            elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            layer.zero_grad(set_to_none=True)
-            if timed:
-                times.append(float(elapsed))
-                if step % args.segment_steps == 0:
-                    firsts.append(out.detach()[:4].tolist())  # plain lists: tensors do not cross the queue
-    result = {"times": times, "firsts": firsts}
-    if variant == "adaptive":  # the timed pass's decisions
-        result["decisions"] = [(d.rows, d.chunks, d.phase, d.decision_s, d.predicted_s, d.forward_s)
-                               for d in decisions()[warm:]]
-    return result
+            x = _batch(layer, args, rank, step, skew)
+            shift = step % len(variants)
+            for variant in variants[shift:] + variants[:shift]:
+                x_v = x.clone().requires_grad_()
+                dist.barrier()
+                start = time.perf_counter()
+                out = compiled[variant](x_v)
+                out.square().mean().backward()
+                elapsed = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                layers[variant].zero_grad(set_to_none=True)
+                if timed:
+                    times[variant].append(float(elapsed))
+                    if step % args.segment_steps == 0:
+                        firsts[variant].append(out.detach()[:4].tolist())  # plain lists: tensors do not cross the queue
+                    if variant == "adaptive":
+                        d = decisions()[-1]
+                        chosen.append((d.rows, d.chunks, d.phase, d.decision_s, d.predicted_s, d.forward_s))
+    return {"times": times, "firsts": firsts, "decisions": chosen}
 
 
 def main() -> None:
@@ -140,10 +152,9 @@ def main() -> None:
         args.skews, args.segment_steps = [0.0, 8.0, 1.5], 10
 
     variants = ["adaptive", *args.fixed_chunks]
-    results = {}
-    for variant in variants:
-        results[variant] = spawn(_run, args.world_size, args, variant, timeout=args.timeout)[0]
-        print(f"{variant}: {sum(results[variant]['times']) * 1e3:.0f} ms over the trace", flush=True)
+    run = spawn(_run, args.world_size, args, variants, timeout=args.timeout)[0]
+    results = {v: {"times": run["times"][v], "firsts": run["firsts"][v]} for v in variants}
+    results["adaptive"]["decisions"] = run["decisions"]
     reference = results[args.fixed_chunks[0]]["firsts"]
     for variant in variants:
         for a, b in zip(results[variant]["firsts"], reference):
