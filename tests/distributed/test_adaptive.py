@@ -89,12 +89,52 @@ def _steps(rank: int, world: int, num_experts: int, options: dict, rounds: int) 
             "phases": sorted({p for *_, p in ran})}
 
 
+def _runtime_k(rank: int, world: int) -> int:
+    """Top-ANY under expert parallelism: k (a 0-d tensor) changes across steps, one graph, equal to eager."""
+    import torch.fx.experimental._config as fx_config
+
+    import moe_compile
+    from tests.passes.test_runtime_k import KS, RuntimeK
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = RuntimeK(MODEL_DIM, HIDDEN, 4, top_k=2)
+    eager = copy.deepcopy(model)
+    local = slice(rank * 4 // world, (rank + 1) * 4 // world)
+    moe_compile.counters.clear()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(capture_scalar_outputs=True), fx_config.patch(backed_size_oblivious=True):
+        compiled = torch.compile(model, backend="moe", fullgraph=True,
+                                 options={"ep_group": "world", "inner": "eager", "num_chunks": "adaptive"})
+        for step, k in enumerate(KS):
+            x = _batch(model, rank, step, 0.0)
+            x_c, x_e = x.clone().requires_grad_(), x.clone().requires_grad_()
+            out_c, out_e = compiled(x_c, torch.tensor(k)), eager(x_e, torch.tensor(k))
+            torch.testing.assert_close(out_c, out_e, **TOL, msg=lambda m: f"k={k} rank {rank} output: {m}")
+            (out_c ** 2).sum().backward()
+            (out_e ** 2).sum().backward()
+            torch.testing.assert_close(x_c.grad, x_e.grad, **TOL, msg=lambda m: f"k={k} rank {rank} input grad: {m}")
+            for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+                expected = q.grad.clone()
+                if name in ("w1", "w2", "w3"):
+                    dist.all_reduce(expected)
+                    mine = torch.zeros_like(expected)
+                    mine[local] = expected[local]
+                    expected = mine
+                torch.testing.assert_close(p.grad, expected, **GRAD_TOL, msg=lambda m: f"k={k} grad {name}: {m}")
+                p.grad, q.grad = None, None
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
+    assert moe_compile.counters["regions_adaptive"] == 1, dict(moe_compile.counters)
+    return 1
+
+
 def _cases_2(rank: int, world: int) -> list:
     out = [_steps(rank, world, 8, {"num_chunks": "adaptive"}, rounds=5)]
     out.append(_steps(rank, world, 4, {"num_chunks": "adaptive", "all_to_all": "adaptive", "ranks_per_node": 1},
                       rounds=2))
     out.append(_steps(rank, world, 8, {"num_chunks": "adaptive",
                                        "emulate_link": {"alpha_us": 200, "gbps": 0.5}}, rounds=2))
+    out.append(_runtime_k(rank, world))
     return out
 
 
@@ -107,7 +147,8 @@ def _check(result: dict, algorithms: int = 1) -> None:
 def test_adaptive_2_ranks():
     results = spawn(_cases_2, 2, timeout=560)
     assert results[0] == results[1]
-    chunks_only, both, emulated = results[0]
+    chunks_only, both, emulated, runtime_k = results[0]
+    assert runtime_k == 1
     _check(chunks_only)
     assert "settled" in chunks_only["phases"], chunks_only
     _check(both, algorithms=2)
