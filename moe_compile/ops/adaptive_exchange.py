@@ -11,7 +11,7 @@ chunked exchange that ``num_chunks=r`` builds node by node::
         y = moe.cat_rows([y1, y2], R)
 
     After (num_chunks="adaptive" and/or all_to_all="adaptive"):
-        y, local_in, choice = moe.adaptive_exchange(buf, w1l, w2l, w3l, act, b1l, b2l, b3l, act_args,
+        y, local_in, h1, h3, choice = moe.adaptive_exchange(buf, w1l, w2l, w3l, act, b1l, b2l, b3l, act_args,
                                                     layer, group, ranks_per_node, rs, algorithms, link)
 
 At each call the op reads R (rows per expert, agreed over the group before the
@@ -20,7 +20,10 @@ for a candidate (r, algorithm) in O(1) (Tutel's online search over capacity
 buckets), runs Tutel's pipeline with it (all r first all-to-alls issued, each
 chunk's experts as soon as its rows arrive, its return all-to-all issued at
 once), times itself and records the time. ``choice`` (a ``[2]`` int64: the
-candidate and the call) tells the backward which strategy the forward ran.
+candidate and the call) tells the backward which strategy the forward ran;
+``local_in`` (the received rows) and ``h1`` / ``h3`` (the expert MLP's
+pre-activations, :mod:`.expert_vjp`) are what the backward needs, saved as
+AOTAutograd saves activations.
 
 Why one runtime op rather than ``torch.cond`` or guarded graphs: every
 alternative in the graph would multiply its nodes by |r| x |algorithms|
@@ -35,8 +38,8 @@ inside it (the op pipelines itself).
 Backward (``torch.library.register_autograd``, opaque to AOTAutograd like the
 forward): ``moe::adaptive_exchange_backward`` runs the same strategy on the
 gradient: the return all-to-all of each chunk's gradient, the expert MLP's VJP
-(recomputing the expert forward from the saved ``local_in``, as activation
-checkpointing does), and the first all-to-all back. An equal-split all-to-all
+from the saved inputs and pre-activations (:func:`.expert_vjp.experts_vjp`: no
+expert matmul recomputed), and the first all-to-all back. An equal-split all-to-all
 is its own adjoint, so values and gradients equal the fixed-r exchange's (every
 row is computed by the same expert, with the same weights, whatever r).
 
@@ -57,7 +60,7 @@ from torch import Tensor
 
 from ..counters import counters
 from .chunk import chunk_bounds
-from .experts import experts_torch
+from .expert_vjp import experts_saving, experts_vjp
 
 __all__ = ["adaptive_exchange", "adaptive_exchange_backward", "candidates_of"]
 
@@ -131,17 +134,14 @@ def _autograd_inside_op():
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 
-def _experts(x, w1, w2, w3, activation, b1, b2, b3, act_args):
-    return experts_torch(x, w1, w2, w3, activation, b1, b2, b3, act_args)
-
-
 @torch.library.custom_op("moe::adaptive_exchange", mutates_args=())
 def adaptive_exchange(
     buffer: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, activation: str, b1: Tensor | None,
     b2: Tensor | None, b3: Tensor | None, act_args: list[float], layer: str, group_name: str,
     ranks_per_node: int, chunks: list[int], algorithms: str, alpha_us: float, gbps: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``buffer: [E, R, M]`` → ``(expert outputs [E, R, M], local_in [El, P·R, M], choice [2])``; see the module
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``buffer: [E, R, M]`` → ``(expert outputs [E, R, M], local_in [El, P·R, M], h1 [El, P·R, H], h3 (the same,
+    or empty without w3), choice [2])``; see the module
     docstring. ``alpha_us < 0``: no emulated link; ``algorithms``: names joined by commas."""
     from ..schedule.adaptive import Decision, adaptive_table, log_decision
 
@@ -159,13 +159,16 @@ def adaptive_exchange(
     sent = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):  # A1 of every chunk issued first (Tutel Fig. 14)
         sent.append(link.issue(buffer[:, lo:hi].reshape(-1, model_dim), num_local * (hi - lo)))
-    returned, local_ins = [], []
+    returned, local_ins, h1s, h3s = [], [], [], []
     for (lo, hi), handle in zip(zip(bounds[:-1], bounds[1:]), sent):
         n = hi - lo
         recv = link.wait(handle).view(p, num_local, n, model_dim)
         local_in = recv.transpose(0, 1).reshape(num_local, p * n, model_dim)
         local_ins.append(local_in)
-        y = _experts(local_in, w1, w2, w3, activation, b1, b2, b3, act_args)
+        y, h1, h3 = experts_saving(local_in, w1, w2, w3, activation, b1, b2, b3, act_args)
+        h1s.append(h1)
+        if h3 is not None:
+            h3s.append(h3)
         back = y.view(num_local, p, n, model_dim).transpose(0, 1).reshape(-1, model_dim)
         returned.append((link.issue(back, num_local * n), n))
     outs = [link.wait(h).view(num_experts, n, model_dim) for h, n in returned]
@@ -179,9 +182,11 @@ def adaptive_exchange(
         _CALLS.pop(next(iter(_CALLS)))
     _CALLS[call] = decision
     counters["adaptive_calls"] += 1
-    local = local_ins[0] if len(local_ins) == 1 else torch.cat(local_ins, 1)
+    local, h1, h3 = (parts[0] if len(parts) == 1 else torch.cat(parts, 1) for parts in (local_ins, h1s, h3s or [None]))
+    if h3 is None:
+        h3 = h1.new_empty(0)
     choice = torch.tensor([index, call], dtype=torch.long, device=buffer.device)
-    return out, local, choice
+    return out, local, h1, h3, choice
 
 
 @adaptive_exchange.register_fake
@@ -193,12 +198,14 @@ def _adaptive_exchange_fake(buffer, w1, w2, w3, activation, b1, b2, b3, act_args
     num_experts, rows, model_dim = buffer.shape
     out = buffer.new_empty((num_experts, rows, model_dim), dtype=w1.dtype)
     local = buffer.new_empty((w1.shape[0], size * rows, model_dim))
-    return out, local, buffer.new_empty((2,), dtype=torch.long)
+    h1 = w1.new_empty((w1.shape[0], size * rows, w1.shape[1]))
+    h3 = w1.new_empty((w1.shape[0], size * rows, w1.shape[1])) if w3 is not None else w1.new_empty(0)
+    return out, local, h1, h3, buffer.new_empty((2,), dtype=torch.long)
 
 
 @torch.library.custom_op("moe::adaptive_exchange_backward", mutates_args=())
 def adaptive_exchange_backward(
-    grad_out: Tensor, local_in: Tensor, choice: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None,
+    grad_out: Tensor, local_in: Tensor, h1: Tensor, h3: Tensor, choice: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None,
     activation: str, b1: Tensor | None, b2: Tensor | None, b3: Tensor | None, act_args: list[float],
     layer: str, group_name: str, ranks_per_node: int, chunks: list[int], algorithms: str,
     alpha_us: float, gbps: float,
@@ -228,16 +235,12 @@ def adaptive_exchange_backward(
         grad_y = link.wait(handle).view(p, num_local, n, model_dim).transpose(0, 1).reshape(num_local, p * n,
                                                                                            model_dim)
         with _autograd_inside_op(), torch.enable_grad():
-            x = local_in[:, p * lo:p * hi].detach().requires_grad_()
-            leaves = [t.detach().requires_grad_() for t in params]
-            it = iter(leaves)
-            given = [next(it) if t is not None else None for t in (w1, w2, w3, b1, b2, b3)]
-            y = _experts(x, given[0], given[1], given[2], activation, given[3], given[4], given[5], act_args)
-            grads = torch.autograd.grad(y, [x, *leaves], grad_y, allow_unused=True)
-        for acc, g in zip(param_grads, grads[1:]):
-            if g is not None:
-                acc.add_(g)
-        back = grads[0].view(num_local, p, n, model_dim).transpose(0, 1).reshape(-1, model_dim)
+            cols = slice(p * lo, p * hi)
+            grad_x, grads = experts_vjp(grad_y, local_in[:, cols], h1[:, cols], h3[:, cols] if w3 is not None else None,
+                                        w1, w2, w3, activation, b1, b2, b3, act_args)
+        for acc, g in zip(param_grads, (g for g in grads if g is not None)):
+            acc.add_(g)
+        back = grad_x.view(num_local, p, n, model_dim).transpose(0, 1).reshape(-1, model_dim)
         returned.append((link.issue(back.to(local_in.dtype), num_local * n), n))  # A1's adjoint
     outs = [link.wait(h).view(num_experts, n, model_dim) for h, n in returned]
     grad_buffer = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
@@ -250,7 +253,7 @@ def adaptive_exchange_backward(
 
 
 @adaptive_exchange_backward.register_fake
-def _adaptive_exchange_backward_fake(grad_out, local_in, choice, w1, w2, w3, activation, b1, b2, b3, act_args,
+def _adaptive_exchange_backward_fake(grad_out, local_in, h1, h3, choice, w1, w2, w3, activation, b1, b2, b3, act_args,
                                      layer, group_name, ranks_per_node, chunks, algorithms, alpha_us, gbps):
     params = [t for t in (w1, w2, w3, b1, b2, b3) if t is not None]
     return [local_in.new_empty(grad_out.shape), *(torch.empty_like(t) for t in params)]
@@ -258,18 +261,18 @@ def _adaptive_exchange_backward_fake(grad_out, local_in, choice, w1, w2, w3, act
 
 def _setup_context(ctx, inputs, output):
     buffer, w1, w2, w3, activation, b1, b2, b3, act_args, *rest = inputs
-    _, local_in, choice = output
+    _, local_in, h1, h3, choice = output
     ctx.present = tuple(t is not None for t in (w1, w2, w3, b1, b2, b3))
     ctx.args = (activation, act_args, *rest)
-    ctx.save_for_backward(local_in, choice, *(t for t in (w1, w2, w3, b1, b2, b3) if t is not None))
+    ctx.save_for_backward(local_in, h1, h3, choice, *(t for t in (w1, w2, w3, b1, b2, b3) if t is not None))
 
 
-def _backward(ctx, grad_out, _grad_local, _grad_choice):
-    local_in, choice, *params = ctx.saved_tensors
+def _backward(ctx, grad_out, _grad_local, _grad_h1, _grad_h3, _grad_choice):
+    local_in, h1, h3, choice, *params = ctx.saved_tensors
     it = iter(params)
     w1, w2, w3, b1, b2, b3 = (next(it) if present else None for present in ctx.present)
     activation, act_args, *rest = ctx.args
-    grads = adaptive_exchange_backward(grad_out.contiguous(), local_in, choice, w1, w2, w3, activation, b1, b2, b3,
+    grads = adaptive_exchange_backward(grad_out.contiguous(), local_in, h1, h3, choice, w1, w2, w3, activation, b1, b2, b3,
                                        act_args, *rest)
     grad_buffer, *param_grads = grads
     it = iter(param_grads)
