@@ -33,18 +33,24 @@ when it has become slower than the runner-up by more than ``tolerance``
 
 The decisions are logged in a bounded list (:func:`decisions`): layer, R,
 bucket, candidate, phase, predicted and measured seconds, and the decision's
-own cost (target < 50 µs, Tutel's O(1)).
+own cost (target < 50 µs, Tutel's O(1)). :func:`write_decisions` saves them with
+the tables as ``<debug_dir>/rank<r>/adaptive.json``, which ``python -m
+moe_compile.explain`` shows per layer (the choices per iteration, predicted vs
+measured).
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import math
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 __all__ = [
     "AdaptiveTable", "Candidate", "Decision", "adaptive_table", "decisions", "log_decision",
-    "reset_adaptive_tables", "tables",
+    "reset_adaptive_tables", "tables", "write_decisions",
 ]
 
 #: (r, all-to-all algorithm)
@@ -223,3 +229,14 @@ def reset_adaptive_tables() -> None:
 def log_decision(decision: Decision) -> Decision:
     _DECISIONS.append(decision)
     return decision
+
+
+def write_decisions(debug_dir: str | os.PathLike) -> Path:
+    """Write this process's tables and decisions to ``<debug_dir>/rank<r>/adaptive.json`` (for ``explain``)."""
+    from ..process_rank import rank
+
+    path = Path(debug_dir) / f"rank{rank()}" / "adaptive.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"tables": [t.describe() for t in tables()],
+                                "decisions": [d.as_dict() for d in decisions()]}, indent=1) + "\n")
+    return path

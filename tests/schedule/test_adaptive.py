@@ -98,3 +98,34 @@ def test_adaptive_options_accepted():
                                      "ep_group": "world"})
     assert (cfg.num_chunks, cfg.all_to_all) == ("adaptive", "adaptive")
     assert MoECompileConfig.from_env({"MOE_COMPILE_NUM_CHUNKS": "adaptive"}).num_chunks == "adaptive"
+
+
+def test_explain_shows_the_choices_per_call(tmp_path):
+    """write_decisions → adaptive.json; explain lists each bucket's winner and the last calls."""
+    import json
+
+    from rich.console import Console
+
+    from moe_compile.explain import explain
+    from moe_compile.schedule.adaptive import (
+        Decision, adaptive_table, decisions, log_decision, reset_adaptive_tables, write_decisions,
+    )
+
+    reset_adaptive_tables()
+    table = adaptive_table("moe", CANDIDATES[:2])
+    for _ in range(5):
+        index, phase, predicted = _run(table, 40, {1: 2.0, 2: 1.0}.__getitem__)
+        r, algorithm = table.candidates[index]
+        log_decision(Decision("moe", 40, table.bucket_of(40), r, algorithm, phase, predicted, 3e-6, 40.0 * r, 1e-3))
+    assert len(decisions()) == 5
+    path = write_decisions(tmp_path)
+    graph = tmp_path / "rank0" / "graph0"
+    graph.mkdir(parents=True)
+    (graph / "summary.json").write_text(json.dumps({"layers": [{"layer": "moe", "ep_size": 2, "chunks": 1}]}))
+    console = Console(record=True, width=200)
+    explain(tmp_path, png=False, console=console)
+    text = console.export_text()
+    assert path.name == "adaptive.json"
+    assert "adaptive exchange, per capacity bucket" in text and "32-63" in text and "r=2 flat" in text, text
+    assert "the last 5 calls" in text and "settled" in text and "explore" in text, text
+    reset_adaptive_tables()
