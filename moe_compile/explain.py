@@ -182,11 +182,19 @@ def _explain_graph(dump: GraphDump, console, png: bool) -> list[Path]:
             table.add_column(column)
         for name, entry in layers.items():
             table.add_row(name, str(entry.get("ep_size", "-")), str(entry.get("all_to_all", "-")),
-                          str(entry.get("chunks", "-")), str(entry.get("schedule", "-")), str(entry.get("why", "-")),
+                          _chunks(entry), str(entry.get("schedule", "-")), str(entry.get("why", "-")),
                           _predicted(entry), _measured(dump, name, entry))
         console.print(table)
     _explain_adaptive(dump, set(layers), console)
     return _write_pngs(dump, console) if png else []
+
+
+def _chunks(entry: dict) -> str:
+    """The plan's r, or for an adaptive layer the r and algorithms it chooses among per call."""
+    adaptive = entry.get("adaptive")
+    if adaptive:
+        return f"adaptive: r in {adaptive['chunks']} x {', '.join(adaptive['algorithms'])}"
+    return str(entry.get("chunks", "-"))
 
 
 #: the last this many calls of each adaptive layer are listed

@@ -40,7 +40,8 @@ is still correct (data parallel) and logged at WARNING; with sharded weights it 
 
 Steps: 1. check the group (and, compiled inside DistributedDataParallel's forward, DDP:
 :func:`moe_compile.expert_grads.check_data_parallel`) against sharded weights; 2. match the canonical layers;
-3. choose each layer's all-to-all algorithm; 4. write the plans.
+3. choose each layer's all-to-all algorithm (``"adaptive"``: the algorithms usable on the group, recorded
+in ``ExchangePlan.adaptive`` for the runtime choice of Tutel §3.3); 4. write the plans.
 """
 from __future__ import annotations
 

@@ -121,11 +121,13 @@ def test_explain_shows_the_choices_per_call(tmp_path):
     path = write_decisions(tmp_path)
     graph = tmp_path / "rank0" / "graph0"
     graph.mkdir(parents=True)
-    (graph / "summary.json").write_text(json.dumps({"layers": [{"layer": "moe", "ep_size": 2, "chunks": 1}]}))
+    (graph / "summary.json").write_text(json.dumps({"layers": [{"layer": "moe", "ep_size": 2, "chunks": 1,
+                                                                "adaptive": {"chunks": [1, 2], "algorithms": ["flat"]}}]}))
     console = Console(record=True, width=200)
     explain(tmp_path, png=False, console=console)
     text = console.export_text()
     assert path.name == "adaptive.json"
     assert "adaptive exchange, per capacity bucket" in text and "32-63" in text and "r=2 flat" in text, text
     assert "the last 5 calls" in text and "settled" in text and "explore" in text, text
+    assert "adaptive: r in [1, 2] x flat" in text, text
     reset_adaptive_tables()
