@@ -38,7 +38,7 @@ activation-checkpoint body (a recomputation would solve and exchange again; thos
 expert-parallel, WARNING). From a
 candidate's output the pass follows the rows forward ("placed by layer L") and
 requires every reader to act on each sample alone, with the sample dimension
-first (an allowlist: element-wise ops whose other operands do not span the
+first (the allowlist of :mod:`.per_sample`: element-wise ops whose other operands do not span the
 batch, ``linear``, ``layer_norm``/``rms_norm``, ``softmax``/``topk``/reductions over
 a dimension other than 0, ``reshape``/``view`` keeping a leading multiple of ``B``,
 ``transpose``/``permute`` keeping dimension 0, ``chunk``/``split`` along another
@@ -75,6 +75,10 @@ from ..counters import counters
 from ..ops import netmoe as netmoe_ops
 from .fake_values import insert_node
 from .manager import PassResult
+from .per_sample import node_shape as _shape
+from .per_sample import node_value as _val
+from .per_sample import op_name as _name
+from .per_sample import per_sample_reason
 from .state import moe_state
 
 __all__ = ["SamplePlacement"]
@@ -83,38 +87,6 @@ log = logging.getLogger(__name__)
 
 _PASS_THROUGH = {"to", "reshape", "view", "type_as", "contiguous", "float"}
 _ADDS = {operator.add, torch.add, operator.iadd}
-_ELEMENTWISE = {
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
-    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.rsqrt, torch.sqrt, torch.exp,
-    torch.tanh, torch.sigmoid, torch.relu, torch.nn.functional.relu, torch.nn.functional.gelu,
-    torch.nn.functional.silu, torch.where, torch.clamp, torch.square,
-    "add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "exp", "tanh", "sigmoid", "relu", "float",
-    "to", "type_as", "contiguous", "clone", "square", "clamp", "half", "bfloat16", "masked_fill",
-}
-_ROW_WISE = {torch._C._nn.linear, torch.nn.functional.linear, torch.nn.functional.layer_norm,
-             torch.nn.functional.rms_norm, torch.nn.functional.embedding}
-_DIM_OPS = {torch.nn.functional.softmax, torch.softmax, torch.topk, torch.nn.functional.log_softmax,
-            torch.sum, torch.mean, torch.amax, torch.argmax, torch.chunk, torch.split,
-            "softmax", "log_softmax", "topk", "sum", "mean", "amax", "max", "argmax", "chunk", "split", "norm",
-            "cumsum", torch.cumsum}
-
-
-def _val(node):
-    if not isinstance(node, Node):
-        return None
-    return node.meta.get("val", node.meta.get("example_value"))
-
-
-def _shape(node):
-    v = _val(node)
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
-
-
-def _name(node: Node) -> str:
-    t = node.target
-    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
-
-
 class _Layer:
     def __init__(self, dispatch, buffer, experts, combine, chain, add, residual, tokens, norm):
         self.dispatch, self.buffer, self.experts, self.combine = dispatch, buffer, experts, combine
@@ -178,18 +150,6 @@ def _process_group(spec):
     if isinstance(spec, dist.ProcessGroup):
         return spec
     return spec.get_group()
-
-
-#: where the ``dim`` argument sits, and its default (None: the op acts over every dimension)
-_DIM_AT = {"topk": (2, -1), "chunk": (2, 0), "split": (2, 0)}
-
-
-def _dim(node: Node, ndim: int):
-    index, default = _DIM_AT.get(_name(node), (1, None))
-    d = node.kwargs.get("dim", node.args[index] if len(node.args) > index else default)
-    if isinstance(d, (tuple, list)):
-        return [x % ndim if isinstance(x, int) else x for x in d]
-    return d % ndim if isinstance(d, int) else d
 
 
 class SamplePlacement:
@@ -300,7 +260,7 @@ class SamplePlacement:
                     return lay.name, "a graph output holds its rows without a leading sample dimension"
                 restores.append((node, lay))
                 continue
-            reason = self._per_sample(node, epoch, lay)
+            reason = per_sample_reason(node, epoch, lay.batch)
             if reason is None:
                 epoch[node] = lay
             else:
@@ -315,83 +275,6 @@ class SamplePlacement:
                 return item[1].name, f"{_name(item[0])} ({item[0].name}) reads its rows without a leading sample dimension"
         self.restores, self.epoch, self.followers = restores, epoch, followers
         return None
-
-    @staticmethod
-    def _per_sample(node: Node, epoch: dict, lay: _Layer) -> str | None:
-        """None when ``node`` acts on each sample of its placed inputs alone, else why not."""
-        batch = lay.batch
-        if node.op not in ("call_function", "call_method"):
-            return f"{node.op} is not known to act per sample"
-        target, name = node.target, _name(node)
-        shape = _shape(node)
-        first = node.args[0] if node.args else None
-        placed = [a for a in node.all_input_nodes if a in epoch and isinstance(_val(a), torch.Tensor)]
-
-        def lead_ok(n):
-            s = _shape(n)
-            return s is not None and len(s) >= 1 and isinstance(s[0], int) and s[0] % batch == 0 and s[0] > 0
-
-        def unbatched(n, ref_ndim):
-            s = _shape(n)
-            if s is None:
-                return True
-            if len(s) < ref_ndim:
-                return True
-            return s[0] == 1
-
-        if target is operator.getitem:
-            if isinstance(node.args[1], int) and isinstance(_val(first), (tuple, list)):
-                return None
-            return "indexing a placed tensor is not known to keep samples apart"
-        if not placed or not all(lead_ok(p) for p in placed):
-            return "its placed input has no leading sample dimension"
-        if name in _ELEMENTWISE or target in _ELEMENTWISE:
-            ndim = max(len(_shape(p) or ()) for p in placed)
-            for a in node.all_input_nodes:
-                if a not in epoch and isinstance(_val(a), torch.Tensor) and not unbatched(a, ndim):
-                    return f"it reads {a.name}, a tensor of the original sample order"
-            if all(len(_shape(p)) == ndim and _shape(p)[0] == _shape(placed[0])[0] for p in placed):
-                return None
-            return "its placed inputs have different leading dimensions"
-        if target in _ROW_WISE:
-            if target is torch.nn.functional.embedding and node.args[1] in epoch:
-                return "its table is placed"
-            if any(a in epoch for a in node.all_input_nodes if a is not first):
-                return "a placed tensor is not its row input"
-            return None
-        if target in _DIM_OPS or name in _DIM_OPS:
-            ndim = len(_shape(first) or ())
-            d = _dim(node, ndim)
-            if isinstance(d, (tuple, list)):
-                return None if all(isinstance(x, int) and x != 0 for x in d) else "it reduces over the batch"
-            if d is None or d == 0:
-                return "it acts across the batch dimension"
-            return None
-        if name in ("reshape", "view") or target in (torch.reshape,):
-            return None if shape and lead_ok(node) else "it merges the batch dimension"
-        if name == "transpose" or target is torch.transpose:
-            dims = [d % len(_shape(first)) for d in node.args[1:3]]
-            return None if 0 not in dims else "it moves the batch dimension"
-        if name == "permute" or target is torch.permute:
-            dims = node.args[1] if isinstance(node.args[1], (tuple, list)) else node.args[1:]
-            return None if dims[0] == 0 else "it moves the batch dimension"
-        if target is torch._C._nn.scaled_dot_product_attention or target is torch.nn.functional.scaled_dot_product_attention:
-            q, k, v = node.args[:3]
-            mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
-            if not all(n in epoch for n in (q, k, v)):
-                return "its query, key and value are not all placed"
-            if isinstance(mask, Node) and mask not in epoch and not unbatched(mask, len(_shape(q))):
-                return f"its mask {mask.name} is in the original sample order"
-            return None
-        if target in (torch.bmm, torch.matmul, operator.matmul) or name in ("bmm", "matmul"):
-            a, b = node.args[:2]
-            sa, sb = _shape(a), _shape(b)
-            if a in epoch and b in epoch and len(sa) >= 3 and sa[0] == sb[0]:
-                return None
-            if a in epoch and b not in epoch and len(sb) <= 2 and len(sa) >= 2:
-                return None
-            return "its operands are not both per sample"
-        return f"{name} is not known to act per sample"
 
     def _rewrite(self, gm: GraphModule, active: dict, pg, size: int) -> None:
         graph = gm.graph
