@@ -64,6 +64,7 @@ saved) and ``seconds:netmoe_solve`` / ``seconds:netmoe_solve_waited``.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 
@@ -87,12 +88,39 @@ log = logging.getLogger(__name__)
 
 _PASS_THROUGH = {"to", "reshape", "view", "type_as", "contiguous", "float"}
 _ADDS = {operator.add, torch.add, operator.iadd}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class _Layer:
-    def __init__(self, dispatch, buffer, experts, combine, chain, add, residual, tokens, norm):
-        self.dispatch, self.buffer, self.experts, self.combine = dispatch, buffer, experts, combine
-        self.chain, self.add, self.residual, self.tokens, self.norm = chain, add, residual, tokens, norm
-        self.name = dispatch.meta.get("moe_region", dispatch.name)
-        self.batch = _shape(residual)[0]
+    """A candidate: a canonical layer whose output is added to a ``[B, S, M]`` residual stream."""
+
+    dispatch: Node
+    buffer: Node
+    experts: Node
+    combine: Node
+    chain: list            # to / reshape / view between the combine and the add
+    add: Node              # h + MoE(x): the node the placed layer's output replaces
+    residual: Node         # h
+    tokens: Node           # x as [T, M] (the router's input)
+    norm: Node | None      # layer_norm / rms_norm(h) when x is that (Appendix A's inlining)
+
+    @property
+    def name(self) -> str:
+        return self.dispatch.meta.get("moe_region", self.dispatch.name)
+
+    @property
+    def batch(self) -> int:
+        return _shape(self.residual)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Restore:
+    """The rows of ``layer`` go back to the original order before ``node`` reads them (why: ``reason``;
+    None for a graph output)."""
+
+    node: Node
+    layer: _Layer
+    reason: str | None = None
 
 
 def _match(dispatch: Node, group_size: int) -> tuple[_Layer | None, str]:
@@ -199,7 +227,7 @@ class SamplePlacement:
     def _analyse(self, gm: GraphModule, active: dict):
         """Follow each active layer's rows; None when every reader is per-sample, else (layer, reason).
 
-        Fills ``self.restores``: (node, input) pairs where the last layers' rows must go back first,
+        Fills ``self.restores`` (:class:`_Restore`: where the last layer's rows must go back first),
         and ``self.epoch``: node → the layer whose placement its rows are in.
         """
         epoch: dict[Node, _Layer] = {}
@@ -258,21 +286,22 @@ class SamplePlacement:
                 if not all(_shape(a) and isinstance(_shape(a)[0], int) and _shape(a)[0] % lay.batch == 0
                            for a in inputs):
                     return lay.name, "a graph output holds its rows without a leading sample dimension"
-                restores.append((node, lay))
+                restores.append(_Restore(node, lay))
                 continue
             reason = per_sample_reason(node, epoch, lay.batch)
             if reason is None:
                 epoch[node] = lay
             else:
-                restores.append((node, lay, reason))
+                restores.append(_Restore(node, lay, reason))
         order = list(active.values())
         for item in restores:    # a return before the next placed layer: placing this one only adds traffic
-            if len(item) == 3 and order.index(item[1]) < len(order) - 1:
-                return item[1].name, f"{_name(item[0])} ({item[0].name}): {item[2]}"
-            if len(item) == 3 and not all(
-                    _shape(a) and isinstance(_shape(a)[0], int) and _shape(a)[0] % item[1].batch == 0
-                    for a in item[0].all_input_nodes if epoch.get(a) is item[1]):
-                return item[1].name, f"{_name(item[0])} ({item[0].name}) reads its rows without a leading sample dimension"
+            if item.reason is None:
+                continue
+            if order.index(item.layer) < len(order) - 1:
+                return item.layer.name, f"{_name(item.node)} ({item.node.name}): {item.reason}"
+            if not all(_shape(a) and isinstance(_shape(a)[0], int) and _shape(a)[0] % item.layer.batch == 0
+                       for a in item.node.all_input_nodes if epoch.get(a) is item.layer):
+                return item.layer.name, f"{_name(item.node)} ({item.node.name}) reads its rows without a leading sample dimension"
         self.restores, self.epoch, self.followers = restores, epoch, followers
         return None
 
@@ -330,7 +359,7 @@ class SamplePlacement:
                      "inlined into the experts (Appendix A)" if lay.norm is not None else "sent with moved samples",
                      "last placed layer: rows restored after it" if spec.last else "a placed layer follows")
         for item in self.restores:
-            node, lay = item[0], item[1]
+            node, lay = item.node, item.layer
             spec = netmoe_ops.LayerSpec(name=f"{lay.name}:restore", group=pg, ranks_per_node=self.cfg.ranks_per_node,
                                         needs_grad=needs_grad)
             key = netmoe_ops.register_spec(spec)
@@ -343,8 +372,8 @@ class SamplePlacement:
                         replaced[a] = insert_node(graph, operator.getitem, op, 0, meta={"moe_region": lay.name})
             node.args = torch.fx.node.map_arg(node.args, lambda n: replaced.get(n, n))
             node.kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: replaced.get(n, n))
-            if len(item) == 3:
+            if item.reason is not None:
                 log.info("moe_compile: sample_placement: rows of layer %s restored to the original order before %s (%s)",
-                         lay.name, node.name, item[2])
+                         lay.name, node.name, item.reason)
         graph.lint()
         gm.recompile()
