@@ -1,6 +1,6 @@
 """How much inter-node all-to-all traffic and time does NetMoE's sample placement save?
 
-Three parts, each a table, all written to ``--json``:
+Four parts, each a table, all written to ``--json``:
 
 1. **Simulated, NetMoE's Table 3** (no ranks spawned). GPT models S = 1024, H = 768 …
    4096, ``I / J = 4`` samples per GPU, ``E = 2·J`` experts, ``K = 2``, on 32 GPUs as
@@ -41,7 +41,8 @@ Three parts, each a table, all written to ``--json``:
    median time of one ``solve_placement`` on this machine's CPU next to the paper's KM
    and PuLP times and its scatter + computation time.
 
-    python benchmarks/netmoe.py                 # all three
+    python benchmarks/netmoe.py                 # all four
+    python benchmarks/netmoe.py --compiled-only # part 4 only (to ``<json>_compiled.json``)
     python benchmarks/netmoe.py --quick         # fewer draws and layers, smaller measured run
     python benchmarks/netmoe.py --no-measure    # parts 1 and 3 only (no ranks spawned)
 """
