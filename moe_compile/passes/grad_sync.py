@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import optimization_hint
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..collectives.group import EPGroup, resolve_group
 from ..collectives.nodes import emit_all_reduce, emit_wait
@@ -87,7 +88,11 @@ class GradSyncPlan:
     ``averaged``: all-reduced over ``group`` and divided by its size; ``divided``: divided only
     (sharded expert parameters, already summed over the EP group). ``names``: the forward
     graph's placeholder names, by position (logs). ``num_inputs``: how many inputs the forward
-    graph has (the backward returns as many gradients).
+    graph has; ``num_plain``: how many come before the first tensor-subclass input (a sharded
+    expert's ``DTensor``, appended last by stage 1). The backward returns one gradient per input
+    up to there; after it AOTAutograd flattens each subclass into its inner tensor and its
+    symbolic sizes, so a subclass input's gradient is found as the k-th tensor output after
+    ``num_plain`` (``divided_subclass``: those k).
     """
 
     group: EPGroup
@@ -95,6 +100,8 @@ class GradSyncPlan:
     divided: tuple[int, ...]
     names: tuple[str, ...]
     num_inputs: int
+    num_plain: int
+    divided_subclass: tuple[int, ...]
     bucket_bytes: int
     placement: DPPlacement
     cost_models: str | None = None
@@ -142,21 +149,36 @@ def plan_grad_sync(cfg: MoECompileConfig, gm: GraphModule, example_inputs: Seque
                           f"gradients cannot be synchronized in the graph; keep torch._dynamo.config."
                           f"inline_inbuilt_nn_modules=True (the default)")
     names = tuple(n.name for n in gm.graph.find_nodes(op="placeholder"))
-    averaged, divided = [], []
+    subclass = [i for i, v in enumerate(example_inputs) if _is_subclass(v)]
+    num_plain = subclass[0] if subclass else len(example_inputs)
+    averaged, divided, divided_subclass = [], [], []
     for i, value in enumerate(example_inputs):
         if not isinstance(value, torch.nn.Parameter) or not value.requires_grad or expert_shard(value) is not None:
             continue
+        if i >= num_plain and (expert_param(value) is None or not _is_subclass(value)):
+            raise ConfigError(f"options['dp_group']: the graph input {names[i] if i < len(names) else i} comes after "
+                              f"a tensor-subclass input, so its gradient cannot be told apart in the backward; "
+                              f"leave dp_group unset and wrap the model in DistributedDataParallel")
         if expert_param(value) is not None:
             if ep_ranks is None or sorted(ep_ranks) != sorted(dp_ranks):
                 raise ConfigError(
                     f"options['dp_group'] (ranks {dp_ranks}) with experts sharded over ranks {ep_ranks}: a sharded "
                     f"expert's copies in other expert groups would never be averaged; use the EP group as dp_group, "
                     f"or keep the experts replicated (no shard_experts)")
-            divided.append(i)
+            if i >= num_plain:
+                divided_subclass.append(subclass.index(i))
+            else:
+                divided.append(i)
         else:
             averaged.append(i)
-    return GradSyncPlan(group, tuple(averaged), tuple(divided), names, len(example_inputs),
-                        int(cfg.dp_bucket_mb * 2**20), DPPlacement(cfg.dp_placement), cfg.cost_models)
+    return GradSyncPlan(group, tuple(averaged), tuple(divided), names, len(example_inputs), num_plain,
+                        tuple(divided_subclass), int(cfg.dp_bucket_mb * 2**20), DPPlacement(cfg.dp_placement),
+                        cfg.cost_models)
+
+
+def _is_subclass(value) -> bool:
+    return isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, torch.nn.Parameter) and \
+        is_traceable_wrapper_subclass(value)
 
 
 def _ranks(spec) -> list[int]:
@@ -221,17 +243,22 @@ class GradSync:
         graph = gm.graph
         output = graph.output_node()
         outputs = list(output.args[0])
-        if len(outputs) != plan.num_inputs:
+        subclass_grads = [i for i in range(plan.num_plain, len(outputs))
+                          if isinstance(outputs[i], Node) and isinstance(outputs[i].meta.get("val"), torch.Tensor)]
+        if (len(outputs) != plan.num_inputs if plan.num_plain == plan.num_inputs
+                else len(outputs) < plan.num_inputs or len(subclass_grads) != plan.num_inputs - plan.num_plain):
             raise RuntimeError(
-                f"grad_sync: the backward graph returns {len(outputs)} gradients for {plan.num_inputs} forward inputs, "
-                f"so which gradient is which parameter's is unknown (a tensor subclass input flattened into several?); "
-                f"leave options['dp_group'] unset and wrap the model in DistributedDataParallel")
+                f"grad_sync: the backward graph returns {len(outputs)} gradients for {plan.num_inputs} forward inputs "
+                f"({plan.num_inputs - plan.num_plain} of them tensor subclasses), so which gradient is which "
+                f"parameter's is unknown; leave options['dp_group'] unset and wrap the model in DistributedDataParallel")
         buckets = grad_buckets(gm, plan.averaged, plan.bucket_bytes)
         points = issue_points(gm, buckets, plan)
         size = plan.group.size
-        for bucket, point in zip(buckets, points):
+        issued = []
+        for bucket, point in zip(buckets, points):  # every issue first: a bucket ready last is issued at the end
             with graph.inserting_before(point):
-                issued = _issue(graph, bucket, plan.group.name)
+                issued.append(_issue(graph, bucket, plan.group.name))
+        for bucket, issued in zip(buckets, issued):
             with graph.inserting_before(output):
                 waited = _node(graph, emit_wait(graph, issued), {BUCKET_META: bucket.index})
                 mean = _node(graph, graph.call_function(torch.ops.aten.div.Tensor, (waited, size)))
@@ -242,15 +269,16 @@ class GradSync:
                     part = _node(graph, graph.call_function(torch.ops.aten.slice.Tensor, (mean, 0, offset, offset + numel)))
                     outputs[position] = _node(graph, graph.call_function(torch.ops.aten.view.default, (part, shape)))
                     offset += numel
-        for position in plan.divided:
+        for position in (*plan.divided, *(subclass_grads[k] for k in plan.divided_subclass)):
             grad = outputs[position]
             if isinstance(grad, Node):
                 with graph.inserting_before(output):
                     outputs[position] = _node(graph, graph.call_function(torch.ops.aten.div.Tensor, (grad, size)))
         output.args = (tuple(outputs),)
         log.info("moe_compile: grad_sync: %d gradients in %d buckets all-reduced over %d ranks (%s), %d divided",
-                 sum(len(b.positions) for b in buckets), len(buckets), size, plan.placement.value, len(plan.divided))
-        return PassResult(gm, bool(buckets) or bool(plan.divided))
+                 sum(len(b.positions) for b in buckets), len(buckets), size, plan.placement.value,
+                 len(plan.divided) + len(plan.divided_subclass))
+        return PassResult(gm, bool(buckets) or bool(plan.divided) or bool(plan.divided_subclass))
 
 
 def _node(graph, node: Node, meta: dict | None = None) -> Node:
