@@ -104,7 +104,9 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg:
     shard_inputs = gm.meta.get(SHARD_INPUTS, [])
     if shard_inputs:  # sharded experts: their DTensors are inputs, fed from each call's placeholders
         example_inputs = [*example_inputs, *(_shard_of(example_inputs[i]) for i in shard_inputs)]
-    grad_sync = plan_grad_sync(cfg, gm, example_inputs)  # options["dp_group"]: which inputs are parameters
+    grad_sync = plan_grad_sync(cfg, gm, example_inputs, context.plans)  # options["dp_group"]: which inputs are params
+    if grad_sync is not None:
+        context.summary["grad_sync"] = grad_sync.report  # filled by the backward's grad_sync pass
     return with_shard_inputs(_compile(cfg, context, gm, example_inputs, grad_sync), shard_inputs)
 
 

@@ -105,6 +105,10 @@ class GradSyncPlan:
     bucket_bytes: int
     placement: DPPlacement
     cost_models: str | None = None
+    #: the graph's MoE layers' plans (``moe_compile.schedule.plan.LayerPlan``, forward order): FSMoE's placement
+    layer_plans: tuple = ()
+    #: what the pass did, for ``summary.json`` / ``schedule.json``: the buckets, where each was issued, the assignment
+    report: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,9 +123,10 @@ class GradBucket:
     nbytes: int
 
 
-def plan_grad_sync(cfg: MoECompileConfig, gm: GraphModule, example_inputs: Sequence) -> GradSyncPlan | None:
+def plan_grad_sync(cfg: MoECompileConfig, gm: GraphModule, example_inputs: Sequence,
+                   layer_plans: Sequence = ()) -> GradSyncPlan | None:
     """The :class:`GradSyncPlan` of the Dynamo graph ``gm`` (after stage 1: its inputs are
-    ``example_inputs``), or None without ``dp_group``. Checks the composition with DDP and the
+    ``example_inputs``; ``layer_plans`` its layers' schedule plans), or None without ``dp_group``. Checks the composition with DDP and the
     expert-parallel groups (:class:`ConfigError`)."""
     if cfg.dp_group is None:
         return None
@@ -173,7 +178,7 @@ def plan_grad_sync(cfg: MoECompileConfig, gm: GraphModule, example_inputs: Seque
             averaged.append(i)
     return GradSyncPlan(group, tuple(averaged), tuple(divided), names, len(example_inputs), num_plain,
                         tuple(divided_subclass), int(cfg.dp_bucket_mb * 2**20), DPPlacement(cfg.dp_placement),
-                        cfg.cost_models)
+                        cfg.cost_models, tuple(layer_plans))
 
 
 def _is_subclass(value) -> bool:
@@ -258,9 +263,9 @@ class GradSync:
         for bucket, point in zip(buckets, points):  # every issue first: a bucket ready last is issued at the end
             with graph.inserting_before(point):
                 issued.append(_issue(graph, bucket, plan.group.name))
-        for bucket, issued in zip(buckets, issued):
+        for bucket, issue in zip(buckets, issued):
             with graph.inserting_before(output):
-                waited = _node(graph, emit_wait(graph, issued), {BUCKET_META: bucket.index})
+                waited = _node(graph, emit_wait(graph, issue), {BUCKET_META: bucket.index})
                 mean = _node(graph, graph.call_function(torch.ops.aten.div.Tensor, (waited, size)))
                 offset = 0
                 for position, grad in zip(bucket.positions, bucket.grads):
@@ -275,6 +280,13 @@ class GradSync:
                 with graph.inserting_before(output):
                     outputs[position] = _node(graph, graph.call_function(torch.ops.aten.div.Tensor, (grad, size)))
         output.args = (tuple(outputs),)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        plan.report["buckets"] = [
+            {"bucket": b.index, "bytes": b.nbytes, "gradients": [plan.names[p] if p < len(plan.names) else p
+                                                                 for p in b.positions],
+             "issued_before": point.name, "issued_at_node": order[i], "nodes": len(graph.nodes)}
+            for b, point, i in zip(buckets, points, issued)]
+        plan.report["placement"] = plan.placement.value
         log.info("moe_compile: grad_sync: %d gradients in %d buckets all-reduced over %d ranks (%s), %d divided",
                  sum(len(b.positions) for b in buckets), len(buckets), size, plan.placement.value,
                  len(plan.divided) + len(plan.divided_subclass))
