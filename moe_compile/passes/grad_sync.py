@@ -75,10 +75,13 @@ from ..shard_record import expert_param, expert_shard
 from .fake_values import propagate
 from .manager import PassResult
 
-__all__ = ["BUCKET_META", "GradBucket", "GradSync", "GradSyncPlan", "grad_buckets", "plan_grad_sync"]
+__all__ = ["BUCKET_LAYER_META", "BUCKET_META", "GradBucket", "GradSync", "GradSyncPlan", "grad_buckets", "plan_grad_sync"]
 
 #: ``node.meta`` key of a bucket's all-reduce and wait: the bucket's index in this graph
 BUCKET_META = "moe_grad_bucket"
+#: ``node.meta`` key of a bucket's all-reduce under ``dp_placement="fsmoe"``: the MoE layer (backward order)
+#: whose pipeline it is issued in, None = at the end
+BUCKET_LAYER_META = "moe_grad_bucket_layer"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,7 +266,9 @@ class GradSync:
         for bucket, point in zip(buckets, points):  # every issue first: a bucket ready last is issued at the end
             with graph.inserting_before(point):
                 issued.append(_issue(graph, bucket, plan.group.name))
-        for bucket, issue in zip(buckets, issued):
+        for bucket, issue, layer in zip(buckets, issued, plan.report.get("bucket_layers") or [None] * len(buckets)):
+            if plan.placement == DPPlacement.FSMOE:
+                issue.meta[BUCKET_LAYER_META] = layer
             with graph.inserting_before(output):
                 waited = _node(graph, emit_wait(graph, issue), {BUCKET_META: bucket.index})
                 mean = _node(graph, graph.call_function(torch.ops.aten.div.Tensor, (waited, size)))

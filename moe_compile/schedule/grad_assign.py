@@ -262,20 +262,26 @@ def fsmoe_issue_points(gm, buckets, asap, plan) -> list:
     # buckets in readiness order fill the layers' quotas in order; a bucket goes no earlier than it exists
     gap_points = []
     for nodes in spans:
-        waits = [n for n in nodes if is_wait(n)]
-        waits = [n for n in waits if task_label(n).task in ("A1", "D1")] or waits
+        # the waits of the layer's first exchange of each chunk (A1 in the backward's names): the experts' gradient
+        # computation follows, with the link idle
+        waits = [u for n in nodes if task_label(n).task == "A1" for u in n.users if is_wait(u)]
         gap_points.append([w.next for w in waits] or [nodes[0]])
     quota = list(assignment.per_layer)
-    points, layer, used = [], 0, 0.0
+    points, layer, used, placed = [], 0, 0.0, []
     for bucket, early in zip(buckets, asap):
-        layer = max(layer, layer_of(bucket))
+        if layer_of(bucket) > layer:
+            layer, used = layer_of(bucket), 0.0
         while layer < len(spans) and used + bucket.nbytes / 2 > quota[layer]:
             layer, used = layer + 1, 0.0
         if layer >= len(spans):
             points.append(gm.graph.output_node())
+            placed.append(None)
             continue
         gaps_here = gap_points[layer]
         point = gaps_here[min(len(gaps_here) - 1, int(len(gaps_here) * used / max(quota[layer], 1.0)))]
         used += bucket.nbytes
         points.append(point if order[point] > order[early] else early)
+        placed.append(layer)
+    #: per bucket: the layer (backward order) whose pipeline it is issued in, None = at the end
+    plan.report["bucket_layers"] = placed
     return points

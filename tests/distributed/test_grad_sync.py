@@ -108,13 +108,18 @@ class _Recorder:
     name = "record_grad_sync"
 
     def __init__(self):
-        self.graphs = []
+        self.graphs, self.layers = [], []
 
     def __call__(self, gm):
         from moe_compile.passes.manager import PassResult
 
         if any(n.name.startswith("tangents") for n in gm.graph.nodes):
+            from moe_compile.passes.grad_sync import BUCKET_LAYER_META, BUCKET_META
+
             self.graphs.append(gm)
+            issues = sorted((n.meta[BUCKET_META], n.meta.get(BUCKET_LAYER_META)) for n in gm.graph.nodes
+                            if BUCKET_META in n.meta and n.target is torch.ops._c10d_functional.all_reduce.default)
+            self.layers.append([layer for _, layer in issues])
         return PassResult(gm, False)
 
 
@@ -189,6 +194,52 @@ def _graph_order(rank: int) -> dict:
     return counts
 
 
+def _fsmoe_models(rank: int) -> str:
+    """Cost models where the experts' backward leaves the link idle and the all-reduce is cheap."""
+    import tempfile
+
+    from moe_compile.schedule.cost_model import AlphaBeta, CostModels
+
+    models = CostModels({"all_to_all:flat:2": AlphaBeta(1e-4, 1e-9), "experts": AlphaBeta(1e-5, 1e-8),
+                         "all_reduce:2": AlphaBeta(1e-5, 1e-10)}, {"source": "test"})
+    return str(models.save(Path(tempfile.mkdtemp()) / f"models{rank}.json"))
+
+
+def _fsmoe_order(rank: int) -> list:
+    """dp_placement="fsmoe" on the 2-layer transformer compiled whole: each bucket the assignment puts in a
+    layer is issued inside that layer's backward pipeline (between its first and last labelled node), never
+    before its last gradient; the others at the end; equal to eager DDP."""
+    import moe_compile
+    from moe_compile.tasks import task_label
+
+    options = {"ep_group": "world", "dp_group": "world", "dp_bucket_mb": 0.001, "dp_placement": "fsmoe",
+               "cost_models": _fsmoe_models(rank)}
+    recorder = _Recorder()
+    moe_compile.register_pass(recorder, after="grad_sync")
+    try:
+        _case(rank, "transformer", options)
+    finally:
+        moe_compile.unregister_pass(recorder)
+    gm = recorder.graphs[0]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    spans: dict = {}
+    for node in gm.graph.nodes:
+        if task_label(node) is not None:
+            spans.setdefault(task_label(node).layer, []).append(order[node])
+    spans = sorted((min(v), max(v)) for v in spans.values())
+    assert len(spans) == 2, spans
+    issues, waits = _bucket_nodes(gm)
+    layers = recorder.layers[0]
+    assert len(layers) == len(issues) and any(layer is not None for layer in layers), layers
+    for index, layer in enumerate(layers):
+        (issue,) = issues[index]
+        if layer is None:
+            continue
+        first, last = spans[layer]
+        assert first < order[issue] < last, f"bucket {index} meant for layer {layer} {spans[layer]} at {order[issue]}"
+    return layers
+
+
 def _errors(rank: int, world_size: int = 2) -> list[str]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -219,7 +270,7 @@ def _two_ranks(rank: int, world_size: int) -> dict:
         _case(rank, "gshard", {"ep_group": "world", "dp_group": "world", "dp_placement": "end"}),
         _case(rank, "gshard", {"ep_group": "world", "dp_group": "world", "compressor": "bf16"}, tol=BF16),
     ]
-    return {"cases": done, "order": _graph_order(rank), "errors": _errors(rank, world_size)}
+    return {"cases": done, "order": _graph_order(rank), "fsmoe": _fsmoe_order(rank), "errors": _errors(rank, world_size)}
 
 
 def _four_ranks(rank: int, world_size: int) -> list[str]:
@@ -236,6 +287,7 @@ def test_grad_sync_two_ranks():
     results = spawn(_two_ranks, 2, timeout=600)
     assert results[0]["cases"] == results[1]["cases"] and len(results[0]["cases"]) == 7
     assert results[0]["order"] == results[1]["order"]
+    assert results[0]["fsmoe"] == results[1]["fsmoe"]
     assert "DistributedDataParallel" in results[0]["errors"][0]
 
 
