@@ -110,6 +110,8 @@ class GradSyncPlan:
     cost_models: str | None = None
     #: the graph's MoE layers' plans (``moe_compile.schedule.plan.LayerPlan``, forward order): FSMoE's placement
     layer_plans: tuple = ()
+    #: ``options["emulate_link"]`` (a ``Link``): the buckets' all-reduces go over the emulated link too
+    link: object = None
     #: what the pass did, for ``summary.json`` / ``schedule.json``: the buckets, where each was issued, the assignment
     report: dict = dataclasses.field(default_factory=dict)
 
@@ -181,7 +183,13 @@ def plan_grad_sync(cfg: MoECompileConfig, gm: GraphModule, example_inputs: Seque
             averaged.append(i)
     return GradSyncPlan(group, tuple(averaged), tuple(divided), names, len(example_inputs), num_plain,
                         tuple(divided_subclass), int(cfg.dp_bucket_mb * 2**20), DPPlacement(cfg.dp_placement),
-                        cfg.cost_models, tuple(layer_plans))
+                        cfg.cost_models, tuple(layer_plans), _link(cfg))
+
+
+def _link(cfg: MoECompileConfig):
+    from ..collectives.emulated import Link
+
+    return Link.from_option(cfg.emulate_link)
 
 
 def _is_subclass(value) -> bool:
@@ -265,7 +273,7 @@ class GradSync:
         issued = []
         for bucket, point in zip(buckets, points):  # every issue first: a bucket ready last is issued at the end
             with graph.inserting_before(point):
-                issued.append(_issue(graph, bucket, plan.group.name))
+                issued.append(_issue(graph, bucket, plan.group.name, plan.link))
         for bucket, issue, layer in zip(buckets, issued, plan.report.get("bucket_layers") or [None] * len(buckets)):
             if plan.placement == DPPlacement.FSMOE:
                 issue.meta[BUCKET_LAYER_META] = layer
@@ -304,7 +312,7 @@ def _node(graph, node: Node, meta: dict | None = None) -> Node:
     return node
 
 
-def _issue(graph, bucket: GradBucket, group_name: str) -> Node:
+def _issue(graph, bucket: GradBucket, group_name: str, link=None) -> Node:
     """Flatten the bucket's gradients into one buffer and issue its all-reduce (at the insertion point)."""
     flats = []
     for grad in bucket.grads:
@@ -314,7 +322,7 @@ def _issue(graph, bucket: GradBucket, group_name: str) -> Node:
                                                     {"memory_format": torch.contiguous_format}))
         flats.append(_node(graph, graph.call_function(torch.ops.aten.view.default, (grad, [-1]))))
     flat = flats[0] if len(flats) == 1 else _node(graph, graph.call_function(torch.ops.aten.cat.default, (flats,)))
-    return _node(graph, emit_all_reduce(graph, flat, "sum", group_name), {BUCKET_META: bucket.index})
+    return _node(graph, emit_all_reduce(graph, flat, "sum", group_name, link), {BUCKET_META: bucket.index})
 
 
 def issue_points(gm: GraphModule, buckets: Sequence[GradBucket], plan: GradSyncPlan) -> list[Node]:

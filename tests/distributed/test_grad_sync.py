@@ -10,6 +10,7 @@ every gradient, and the final weights, equal. Cases (2 gloo ranks, one spawn):
 - ``shard_experts``: the GShard layer and the per-expert ``LoopMoE`` (the experts' gradients divided, not all-reduced);
 - ``dp_placement="end"``;
 - the bf16 compressor on the all-to-all, within the bf16 bound;
+- the emulated link (the buckets' all-reduces on it, ``moe::emulated_all_reduce``);
 
 then graph order (every bucket's all-reduce issued once, right after its last gradient, waited once
 before the return) and the errors: DDP around a model compiled with ``dp_group``. 4 ranks: ``ep_group``
@@ -269,6 +270,7 @@ def _two_ranks(rank: int, world_size: int) -> dict:
         _case(rank, "loop", {"ep_group": "world", "dp_group": "world"}, sharded=True),
         _case(rank, "gshard", {"ep_group": "world", "dp_group": "world", "dp_placement": "end"}),
         _case(rank, "gshard", {"ep_group": "world", "dp_group": "world", "compressor": "bf16"}, tol=BF16),
+        _case(rank, "gshard", {"ep_group": "world", "dp_group": "world", "emulate_link": {"alpha_us": 10, "gbps": 1}}),
     ]
     return {"cases": done, "order": _graph_order(rank), "fsmoe": _fsmoe_order(rank), "errors": _errors(rank, world_size)}
 
@@ -285,7 +287,7 @@ def _four_ranks(rank: int, world_size: int) -> list[str]:
 
 def test_grad_sync_two_ranks():
     results = spawn(_two_ranks, 2, timeout=600)
-    assert results[0]["cases"] == results[1]["cases"] and len(results[0]["cases"]) == 7
+    assert results[0]["cases"] == results[1]["cases"] and len(results[0]["cases"]) == 8
     assert results[0]["order"] == results[1]["order"]
     assert results[0]["fsmoe"] == results[1]["fsmoe"]
     assert "DistributedDataParallel" in results[0]["errors"][0]
