@@ -6,7 +6,7 @@ every gradient, and the final weights, equal. Cases (2 gloo ranks, one spawn):
 
 - GShard layer, data parallel only (no ``ep_group``), buckets of a few hundred bytes (several buckets);
 - GShard layer, ``ep_group`` = ``dp_group`` (replicated experts: each rank computes its own experts' gradients);
-- the examples' transformer compiled whole, ``ep_group``, r = 2 chunks;
+- the examples' transformer compiled whole, ``ep_group``, r = 2 chunks; and with its attention checkpointed;
 - ``shard_experts``: the GShard layer and the per-expert ``LoopMoE`` (the experts' gradients divided, not all-reduced);
 - ``dp_placement="end"``;
 - the bf16 compressor on the all-to-all, within the bf16 bound;
@@ -45,9 +45,10 @@ def _transformer_module():
 def _model(name: str):
     """(model, the loss of its output, a batch maker (rank, step) → input)."""
     torch.manual_seed(0)  # the same weights on every rank
-    if name == "transformer":
+    if name in ("transformer", "transformer_ac"):
         module = _transformer_module()
-        model = module.MoETransformer(vocab=64, dim=16, hidden=32, num_experts=4, num_layers=2)
+        model = module.MoETransformer(vocab=64, dim=16, hidden=32, num_experts=4, num_layers=2,
+                                      checkpoint_attention=name == "transformer_ac")
         return model, (lambda out: out), (lambda rank, step: module.synthetic_batch(
             2, 9, 64, torch.Generator().manual_seed(100 * step + rank)))
     if name == "gshard":
@@ -266,6 +267,7 @@ def _two_ranks(rank: int, world_size: int) -> dict:
         _case(rank, "gshard", {"ep_group": "world", "dp_group": "world"}),
         _case(rank, "transformer", {"ep_group": "world", "dp_group": "world", "num_chunks": 2,
                                     "dp_bucket_mb": 0.002}),
+        _case(rank, "transformer_ac", {"ep_group": "world", "dp_group": "world"}),
         _case(rank, "gshard", {"ep_group": "world", "dp_group": "world"}, sharded=True),
         _case(rank, "loop", {"ep_group": "world", "dp_group": "world"}, sharded=True),
         _case(rank, "gshard", {"ep_group": "world", "dp_group": "world", "dp_placement": "end"}),
@@ -287,7 +289,7 @@ def _four_ranks(rank: int, world_size: int) -> list[str]:
 
 def test_grad_sync_two_ranks():
     results = spawn(_two_ranks, 2, timeout=600)
-    assert results[0]["cases"] == results[1]["cases"] and len(results[0]["cases"]) == 8
+    assert results[0]["cases"] == results[1]["cases"] and len(results[0]["cases"]) == 9
     assert results[0]["order"] == results[1]["order"]
     assert results[0]["fsmoe"] == results[1]["fsmoe"]
     assert "DistributedDataParallel" in results[0]["errors"][0]
