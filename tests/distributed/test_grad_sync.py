@@ -11,6 +11,7 @@ every gradient, and the final weights, equal. Cases (2 gloo ranks, one spawn):
 - ``dp_placement="end"``;
 - the bf16 compressor on the all-to-all, within the bf16 bound;
 - the emulated link (the buckets' all-reduces on it, ``moe::emulated_all_reduce``);
+- Inductor as the inner compiler, several buckets;
 
 then graph order (every bucket's all-reduce issued once, right after its last gradient, waited once
 before the return) and the errors: DDP around a model compiled with ``dp_group``. 4 ranks: ``ep_group``
@@ -273,6 +274,7 @@ def _two_ranks(rank: int, world_size: int) -> dict:
         _case(rank, "gshard", {"ep_group": "world", "dp_group": "world", "dp_placement": "end"}),
         _case(rank, "gshard", {"ep_group": "world", "dp_group": "world", "compressor": "bf16"}, tol=BF16),
         _case(rank, "gshard", {"ep_group": "world", "dp_group": "world", "emulate_link": {"alpha_us": 10, "gbps": 1}}),
+        _case(rank, "gshard", {"ep_group": "world", "dp_group": "world", "inner": "inductor", "dp_bucket_mb": 0.0005}),
     ]
     return {"cases": done, "order": _graph_order(rank), "fsmoe": _fsmoe_order(rank), "errors": _errors(rank, world_size)}
 
@@ -289,7 +291,7 @@ def _four_ranks(rank: int, world_size: int) -> list[str]:
 
 def test_grad_sync_two_ranks():
     results = spawn(_two_ranks, 2, timeout=600)
-    assert results[0]["cases"] == results[1]["cases"] and len(results[0]["cases"]) == 9
+    assert results[0]["cases"] == results[1]["cases"] and len(results[0]["cases"]) == 10
     assert results[0]["order"] == results[1]["order"]
     assert results[0]["fsmoe"] == results[1]["fsmoe"]
     assert "DistributedDataParallel" in results[0]["errors"][0]
