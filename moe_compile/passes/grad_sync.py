@@ -50,6 +50,10 @@ twice: :func:`plan_grad_sync` raises. A backward graph whose outputs do not line
 forward inputs (a tensor subclass flattened into several tensors) raises rather than leave
 the gradients unsynchronized.
 
+Under ``options["emulate_link"]`` the all-reduces go over the emulated link
+(``moe::emulated_all_reduce``, FIFO with the all-to-alls, priced as a ring), so that a
+schedule's effect on the gradient sync can be measured on a small machine.
+
 Steps: 1. the gradients of the plan's parameters, in the order the graph produces them;
 2. buckets of at most ``dp_bucket_mb`` MiB (one dtype each), in that order; 3. the issue
 point of each bucket (``dp_placement``: "asap", "end", or "fsmoe", FSMoE's assignment of
