@@ -30,7 +30,7 @@ from typing import Any
 from .errors import ConfigError
 
 __all__ = [
-    "ConfigError", "MoECompileConfig", "config", "default_cache_dir",
+    "ADAPTIVE_CHUNKS", "ConfigError", "MoECompileConfig", "config", "default_cache_dir",
     "InnerCompiler", "Kernels", "PauseMPSchedule", "ScheduleName",
     "INNER_COMPILERS", "KERNELS", "PAUSE_MP", "SCHEDULES", "DPPlacement", "DP_PLACEMENTS",
 ]
@@ -140,7 +140,9 @@ class MoECompileConfig:
     #: Algorithm of the expert-parallel all-to-all: "flat" (one all_to_all_single), "1dh",
     #: "2dh", "pipe" (hierarchical over nodes of ``ranks_per_node`` ranks), a name given to
     #: register_all_to_all, or "auto": per layer, the one with the least time predicted by
-    #: the fitted cost models (``cost_models``) for its exchange size; flat without models.
+    #: the fitted cost models (``cost_models``) for its exchange size; flat without models;
+    #: or "adaptive": chosen at every call among the registered algorithms by Tutel's online
+    #: search per capacity bucket (Tutel §3.3; moe_compile.ops.adaptive_exchange), no recompile.
     all_to_all: str = "flat"
     #: Ranks per node for the hierarchical all-to-alls (consecutive EP ranks form a node).
     ranks_per_node: int | None = None
@@ -151,7 +153,9 @@ class MoECompileConfig:
     #: (compression not chunked, Tutel §3.3), "fastermoe" (per-chunk loop, pipeline degree 2).
     schedule: ScheduleName = ScheduleName.OPTIMAL
     #: Chunks r of each expert-parallel layer's capacity dimension: an integer >= 1, or
-    #: "auto" = the r solver (FSMoE Algorithm 1) on the fitted cost models (``cost_models``).
+    #: "auto" = the r solver (FSMoE Algorithm 1) on the fitted cost models (``cost_models``), or
+    #: "adaptive" = chosen at every call among r in ADAPTIVE_CHUNKS by Tutel's online search per
+    #: capacity bucket (Tutel §3.3; moe_compile.ops.adaptive_exchange), no recompile.
     num_chunks: Any = 1
     #: Fitted cost models (JSON written by ``python -m moe_compile.profile``); None = that
     #: command's default file for this machine, if it exists.
@@ -208,7 +212,7 @@ class MoECompileConfig:
             get_compressor(self.compressor)
         if not isinstance(self.all_to_all, str):
             raise ConfigError(f"options['all_to_all']={self.all_to_all!r}: expected an algorithm name (a string)")
-        if self.all_to_all not in ("flat", "auto"):
+        if self.all_to_all not in ("flat", "auto", "adaptive"):
             from .collectives.all_to_all_registry import get_all_to_all
 
             get_all_to_all(self.all_to_all)
@@ -220,8 +224,9 @@ class MoECompileConfig:
             raise ConfigError(f"options['schedule']={self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
         self.schedule = ScheduleName(self.schedule)
         r = self.num_chunks
-        if not (r == "auto" or (isinstance(r, int) and not isinstance(r, bool) and r >= 1)):
-            raise ConfigError(f"options['num_chunks']={r!r}: expected an integer >= 1 or 'auto'")
+        if not (r in ("auto", "adaptive") or (isinstance(r, int) and not isinstance(r, bool) and r >= 1)):
+            raise ConfigError(f"options['num_chunks']={r!r}: expected an integer >= 1 or 'auto', or 'adaptive'")
+        _check_adaptive(self)
         _check_optional_str(self, "cost_models")
         if self.emulate_link is not None:
             from .collectives.emulated import Link
@@ -351,6 +356,32 @@ def _check_dependencies(cfg: MoECompileConfig) -> MoECompileConfig:
     return cfg
 
 
+#: r that ``num_chunks="adaptive"`` chooses among at every call (Tutel §3.3's bounded set)
+ADAPTIVE_CHUNKS = (1, 2, 4, 8)
+
+
+def _check_adaptive(cfg: MoECompileConfig) -> None:
+    """``num_chunks`` / ``all_to_all`` "adaptive" run the exchange inside one runtime op
+    (moe_compile.ops.adaptive_exchange): plain expert parallelism, uncompressed."""
+    adaptive = [name for name in ("num_chunks", "all_to_all") if getattr(cfg, name) == "adaptive"]
+    if not adaptive:
+        return
+    what = " and ".join(f"options[{name!r}]='adaptive'" for name in adaptive)
+    if cfg.all_to_all == "adaptive" and cfg.ranks_per_node is None:
+        raise ConfigError(f"{what} chooses among the hierarchical all-to-alls too, which need "
+                          f"options['ranks_per_node'] (ranks per node); set it, or use all_to_all='flat'")
+    if cfg.compressor != "none":
+        raise ConfigError(f"{what}: the adaptive exchange is uncompressed; options['compressor']="
+                          f"{cfg.compressor!r} must be 'none'")
+    for name in ("mp_group", "esp_group"):
+        if getattr(cfg, name) is not None:
+            raise ConfigError(f"{what}: the adaptive exchange is plain expert parallelism; options[{name!r}] "
+                              f"must be None (Parm's layouts choose their schedule with pause_mp)")
+    if cfg.num_chunks == "auto":
+        raise ConfigError(f"{what}: options['num_chunks'] must be an integer or 'adaptive' (not 'auto': the "
+                          f"adaptive exchange measures r at runtime instead of predicting it)")
+
+
 def _field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(MoECompileConfig)]
 
@@ -425,12 +456,12 @@ def _parse_env(name: str, raw: str, default: Any) -> Any:
         except ValueError:
             raise ConfigError(f'{env}={raw!r}: expected JSON such as {{"alpha_us": 10, "gbps": 25}}') from None
     if name == "num_chunks":
-        if raw == "auto":
+        if raw in ("auto", "adaptive"):
             return raw
         try:
             return int(raw)
         except ValueError:
-            raise ConfigError(f"{env}={raw!r}: expected an integer >= 1 or auto") from None
+            raise ConfigError(f"{env}={raw!r}: expected an integer >= 1, auto or adaptive") from None
     if isinstance(default, int) or name == "ranks_per_node":
         if raw == "" and default is None:
             return None

@@ -202,6 +202,8 @@ def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
     experts = region.experts
     with graph.inserting_before(output):
         tokens = env[region.tokens]
+        if not isinstance(k, int):  # a runtime k (Tutel §5 top-ANY): read from the [T, k] ids, not a constant
+            k = call(torch.ops.aten.sym_size.int, env[region.expert_ids], -1)
         ids = call("reshape", env[region.expert_ids], (-1, k), method=True)
         weights = call("reshape", env[region.gate_weights], (-1, k), method=True)
         linears = (experts.w1, experts.w2, experts.w3)
