@@ -32,7 +32,7 @@ from .errors import ConfigError
 __all__ = [
     "ADAPTIVE_CHUNKS", "ConfigError", "MoECompileConfig", "config", "default_cache_dir",
     "InnerCompiler", "Kernels", "PauseMPSchedule", "ScheduleName",
-    "INNER_COMPILERS", "KERNELS", "PAUSE_MP", "SCHEDULES",
+    "INNER_COMPILERS", "KERNELS", "PAUSE_MP", "SCHEDULES", "DPPlacement", "DP_PLACEMENTS",
 ]
 
 _ENV_PREFIX = "MOE_COMPILE_"
@@ -81,12 +81,21 @@ class PauseMPSchedule(_StrOption):
     S2 = "s2"      # MP-Split after the gate, MP-AllGather after the return all-to-all
 
 
+class DPPlacement(_StrOption):
+    """``options["dp_placement"]``: where the data-parallel gradient all-reduces are issued."""
+
+    ASAP = "asap"    # as soon as the bucket's last gradient exists (DDP's rule)
+    END = "end"      # all at the end of the backward graph
+    FSMOE = "fsmoe"  # in the MoE layers' backward pipelines (FSMoE eqs 3-5)
+
+
 #: The allowed values as plain strings (what the error messages list).
 INNER_COMPILERS = tuple(m.value for m in InnerCompiler)
 KERNELS = tuple(m.value for m in Kernels)
 SCHEDULES = tuple(m.value for m in ScheduleName)
 SAMPLE_PLACEMENT = ("none", "netmoe")
 PAUSE_MP = tuple(m.value for m in PauseMPSchedule)
+DP_PLACEMENTS = tuple(m.value for m in DPPlacement)
 
 
 @dataclasses.dataclass
@@ -175,6 +184,19 @@ class MoECompileConfig:
     #: inter-node bytes; needs ``ep_group`` and ``ranks_per_node``, and samples independent
     #: along the batch: passes/sample_placement.py).
     sample_placement: str = "none"
+    #: Data-parallel group whose gradients the compiled backward averages (FSMoE
+    #: "Co-design in backward propagation and gradient synchronization"): None (no
+    #: gradient sync in the graph; wrap the model in DDP / FSDP as usual), "world" or a
+    #: ``ProcessGroup``. The gradients of the parameters each graph reads are all-reduced in
+    #: buckets inside its backward and divided by the group size, as DDP does; do not also
+    #: wrap the model in DDP (:mod:`moe_compile.passes.grad_sync`).
+    dp_group: Any = None
+    #: Bucket size (MiB) of ``dp_group``'s gradient all-reduce (DDP's ``bucket_cap_mb``).
+    dp_bucket_mb: float = 25.0
+    #: Where each bucket's all-reduce is issued in the backward graph: "asap" (as soon as its
+    #: last gradient exists, like DDP), "end" (all at the end of the backward), "fsmoe" (in
+    #: the MoE layers' backward pipelines by FSMoE's assignment, eqs 3-5; "asap" without layers).
+    dp_placement: DPPlacement = DPPlacement.ASAP
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> MoECompileConfig:
@@ -248,6 +270,13 @@ class MoECompileConfig:
         if self.sample_placement not in SAMPLE_PLACEMENT:
             raise ConfigError(f"options['sample_placement']={self.sample_placement!r}: choose one of "
                               f"{', '.join(SAMPLE_PLACEMENT)}")
+        _check_dp_group(self.dp_group)
+        mb = self.dp_bucket_mb
+        if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0 or not math.isfinite(mb):
+            raise ConfigError(f"options['dp_bucket_mb']={mb!r}: expected a number of MiB > 0")
+        if self.dp_placement not in DP_PLACEMENTS:
+            raise ConfigError(f"options['dp_placement']={self.dp_placement!r}: choose one of {', '.join(DP_PLACEMENTS)}")
+        self.dp_placement = DPPlacement(self.dp_placement)
         b = self.capacity_bucket
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ConfigError(f"options['capacity_bucket']={b!r}: expected an integer >= 1")
@@ -326,6 +355,11 @@ def _check_dependencies(cfg: MoECompileConfig) -> MoECompileConfig:
     if cfg.sample_placement != "none" and (cfg.ep_group is None or cfg.ranks_per_node is None):
         raise ConfigError(f"options['sample_placement']={cfg.sample_placement!r} needs options['ep_group'] and "
                           f"options['ranks_per_node'] (samples are placed over the nodes of the group)")
+    if cfg.dp_group is None and cfg.dp_placement != DPPlacement.ASAP:
+        raise ConfigError(
+            f"options['dp_placement']={cfg.dp_placement.value!r} places the data-parallel gradient all-reduce, "
+            f"but options['dp_group'] is None: set options['dp_group'] (e.g. 'world') or leave dp_placement at 'asap'"
+        )
     if cfg.nan_check and cfg.compressor == "none":
         raise ConfigError(
             "options['nan_check']=True checks what a compressor is given, but options['compressor'] is "
@@ -406,6 +440,16 @@ def _check_ep_group(group: Any, name: str = "ep_group") -> None:
         f"options[{name!r}]={group!r}: expected None, 'world', a ProcessGroup, a 1-D DeviceMesh "
         f"or (DeviceMesh, dim)"
     )
+
+
+def _check_dp_group(group: Any) -> None:
+    if group is None or (isinstance(group, str) and group == "world"):
+        return
+    import torch.distributed as dist
+
+    if isinstance(group, dist.ProcessGroup):
+        return
+    raise ConfigError(f"options['dp_group']={group!r}: expected None, 'world' or a ProcessGroup")
 
 
 def _parse_env(name: str, raw: str, default: Any) -> Any:
