@@ -26,7 +26,7 @@ model and the phase here is what it yields.
 The phase: the layers run one after another in backward order (each starts when the previous one, its
 excess included, ends); the bytes left ``at_end`` are all-reduced after the last layer, not overlapped. A
 layer may take only gradients produced before it (FSMoE Step 1's availability): the cumulative assigned
-bytes must not exceed the cumulative ``ready`` bytes. Three placements (:func:`backward_phase`):
+bytes must not exceed the cumulative ``ready`` bytes. Three placements (:func:`phase_of_times`, :func:`backward_phase`):
 
 ``"fsmoe"``
     FSMoE Steps 1-2 (:func:`.grad_assign.assign_gradients`), each layer at its re-solved degree ``r``.
@@ -41,13 +41,13 @@ bytes must not exceed the cumulative ``ready`` bytes. Three placements (:func:`b
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .cost_model import AlphaBeta, CostModels, LayerShape, chunk_times
-from .grad_assign import assign_gradients, layer_gap
-from .simulator import Schedule, Times, simulate
+from .grad_assign import LayerGap, assign_gradients
+from .simulator import COMM_KINDS, Schedule, Times, simulate, task_times
 
-__all__ = ["LayerRun", "Phase", "backward_phase", "simulate_backward_phase"]
+__all__ = ["LayerRun", "Phase", "backward_phase", "phase_of_times", "simulate_backward_phase", "times_gap"]
 
 
 def _t_ar(ar: AlphaBeta, n: float) -> float:
@@ -146,33 +146,55 @@ def simulate_backward_phase(layers: Sequence[Times], ar: AlphaBeta, assigned: Se
     return Phase(clock + t_end, tuple(runs), float(at_end), t_end)
 
 
-def backward_phase(shapes: Sequence[LayerShape], models: CostModels, ar: AlphaBeta, ready: Sequence[float], *,
-                   placement: str = "fsmoe", chunks: Sequence[int] | None = None, tail: float = 0.0,
-                   compressor: str = "none", algorithm: str = "flat", schedule: str = "optimal",
-                   max_chunks: int = 8) -> Phase:
-    """The backward phase of layers ``shapes`` (backward order) priced on ``models``, with ``ready[i]`` gradient
-    bytes produced before layer ``i`` and ``tail`` after the last, under ``placement`` (module docstring).
-    ``chunks``: each layer's degree for ``"end"`` (default: the best simulated makespan at ``t_gar = 0``)."""
-    if len(ready) != len(shapes):
-        raise ValueError(f"backward_phase: {len(ready)} ready sizes for {len(shapes)} layers")
-    kw = dict(compressor=compressor, algorithm=algorithm, backward=True)
+def times_gap(name: str, times_of: Callable[[int], Times], chunks: Sequence[int], *, ready: float = 0.0,
+              schedule: "Schedule | str" = "optimal") -> LayerGap:
+    """The :class:`.grad_assign.LayerGap` of a layer given its task times at each degree ``r`` in ``chunks``
+    (``times_of(r)``): the simulated makespan, and the link's busy time plus the first C and the last D."""
+    makespans, busy = [], []
+    for r in chunks:
+        table, n = task_times(times_of(r))
+        makespans.append(simulate(table, schedule).makespan)
+        busy.append(sum(table[(k, i)] for k in COMM_KINDS for i in range(1, n + 1)) + table[("C1", 1)]
+                    + table[("D2", n)])
+    return LayerGap(name, tuple(chunks), tuple(makespans), tuple(busy), ready)
+
+
+def phase_of_times(times_of: Sequence[Callable[[int], Times]], ar: AlphaBeta, ready: Sequence[float], *,
+                   placement: str = "fsmoe", chunks: Sequence[int] | int = 8, tail: float = 0.0,
+                   schedule: "Schedule | str" = "optimal") -> Phase:
+    """The backward phase of layers given as ``times_of[i](r)`` (backward order), with ``ready[i]`` gradient bytes
+    produced before layer ``i`` and ``tail`` after the last, under ``placement`` (module docstring). ``chunks``: the
+    degrees tried (an int ``k``: ``1..k``); for ``"end"`` a layer runs at its best makespan among them, for
+    ``"fsmoe"`` at the degree FSMoE re-solves with its all-reduce time."""
+    if len(ready) != len(times_of):
+        raise ValueError(f"backward phase: {len(ready)} ready sizes for {len(times_of)} layers")
+    degrees = list(range(1, chunks + 1)) if isinstance(chunks, int) else list(chunks)
     total = float(sum(ready)) + tail
+    none = [0.0] * len(times_of)
     if placement == "sequential":
-        times = [chunk_times(s, models, 1, **kw) for s in shapes]
-        return simulate_backward_phase(times, ar, [0.0] * len(shapes), ready=ready, at_end=total,
+        return simulate_backward_phase([t(1) for t in times_of], ar, none, ready=ready, at_end=total,
                                        schedule="sequential")
+    gaps = [times_gap(f"layer{i}", t, degrees, ready=r, schedule=schedule)
+            for i, (t, r) in enumerate(zip(times_of, ready))]
     if placement == "fsmoe":
-        gaps = [layer_gap(f"layer{i}", s, models, ready=r, compressor=compressor, algorithm=algorithm,
-                          schedule=schedule, max_chunks=max_chunks) for i, (s, r) in enumerate(zip(shapes, ready))]
         assignment = assign_gradients(gaps, ar, tail=tail)
-        times = [chunk_times(s, models, r, **kw) for s, r in zip(shapes, assignment.chunks)]
+        times = [t(r) for t, r in zip(times_of, assignment.chunks)]
         return simulate_backward_phase(times, ar, assignment.per_layer, ready=ready, at_end=assignment.at_end,
                                        schedule=schedule)
     if placement == "end":
-        if chunks is None:
-            chunks = [min(range(1, max(1, min(max_chunks, s.rows)) + 1),
-                          key=lambda r, s=s: simulate(chunk_times(s, models, r, **kw), schedule).makespan)
-                      for s in shapes]
-        times = [chunk_times(s, models, r, **kw) for s, r in zip(shapes, chunks)]
-        return simulate_backward_phase(times, ar, [0.0] * len(shapes), ready=ready, at_end=total, schedule=schedule)
-    raise ValueError(f"backward_phase: placement={placement!r}; choose 'fsmoe', 'end' or 'sequential'")
+        times = [t(g.time(0.0)[1]) for t, g in zip(times_of, gaps)]
+        return simulate_backward_phase(times, ar, none, ready=ready, at_end=total, schedule=schedule)
+    raise ValueError(f"backward phase: placement={placement!r}; choose 'fsmoe', 'end' or 'sequential'")
+
+
+def backward_phase(shapes: Sequence[LayerShape], models: CostModels, ar: AlphaBeta, ready: Sequence[float], *,
+                   placement: str = "fsmoe", tail: float = 0.0, compressor: str = "none", algorithm: str = "flat",
+                   schedule: str = "optimal", max_chunks: int = 8) -> Phase:
+    """:func:`phase_of_times` for layers ``shapes`` priced on ``models`` (:func:`.cost_model.chunk_times`,
+    backward), degrees ``1..min(max_chunks, rows)`` per layer."""
+    times_of = [(lambda r, s=s: chunk_times(s, models, r, compressor=compressor, algorithm=algorithm,
+                                            backward=True)) for s in shapes]
+    degrees = sorted({r for s in shapes for r in range(1, max(1, min(max_chunks, s.rows)) + 1)})
+    if len({min(max_chunks, s.rows) for s in shapes}) > 1:
+        raise ValueError("backward_phase: layers with different degree ranges; use phase_of_times")
+    return phase_of_times(times_of, ar, ready, placement=placement, chunks=degrees, tail=tail, schedule=schedule)

@@ -64,3 +64,23 @@ def test_fsmoe_placement_never_slower_than_at_the_end(seed):
     assert fsmoe.time <= end.time * (1 + 1e-9)
     assert end.time <= sequential.time * (1 + 1e-9)
     assert fsmoe.overlapped_bytes + fsmoe.at_end == pytest.approx(sum(ready) + tail, rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_fsmoe_never_slower_on_per_task_times(seed):
+    # unequal first / second tasks (an ESP all-gather in D1, a reduce-scatter in C2): phase_of_times from mappings
+    rng = random.Random(100 + seed)
+    from moe_compile.schedule.backward_phase import phase_of_times
+
+    def layer():
+        base = {k: rng.uniform(0, 4e-3) for k in ("C1", "A1", "D1", "E", "C2", "A2", "D2")}
+        alpha = rng.uniform(0, 2e-4)
+        return lambda r: {(k, i): alpha + v / r for k, v in base.items() for i in range(1, r + 1)}
+
+    n = rng.randint(1, 4)
+    layers = [layer() for _ in range(n)]
+    ready = [rng.uniform(0, 1e7) for _ in range(n)]
+    tail = rng.uniform(0, 1e6)
+    times = {p: phase_of_times(layers, AR, ready, placement=p, chunks=4, tail=tail).time
+             for p in ("fsmoe", "end", "sequential")}
+    assert times["fsmoe"] <= times["end"] * (1 + 1e-9) <= times["sequential"] * (1 + 1e-9)
