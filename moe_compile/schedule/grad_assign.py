@@ -120,10 +120,12 @@ def step1(gaps: Sequence[LayerGap], ar: AlphaBeta) -> tuple[list[float], list[fl
 
 
 def objective(gaps: Sequence[LayerGap], ar: AlphaBeta, first: Sequence[float], extra: Sequence[float],
-              remaining: float) -> float:
-    """Eq (5)'s objective: Σ_i f_moe^i(t_ar(first_i + extra_i)) + t_ar(what is left at the end)."""
+              remaining: float, tail: float = 0.0) -> float:
+    """Eq (5)'s objective: Σ_i f_moe^i(t_ar(first_i + extra_i)) + t_ar(what is left at the end), the ``tail``
+    (bytes produced after the last layer) included in what is left: it is all-reduced at the end anyway, so
+    the rest joins its all-reduce and pays no second α_ar."""
     total = sum(gap.time(_t_ar(ar, f + x))[0] for gap, f, x in zip(gaps, first, extra))
-    return total + _t_ar(ar, remaining - sum(extra))
+    return total + _t_ar(ar, remaining - sum(extra) + tail)
 
 
 def _feasible(extra: Sequence[float], carried: Sequence[float], tol: float = 1e-6) -> bool:
@@ -142,7 +144,7 @@ def assign_gradients(gaps: Sequence[LayerGap], ar: AlphaBeta, tail: float = 0.0)
     scale = max(max(carried, default=0.0), 1.0)
 
     def f(y):
-        return objective(gaps, ar, first, [v * scale for v in y], remaining)
+        return objective(gaps, ar, first, [v * scale for v in y], remaining, tail)
 
     # cumulative availability: Σ_{j<=i} x_j <= carried_i (a layer takes only gradients that exist before it)
     constraints = [{"type": "ineq", "fun": (lambda y, i=i: carried[i] / scale - float(np.sum(y[:i + 1])))}
@@ -165,7 +167,7 @@ def assign_gradients(gaps: Sequence[LayerGap], ar: AlphaBeta, tail: float = 0.0)
     extra = [float(v) * scale for v in best[1]]
     chunks = tuple(gap.time(_t_ar(ar, a + x))[1] for gap, a, x in zip(gaps, first, extra))
     at_end = remaining - sum(extra) + tail
-    predicted = objective(gaps, ar, first, extra, remaining) - _t_ar(ar, remaining - sum(extra)) + _t_ar(ar, at_end)
+    predicted = objective(gaps, ar, first, extra, remaining, tail)
     return Assignment(tuple(a + x for a, x in zip(first, extra)), tuple(first), tuple(extra), at_end, chunks,
                       tuple(g.overlappable for g in gaps), predicted, tail)
 
