@@ -98,9 +98,11 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg:
     """Stage 1, then :func:`_compile` (AOTAutograd, stage 2, the inner compiler)."""
     counters["graphs"] += 1
     context = CompileContext(cfg)
+    allow_data_dependent_sizes(gm)
     if sharded_placeholders(gm):  # stage 1 adds inputs for the shards: not to Dynamo's own graph
         gm = _copy(gm)
     gm = _run_stage1(cfg, context, gm)
+    _warn_if_split_by_ddp(gm, cfg)
     shard_inputs = gm.meta.get(SHARD_INPUTS, [])
     if shard_inputs:  # sharded experts: their DTensors are inputs, fed from each call's placeholders
         example_inputs = [*example_inputs, *(_shard_of(example_inputs[i]) for i in shard_inputs)]
@@ -108,6 +110,71 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg:
     if grad_sync is not None:
         context.summary["grad_sync"] = grad_sync.report  # filled by the backward's grad_sync pass
     return with_shard_inputs(_compile(cfg, context, gm, example_inputs, grad_sync), shard_inputs)
+
+
+def allow_data_dependent_sizes(gm: torch.fx.GraphModule) -> None:
+    """Let this graph's ``ShapeEnv`` hold the sizes the canonical ops compute from data.
+
+    ``moe.dispatch``'s rows per expert (the capacity a dropless layer needs, agreed over
+    the EP group) and the adaptive exchange's are data-dependent sizes (unbacked
+    SymInts). Dynamo's ``ShapeEnv`` admits ops that return them only when it traced
+    with ``fullgraph=True`` (or ``capture_dynamic_output_shape_ops`` /
+    ``capture_scalar_outputs``); without ``fullgraph`` the ``exchange`` pass (and
+    AOTAutograd after it) failed with ``DynamicOutputShapeException: moe.dispatch``.
+    The model's own ops were traced before the backend runs, so switching the two
+    settings on here (as ``fullgraph=True`` does) only admits the ops this package
+    inserts.
+    """
+    import dataclasses
+
+    from .passes.fake_values import fake_mode_of
+
+    mode = fake_mode_of(gm.graph)
+    env = getattr(mode, "shape_env", None)
+    settings = getattr(env, "settings", None)
+    if settings is None or (settings.allow_dynamic_output_shape_ops and settings.allow_scalar_outputs):
+        return
+    env.settings = dataclasses.replace(settings, allow_dynamic_output_shape_ops=True, allow_scalar_outputs=True)
+
+
+_DDP_SPLIT_WARNED = False
+
+
+def _warn_if_split_by_ddp(gm: torch.fx.GraphModule, cfg: MoECompileConfig) -> None:
+    """One WARNING when DDP's graph splitting may have cut an MoE layer apart.
+
+    ``DDP(torch.compile(model))`` and ``torch.compile(DDP(model))`` compile under
+    Dynamo's DDPOptimizer (``torch._dynamo.config.optimize_ddp``, on by default): it cuts
+    the graph at DDP's gradient buckets and calls the backend once per piece, so a
+    layer whose router and experts fall into two pieces is not an MoE layer to either
+    (detect's WARNING then names the symptom, not this cause).
+    """
+    global _DDP_SPLIT_WARNED
+    if _DDP_SPLIT_WARNED or not _under_ddp_optimizer():
+        return
+    state = gm.meta.get("moe")
+    if state is None or not state.skips:  # a layer cut apart leaves its router's piece with a skip
+        return
+    _DDP_SPLIT_WARNED = True
+    from .debug import log
+
+    log.warning(
+        "moe_compile: this graph is compiled under DDP's graph splitting (torch._dynamo.config.optimize_ddp), "
+        "which cuts the model at DDP's gradient buckets; an MoE layer cut apart is left unchanged%s. Set "
+        "torch._dynamo.config.optimize_ddp = False before the first call (DDP's hooks still overlap its "
+        "all-reduces with the backward), or compile without the DDP wrapper and pass options['dp_group']",
+        " (under options['ep_group'] it runs all of its experts locally)" if cfg.ep_group is not None else "",
+    )
+
+
+def _under_ddp_optimizer() -> bool:
+    """Dynamo compiles this frame through DDPOptimizer (the test its ``convert_frame`` makes)."""
+    mode = getattr(torch._dynamo.utils, "get_optimize_ddp_mode", None)
+    if mode is None or mode() != "ddp_optimizer":
+        return False
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel._get_active_ddp_module() is not None
 
 
 def with_shard_inputs(compiled, positions: Sequence[int]):

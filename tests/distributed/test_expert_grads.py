@@ -159,11 +159,67 @@ def _ddp_cases(rank: int, world_size: int) -> dict:
                     raise AssertionError(f"{name}, {order}, rank {rank}") from e
         torch._dynamo.reset()
         _ddp_errors(rank)
+    out["buckets"] = _ddp_buckets(rank)
     return out
+
+
+def _ddp_buckets(rank: int) -> list[str]:
+    """A model of several DDP buckets, compiled without ``fullgraph`` (the one-line change most users make).
+
+    With DDP's graph splitting (``optimize_ddp``, on by default) the layers are cut apart: one WARNING says
+    so and names the fix, and the result is still eager DDP's. With ``optimize_ddp=False`` both layers are
+    expert-parallel, equal to eager DDP (``moe.dispatch``'s data-dependent rows need no ``fullgraph``)."""
+    import logging
+
+    import moe_compile
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    messages: list[str] = []
+
+    class Record(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler = Record(logging.WARNING)
+    logging.getLogger("moe_compile").addHandler(handler)
+    found = []
+    try:
+        for optimize_ddp in (True, False):
+            torch._dynamo.reset()
+            moe_compile.counters.clear()
+            messages.clear()
+            torch.manual_seed(0)
+            model = _transformer().MoETransformer(vocab=64, dim=128, hidden=256, num_experts=4, num_layers=2)
+            eager = DDP(copy.deepcopy(model), bucket_cap_mb=1)   # > 2 MiB of parameters: several buckets
+            with torch._dynamo.config.patch(optimize_ddp=optimize_ddp, capture_dynamic_output_shape_ops=False):
+                net = DDP(torch.compile(model, backend="moe", options={"ep_group": "world"}), bucket_cap_mb=1)
+                for step in range(2):
+                    x = _batch("transformer", rank, step)
+                    for ddp in (eager, net):
+                        ddp.zero_grad()
+                        ddp(x).float().pow(2).mean().backward()
+                    what = f"optimize_ddp={optimize_ddp} rank {rank} step {step}"
+                    torch.testing.assert_close(net(x), eager(x), **TOL, msg=lambda m: f"{what} output: {m}")
+                    eager_grads = dict(eager.module.named_parameters())
+                    for name, p in model.named_parameters():
+                        torch.testing.assert_close(p.grad, eager_grads[name].grad, **TOL,
+                                                   msg=lambda m: f"{what} grad {name}: {m}")
+            split = [m for m in messages if "DDP's graph splitting" in m]
+            if optimize_ddp:
+                assert len(split) == 1 and "optimize_ddp = False" in split[0], messages
+            else:
+                assert not split, split
+                assert moe_compile.counters["regions_expert_parallel"] == 2, dict(moe_compile.counters)
+            found += split
+    finally:
+        logging.getLogger("moe_compile").removeHandler(handler)
+    return found
 
 
 def test_ddp_both_orders_equal_eager_ddp_with_clipping():
     results = spawn(_ddp_cases, 2)
+    buckets = results[0].pop("buckets")
+    assert len(buckets) == 1
     for norms in results[0].values():
         assert min(norms) > MAX_NORM  # clipping acted at every step
     assert len(results[0]) == 6
