@@ -441,29 +441,58 @@ def routed_output(region: list[Node], topk: Node, output: Node, experts: ExpertM
     from the router's ``topk`` and the down projection's weights, has one of ``shapes`` (the tokens' or the
     hidden states'), and every other routed node the output depends on is computed before it (a funnel:
     what follows, a shared expert added or a scaling, reads the routed experts only through it).
-    ``output`` itself when no node qualifies (e.g. an in-place accumulation into a tensor made before
-    the router).
+    ``output`` itself when no node qualifies.
 
     Before (qwen2_moe)::
 
         shared = down(silu(gate(x)) * up(x)); routed = <sort / grouped_mm / unsort>.sum(1)
         out = routed + sigmoid(linear(x, Wg)) * shared           → routed_output = routed
+
+    An in-place op writes into the tensor it mutates: the output depends on it (Llama 4's
+    ``out = shared(x); out.add_(routed.sum(0))`` returns ``out``, its ``add_`` unused in the graph). A
+    routed result accumulated in place into a tensor that holds other values (a shared expert's output)
+    must funnel through one node before that op, or the layer is not matched.
     """
     members = set(region)
     inside = lambda n: n not in members  # noqa: E731 - stop predicate
     downstream = reachable([u for u in topk.users if u in members], stop=inside) & members
-    routed = downstream & reachable([output], forward=False, stop=inside)
+    routed = downstream & _ancestors_written([output], members)
     down_weights = [u for w in (*experts.w2.weights, *experts.w2.bias) for u in w.users if u in members]
     after_down = reachable(down_weights, stop=inside) & members
-    for node in region:  # an accumulation in place into a tensor that holds other values hides the data flow
-        base = node.args[0] if node.args and isinstance(node.args[0], Node) else None
-        if node in after_down and is_inplace(node) and base is not None and base not in downstream and not is_call(
-                base, torch.zeros_like, torch.zeros, torch.empty_like, method=("new_zeros", "zero_")):
-            raise NoMatch(
-                f"the routed experts' result is added in place ({node.name} = {getattr(node.target, '__name__', node.target)}) "
-                f"into {base.name}, a tensor that holds other values (e.g. a shared expert's output); "
-                "not rewritten (write it out of place: out = shared + routed)"
-            )
+    into_other = [  # an accumulation in place into a tensor that holds other values
+        node for node in region
+        if node in after_down and is_inplace(node) and node.args and isinstance(node.args[0], Node)
+        and node.args[0] not in downstream and not is_call(
+            node.args[0], torch.zeros_like, torch.zeros, torch.empty_like, method=("new_zeros", "zero_"))]
+    funnel = _funnel(region, routed, after_down, downstream, members, shapes, inside)
+    if into_other and (funnel is None or any(n not in reachable(funnel.users, stop=inside) for n in into_other)):
+        node = into_other[0]
+        raise NoMatch(
+            f"the routed experts' result is added in place ({node.name} = {getattr(node.target, '__name__', node.target)}) "
+            f"into {node.args[0].name}, a tensor that holds other values (e.g. a shared expert's output), and no "
+            "single [T, M] result of the experts comes before it; not rewritten (write it out of place: "
+            "out = shared + routed)"
+        )
+    return output if funnel is None else funnel
+
+
+def _ancestors_written(ends: list[Node], members: set[Node]) -> set[Node]:
+    """The members ``ends`` are computed from, with the in-place ops that wrote into them (their users
+    that mutate them: ``out.add_(r)`` makes ``out`` depend on ``r``)."""
+    seen: set[Node] = set()
+    todo = [e for e in ends if e in members]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        todo.extend(u for u in node.users if u in members and is_inplace(u) and u.args and u.args[0] is node)
+        todo.extend(i for i in node.all_input_nodes if i in members)
+    return seen
+
+
+def _funnel(region, routed, after_down, downstream, members, shapes, inside) -> Node | None:
+    """:func:`routed_output`'s node, or None."""
     for node in region:
         if node not in routed or node not in after_down:
             continue
@@ -480,7 +509,7 @@ def routed_output(region: list[Node], topk: Node, output: Node, experts: ExpertM
         # [T, M] too, but the un-permutation after them reads the order again)
         if all(i is node or i in after or i not in downstream for n in after for i in n.all_input_nodes):
             return node
-    return output
+    return None
 
 
 def is_parameter(node: Node) -> bool:
