@@ -33,8 +33,8 @@ What is recognised, and how:
 * **Gate weights** are the ``[T, k]`` floats reached from the selection's values
   (``topk(...)[0]``, ``max(...)[0]``) or from a ``gather`` of any scores by the ids
   (weights from the unbiased scores when the bias served selection only) through
-  routing-only math: casts, reshapes, scaling, renormalisation by their own sum,
-  ``softmax`` over the k choices (softmax after the top-k), ``cat`` of per-pick
+  routing-only math: casts, reshapes, scaling, renormalisation by their own sum, ``sigmoid`` of the
+  top-k logits (Llama 4), ``softmax`` over the k choices (softmax after the top-k), ``cat`` of per-pick
   weights. The walk stops before anything that reads the expert ids otherwise (a
   capacity mask): dropping is the dispatch's job.
 * **Dense scores** (Llama 4): the selection's values scattered into a ``[T, E]`` tensor that holds a
@@ -362,11 +362,11 @@ def _ids_step(user: Node, ids: Node, num_tokens) -> bool:
 _ELEMENTWISE = (
     operator.truediv, operator.mul, operator.add, operator.sub, operator.neg,
     operator.itruediv, operator.imul, operator.iadd, operator.isub,
-    torch.div, torch.mul, torch.add, torch.sub, torch.clamp, torch.neg,
+    torch.div, torch.mul, torch.add, torch.sub, torch.clamp, torch.neg, torch.sigmoid, F.sigmoid,
 )
 _ELEMENTWISE_METHODS = (
     *_CASTS, "reshape", "view", "flatten", "unsqueeze", "squeeze",
-    "div", "div_", "mul", "mul_", "add", "add_", "sub", "clamp", "clamp_min",
+    "div", "div_", "mul", "mul_", "add", "add_", "sub", "clamp", "clamp_min", "sigmoid",
 )
 _SOFTMAX = (F.softmax, torch.softmax)
 
