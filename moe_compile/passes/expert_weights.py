@@ -96,10 +96,10 @@ def expert_mlp(region: list[Node], num_experts: int, topk: Node) -> tuple[Expert
     down = downs[0]
     h = strip(down.input, methods=_VIEWS)
     act_args: tuple[float, ...] = ()
-    oai = _swiglu_oai(h)
-    if oai is not None:
-        gate_in, up_in, act_args = oai
-        activation, gated = "swiglu_oai", True
+    special = next(((name, found) for name, match in _GATED_FORMS if (found := match(h)) is not None), None)
+    if special is not None:
+        activation, (gate_in, up_in, act_args) = special
+        gated = True
         up1_out, up3_out = strip(gate_in, methods=_VIEWS), up_in
     else:
         gated = is_call(h, operator.mul, torch.mul, method=("mul",))
@@ -176,6 +176,57 @@ def _swiglu_oai(h: object) -> tuple[Node, Node, tuple[float, float]] | None:
     return None
 
 
+def _swiglu_clamped(h: object) -> tuple[Node, Node, tuple[float]] | None:
+    """GLM-5-Next's / HY-V4's ``silu(clamp(g, max=l)) * clamp(u, -l, l)``: (g, u, (l,)), or None."""
+    if not is_call(h, *_MUL, method=("mul",)) or len(h.args) != 2:
+        return None
+    for act, up_side in (h.args, h.args[::-1]):
+        if not is_call(act, F.silu, method=()):
+            continue
+        gate, up = _clamp_bounds(strip(act.args[0])), _clamp_bounds(up_side)
+        if gate is None or up is None:
+            continue
+        gate_in, gate_low, limit = gate
+        up_in, up_low, up_high = up
+        if gate_low is None and limit is not None and (up_low, up_high) == (-limit, limit):
+            return gate_in, up_in, (limit,)
+    return None
+
+
+def _softcap(node: object) -> tuple[Node, float] | None:
+    """(x, c) of ``tanh(x / c) * c``, or None."""
+    if not is_call(node, *_MUL, method=("mul",)) or len(node.args) != 2:
+        return None
+    for tanh, cap in (node.args, node.args[::-1]):
+        if is_call(tanh, torch.tanh, method=("tanh",)) and _constant(cap) is not None:
+            inner = tanh.args[0]
+            if is_call(inner, operator.truediv, torch.div, method=("div",)) and _constant(inner.args[1]) == _constant(cap):
+                return inner.args[0], _constant(cap)
+    return None
+
+
+def _swiglu_softcap(h: object) -> tuple[Node, Node, tuple[float, float]] | None:
+    """Inkling 2's ``softcap(g, c_g) * sigmoid(g) * softcap(u, c_u)`` (``softcap(x, c) = tanh(x / c) * c``,
+    in float32): (g, u, (c_g, c_u)), or None."""
+    h = strip(h, methods=_VIEWS)
+    if not is_call(h, *_MUL, method=("mul",)) or len(h.args) != 2:
+        return None
+    for glu, up_side in (h.args, h.args[::-1]):
+        up = _softcap(up_side)
+        if up is None or not is_call(glu, *_MUL, method=("mul",)) or len(glu.args) != 2:
+            continue
+        for capped, sig in (glu.args, glu.args[::-1]):
+            gate = _softcap(capped)
+            if gate is not None and is_call(sig, torch.sigmoid, F.sigmoid, method=("sigmoid",)) and (
+                    strip(sig.args[0], methods=_VIEWS) is strip(gate[0], methods=_VIEWS)):
+                return gate[0], up[0], (gate[1], up[1])
+    return None
+
+
+#: gated activations read whole, before ``act(g) * u``: (name of ``moe_compile.ops.experts.GATED``, matcher)
+_GATED_FORMS = (("swiglu_oai", _swiglu_oai), ("swiglu_clamped", _swiglu_clamped), ("swiglu_softcap", _swiglu_softcap))
+
+
 def _activation_or_none(node: object) -> tuple[str, Node] | None:
     """(name, input) of an expert activation of ``moe_compile.ops.experts.ACTIVATIONS``, or None."""
     if not isinstance(node, Node):
@@ -207,7 +258,8 @@ def _activation(node: object) -> tuple[str, Node]:
         raise NoMatch("expert activation is not a graph node")
     raise NoMatch(
         f"expert activation {getattr(node.target, '__name__', node.target)} ({node.name}) is not one of relu, "
-        "relu2, gelu, gelu_tanh, silu, sigmoid, or gpt-oss's clamped SwiGLU"
+        "relu2, gelu, gelu_tanh, silu, sigmoid, or the clamped (gpt-oss, GLM-5-Next) or soft-capped (Inkling 2) "
+        "SwiGLU"
     )
 
 
