@@ -1,5 +1,6 @@
 """Expert-function variants: biases, gpt-oss's clamped SwiGLU, GLM-5-Next's clamped and Inkling 2's soft-capped
-SwiGLU, relu², GELU-tanh, ``up * act(gate)``, sliced and interleaved gate/up; the ``moe.experts`` op against a per-expert loop, and layers rewritten equal to eager."""
+SwiGLU, relu², GELU-tanh, ``up * act(gate)``, sliced and interleaved gate/up; the ``moe.experts`` op against a
+per-expert loop, and layers rewritten equal to eager."""
 import logging
 
 import pytest
