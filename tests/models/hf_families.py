@@ -109,6 +109,7 @@ SETTINGS: dict[str, dict] = {
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0),
     "kimi_linear": dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["sparse", "sparse"]),
     "lara_mini": dict(layer_types=["linear_attention", "full_attention"]),
+    "laguna": dict(moe_routed_scaling_factor=2.5),   # the routed output scaled (1.0 by default: checks nothing)
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     "longcat_flash": dict(zero_expert_num=2, expert_ffn_hidden_size=32, head_dim=8),
     "nllb_moe": dict(model="NllbMoeModel", seq2seq=True, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=64,
