@@ -239,8 +239,10 @@ def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
         if not _same_shape(shape_of(routed), shape_of(region.tokens)):
             combined = call("reshape_as", combined, env[region.hidden], method=True)
     old = env[routed]
-    later = reachable(old.users, stop=lambda n: n is output) - {output}
-    old.replace_all_uses_with(combined)
+    # an accumulator's in-place writers (``final.index_add_(0, rows, y)``) keep writing into it, now unread
+    writers = {u for u in old.users if is_inplace(u) and u.args[0] is old}
+    later = reachable([u for u in old.users if u not in writers], stop=lambda n: n is output) - {output}
+    old.replace_all_uses_with(combined, delete_user_cb=lambda user: user not in writers)
     for node in [n for n in graph.nodes if n in later]:  # after the canonical ops, in their order
         output.prepend(node)
     _eliminate_dead_code(graph)

@@ -193,6 +193,22 @@ def _swiglu_clamped(h: object) -> tuple[Node, Node, tuple[float]] | None:
     return None
 
 
+def _swiglu_limited(h: object) -> tuple[Node, Node, tuple[float]] | None:
+    """Step-3.7's ``clamp(silu(g), max=l) * clamp(u, -l, l)``: (g, u, (l,)), or None."""
+    if not is_call(h, *_MUL, method=("mul",)) or len(h.args) != 2:
+        return None
+    for act_side, up_side in (h.args, h.args[::-1]):
+        act, up = _clamp_bounds(act_side), _clamp_bounds(up_side)
+        if act is None or up is None:
+            continue
+        found = _activation_or_none(strip(act[0]))
+        limit = act[2]
+        if found is not None and found[0] == "silu" and act[1] is None and limit is not None and (
+                up[1], up[2]) == (-limit, limit):
+            return found[1], up[0], (limit,)
+    return None
+
+
 def _softcap(node: object) -> tuple[Node, float] | None:
     """(x, c) of ``tanh(x / c) * c``, or None."""
     if not is_call(node, *_MUL, method=("mul",)) or len(node.args) != 2:
@@ -224,7 +240,8 @@ def _swiglu_softcap(h: object) -> tuple[Node, Node, tuple[float, float]] | None:
 
 
 #: gated activations read whole, before ``act(g) * u``: (name of ``moe_compile.ops.experts.GATED``, matcher)
-_GATED_FORMS = (("swiglu_oai", _swiglu_oai), ("swiglu_clamped", _swiglu_clamped), ("swiglu_softcap", _swiglu_softcap))
+_GATED_FORMS = (("swiglu_oai", _swiglu_oai), ("swiglu_clamped", _swiglu_clamped), ("swiglu_softcap", _swiglu_softcap),
+                ("swiglu_limited", _swiglu_limited))
 
 
 def _activation_or_none(node: object) -> tuple[str, Node] | None:
@@ -345,7 +362,20 @@ def _source_key(name: str) -> str:
 
 def _per_expert_weights(weight0: Node, num_experts: int, among: set[Node]) -> tuple[Node, ...] | None:
     """Expert 0's weight ``weight0`` and the same weight of experts 1 .. E-1, all from ``among``
-    (the weights this layer's linears read); None when ``weight0`` is not expert 0's."""
+    (the weights this layer's linears read); None when ``weight0`` is not expert 0's. Expert ``e``'s weight
+    is the parameter named like expert 0's with ``e`` for its ``0``, or ``W[e]`` when ``weight0`` is
+    ``W[0]`` of a stacked ``W`` (:func:`_indexed_weight`)."""
+    indexed = _indexed_weight(weight0)
+    if indexed is not None:
+        base, index = indexed
+        if index != 0 or shape_of(base)[0] != num_experts:
+            return None
+        by_index: dict[int, Node] = {}
+        for node in sorted(among):
+            other = _indexed_weight(node)
+            if other is not None and other[0] is base:
+                by_index.setdefault(other[1], node)
+        return tuple(by_index[e] for e in range(num_experts)) if all(e in by_index for e in range(num_experts)) else None
     by_key = {_source_key(n.name): n for n in among}
     name = _source_key(weight0.name)
     for m in re.finditer(r"_0_", name):
@@ -399,8 +429,25 @@ def _indexed_expert_linear(node: Node, num_experts: int) -> str | None:
     return None
 
 
+def _indexed_weight(node: object) -> tuple[Node, int] | None:
+    """(W, e) when ``node`` is ``W[e]``, one expert's ``[a, b]`` weight read by a constant index from a
+    stacked ``[E, a, b]`` parameter ``W`` or a view of one (dbrx stores ``[E·F, H]``, its loop reads
+    ``w1.view(E, F, H)[e]``), else None."""
+    if not (isinstance(node, Node) and node.op == "call_function" and node.target is operator.getitem
+            and isinstance(node.args[1], int) and isinstance(node.args[0], Node)):
+        return None
+    base = node.args[0]
+    source = base.args[0] if is_call(base, method=("view", "reshape")) else base
+    shape = shape_of(base)
+    if (isinstance(source, Node) and source.op in ("placeholder", "get_attr") and is_parameter(source)
+            and shape is not None and len(shape) == 3):
+        return base, node.args[1]
+    return None
+
+
 def _weight_source(node: object) -> tuple[Node, bool, bool] | None:
-    """(parameter, flips, gathered) for a weight expression: param[.transpose][ids]."""
+    """(parameter, flips, gathered) for a weight expression: param[.transpose][ids]; for one expert's
+    weight read by a constant index, ``W[e]`` itself stands for the parameter (:func:`_indexed_weight`)."""
     flips = False
     gathered = False
     while isinstance(node, Node):
@@ -408,6 +455,8 @@ def _weight_source(node: object) -> tuple[Node, bool, bool] | None:
             if is_parameter(node):
                 return node, flips, gathered
             return None
+        if not gathered and _indexed_weight(node) is not None:
+            return node, flips, False
         if is_call(node, method=("transpose", "t", "mT")) or is_call(node, torch.transpose):
             flips = not flips
             node = node.args[0]
@@ -511,12 +560,14 @@ def routed_output(region: list[Node], topk: Node, output: Node, experts: ExpertM
     routed = downstream & _ancestors_written([output], members)
     down_weights = [u for w in (*experts.w2.weights, *experts.w2.bias) for u in w.users if u in members]
     after_down = reachable(down_weights, stop=inside) & members
-    into_other = [  # an accumulation in place into a tensor that holds other values
-        node for node in region
-        if node in after_down and is_inplace(node) and node.args and isinstance(node.args[0], Node)
-        and node.args[0] not in downstream and not is_call(
-            node.args[0], torch.zeros_like, torch.zeros, torch.empty_like, method=("new_zeros", "zero_"))]
-    funnel = _funnel(region, routed, after_down, downstream, members, shapes, inside)
+    in_place = [node for node in region if node in after_down and is_inplace(node) and node.args
+                and isinstance(node.args[0], Node) and node.args[0] not in downstream]
+    zeros = lambda n: is_call(n, torch.zeros_like, torch.zeros, torch.empty_like, method=("new_zeros", "zero_"))  # noqa: E731
+    into_other = [node for node in in_place if not zeros(node.args[0])]  # into a tensor that holds other values
+    # a zero-filled accumulator the experts' rows are index_add_-ed into, then read (scaled, a shared expert
+    # added): it stands for its value after the last write
+    accumulators = {node.args[0] for node in in_place if zeros(node.args[0]) and node.args[0] in members}
+    funnel = _funnel(region, routed, after_down, downstream, members, shapes, inside, accumulators)
     if into_other and (funnel is None or any(n not in reachable(funnel.users, stop=inside) for n in into_other)):
         node = into_other[0]
         raise NoMatch(
@@ -543,19 +594,27 @@ def _ancestors_written(ends: list[Node], members: set[Node]) -> set[Node]:
     return seen
 
 
-def _funnel(region, routed, after_down, downstream, members, shapes, inside) -> Node | None:
-    """:func:`routed_output`'s node, or None."""
+def _funnel(region, routed, after_down, downstream, members, shapes, inside, accumulators) -> Node | None:
+    """:func:`routed_output`'s node, or None. An accumulator (``final = zeros_like(x)``, the experts'
+    rows ``final.index_add_``-ed in) is the funnel as its writes leave it: what it is computed from
+    includes its writers, what follows it is what its other users read."""
+    writers = {n for n in region if is_inplace(n) and n.args and n.args[0] in accumulators}
     for node in region:
-        if node not in routed or node not in after_down:
+        accumulator = node in accumulators
+        if not accumulator and (node not in routed or node not in after_down):
             continue
         value = example_value(node)
         if not isinstance(value, torch.Tensor) or not value.is_floating_point():
             continue
         if not any(_same(shape_of(node), tuple(shape)) for shape in shapes if shape is not None):
             continue
-        before = reachable([node], forward=False, stop=inside)
-        after = reachable(node.users, stop=inside) & members
-        if not all(n in before or n in after for n in routed):
+        if accumulator:
+            before = _ancestors_written([node], members)
+            after = reachable([u for u in node.users if u not in writers], stop=inside) & members
+        else:
+            before = reachable([node], forward=False, stop=inside)
+            after = reachable(node.users, stop=inside) & members
+        if not after or not all(n in before or n in after for n in routed):
             continue
         # what follows reads the routing only through it (a top-1 layer's rows still in expert order are
         # [T, M] too, but the un-permutation after them reads the order again)
