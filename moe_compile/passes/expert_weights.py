@@ -67,14 +67,16 @@ def expert_mlp(region: list[Node], num_experts: int, topk: Node) -> tuple[Expert
         lin = _as_linear(node, num_experts)
         if lin is not None:
             linears.append(lin)
-    if not linears:
-        indexed = [n for n in region if n in after_router and _indexed_expert_linear(n, num_experts)]
-        if indexed:  # JetMoe's parallel experts: F.linear(rows_i, W[i]) per expert over split rows, then cat
+    # JetMoe's parallel experts: F.linear(rows_i, W[i]) per expert over split rows, then cat
+    indexed = [lin.node for lin in linears if _indexed_weight(lin.weight) is not None and _split_item(lin.input)]
+    if not linears or indexed:
+        indexed = indexed or [n for n in region if n in after_router and _indexed_expert_linear(n, num_experts)]
+        if indexed:
             raise NoMatch(
                 f"its expert linears read one expert's weight by a constant index ({indexed[0].name} reads "
                 f"{_indexed_expert_linear(indexed[0], num_experts)}, one linear per expert over split rows, as "
                 "JetMoe's parallel experts do); only expert weights gathered by the expert ids, stacked [E, ...] "
-                "in bmm / grouped_mm / einsum, or per-expert parameters are read"
+                "in bmm / grouped_mm / einsum, per-expert parameters, or W[e] rows chosen by torch.where are read"
             )
         raise NoMatch("no expert linear layers (linear / matmul / bmm / einsum / grouped_mm on expert weights)")
     stacked = [lin for lin in linears if lin.stacked]
@@ -414,18 +416,24 @@ def _as_linear(node: Node, num_experts: int) -> _Linear | None:
     return None
 
 
+def _split_item(node: object) -> bool:
+    """``node`` is an item of a ``split`` / ``chunk`` along the rows (JetMoe's per-expert row blocks)."""
+    node = strip(node, methods=_VIEWS)
+    if not (isinstance(node, Node) and node.target is operator.getitem and isinstance(node.args[0], Node)):
+        return False
+    parent = node.args[0]
+    dim = parent.kwargs.get("dim", parent.args[2] if len(parent.args) > 2 else 0)
+    return is_call(parent, torch.split, torch.chunk, method=("split", "chunk")) and dim == 0
+
+
 def _indexed_expert_linear(node: Node, num_experts: int) -> str | None:
     """``W[i]`` (as text) when ``node`` is a linear / matmul on a constant expert index of a stacked
     ``[E, a, b]`` parameter, else None."""
     if node.op != "call_function" or node.target not in (*LINEAR, *MATMUL) or len(node.args) < 2:
         return None
-    weight = node.args[1]
-    if not (isinstance(weight, Node) and weight.target is operator.getitem and isinstance(weight.args[1], int)):
-        return None
-    param = weight.args[0]
-    shape = shape_of(param)
-    if isinstance(param, Node) and is_parameter(param) and shape is not None and len(shape) == 3 and shape[0] == num_experts:
-        return f"{param.name}[{weight.args[1]}]"
+    indexed = _indexed_weight(node.args[1])
+    if indexed is not None and shape_of(indexed[0])[0] == num_experts:
+        return f"{indexed[0].name}[{indexed[1]}]"
     return None
 
 
@@ -611,8 +619,8 @@ def _funnel(region, routed, after_down, downstream, members, shapes, inside, acc
         if accumulator:
             before = _ancestors_written([node], members)
             after = reachable([u for u in node.users if u not in writers], stop=inside) & members
-        else:
-            before = reachable([node], forward=False, stop=inside)
+        else:   # in-place writes into what it reads (a bias ``out.add_(b)``) are before it too
+            before = _ancestors_written([node], members)
             after = reachable(node.users, stop=inside) & members
         if not after or not all(n in before or n in after for n in routed):
             continue
