@@ -23,6 +23,10 @@ same process:
     every rank holds all ``E`` experts and uses its ``E/P``.
 ``compiled EP, sharded`` (P > 1)
     the same after ``moe_compile.shard_experts(copy, "world", x)``: each rank holds its ``E/P``.
+``compiled EP, sharded, r=R`` (P > 1, one per ``--num-chunks R``)
+    the same with ``options["num_chunks"] = R``: each all-to-all cut into R chunks that
+    the schedule overlaps with the other chunks' expert compute (gloo runs a collective
+    on its own thread).
 ``GEMM bound``
     the six expert GEMMs of the step alone, with the shapes the compiled layer gives
     them on this rank (``E/P`` experts of ``P·C`` rows, ``C = ⌈k·f·T/E⌉``): two in the
@@ -91,6 +95,11 @@ DENSE = "eager layer, all experts local"
 GEMM = "GEMM bound"
 PEERS = {"tutel": "Tutel moe_layer", "deepspeed": "DeepSpeed-MoE"}
 COMPILED = {INDUCTOR, COMPILED_1, REPLICATED, SHARDED}
+
+
+def chunked(r) -> str:
+    """The variant name of ``compiled EP, sharded`` with ``options["num_chunks"] = r``."""
+    return f"{SHARDED}, r={r}"
 SECONDS = ("seconds:passes", "seconds:verify", "seconds:inner")
 
 
@@ -133,6 +142,9 @@ def _build(rank: int, world_size: int, args: argparse.Namespace):
         if not kept:
             raise RuntimeError("shard_experts kept no expert weight: the layer was not found")
         layers[SHARDED] = torch.compile(sharded, backend="moe", fullgraph=True, options=options)
+        for r in args.num_chunks:  # the same sharded layer, its exchange pipelined in r chunks
+            layers[chunked(r)] = torch.compile(copy.deepcopy(sharded), backend="moe", fullgraph=True,
+                                               options={**options, "num_chunks": r})
         if args.dense:
             layers[DENSE] = dense
     layers[GEMM] = _gemm_step(world_size, args)
@@ -196,7 +208,7 @@ def _run_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         rec.update({key: moe_compile.counters[key] for key in SECONDS})
         rec["pass_seconds"] = {key.removeprefix("seconds:pass:"): value for key, value in moe_compile.counters.items()
                                if key.startswith("seconds:pass:")}
-        if name in (REPLICATED, SHARDED) and rec["regions_expert_parallel"] != 1:
+        if (name == REPLICATED or name.startswith(SHARDED)) and rec["regions_expert_parallel"] != 1:
             raise RuntimeError(f"{name}: expected 1 expert-parallel region, counters {dict(moe_compile.counters)}")
         if name == reference:
             ref_y, ref_grad = y, grad
@@ -320,7 +332,7 @@ def summarize(world_size: int, ranks: list[dict]) -> list[dict]:
         if "param_bytes" in per_rank[0]:
             row["param_bytes"] = max(v["param_bytes"] for v in per_rank)
             row["peak_bytes"] = _peak(per_rank)
-        if name in COMPILED:
+        if name in COMPILED or name.startswith(SHARDED):
             # the first step of a compiled variant compiles it: compile time ≈ first step − a median step
             row["compile_s"] = row["first_step_s"] - row["median_ms"] / 1e3
             for key in SECONDS:
@@ -388,6 +400,10 @@ def machine_info() -> dict:
     }
 
 
+def _chunks(value: str):
+    return value if value == "auto" else int(value)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -411,6 +427,9 @@ def parse_args(argv=None):
                         help="a Python with tutel and deepspeed installed: run the peers (benchmarks/README.md)")
     parser.add_argument("--peers", nargs="*", choices=sorted(PEERS), default=sorted(PEERS),
                         help="which peers to run (default all)")
+    parser.add_argument("--num-chunks", nargs="*", default=[], type=_chunks,
+                        help="with P > 1, also the sharded layer with options['num_chunks'] = each value "
+                             "(an integer r, or auto): its all-to-alls pipelined with the expert compute")
     parser.add_argument("--rtol", type=float, default=1e-3)
     parser.add_argument("--atol", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)

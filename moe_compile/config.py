@@ -105,8 +105,8 @@ class MoECompileConfig:
     #: < 0: no drop up to C = ceil(k·|f|·T/E), dropped beyond.
     capacity_factor: float | None = None
     #: Before a region is rewritten, run the matched layer and its canonical form on
-    #: random inputs (also all-equal tokens, which overflow any capacity) and keep
-    #: the rewrite only if they agree. A mismatch leaves the layer untouched, logged.
+    #: random inputs whose leading tokens are all equal (they overflow the capacity) and
+    #: keep the rewrite only if they agree. A mismatch leaves the layer untouched, logged.
     verify_regions: bool = True
     #: Relative / absolute tolerance of that check for float32 (bf16/fp16 use 1.6e-2 / 1e-2).
     verify_rtol: float = 1e-4

@@ -307,7 +307,7 @@ _MAX_VERDICTS = 256
 
 
 def verify(original: GraphModule, canonical: GraphModule, region: MoERegion, cfg: MoECompileConfig) -> str | None:
-    """Run both on random inputs, once with all tokens equal (overflows any capacity); None if they agree,
+    """Run both on random inputs whose leading tokens are equal (:func:`_probe_plan`); None if they agree,
     else why not. The verdict of the same two graphs on inputs of the same shapes is remembered (``_VERDICTS``)."""
     key = _verdict_key(original, canonical, region, cfg)
     if key is not None and key in _VERDICTS:
@@ -341,12 +341,12 @@ def _verdict_key(original: GraphModule, canonical: GraphModule, region: MoERegio
 
 
 def _verify(original: GraphModule, canonical: GraphModule, region: MoERegion, cfg: MoECompileConfig) -> str | None:
-    """Run both on random inputs, once with all tokens equal (overflows any capacity), each from the same
-    RNG state (:func:`_run_seeded`: a router's random draws are the same in both)."""
-    for equal_tokens in (False, True):
-        gen = torch.Generator().manual_seed(1234 + equal_tokens)
+    """Run both on the probes of :func:`_probe_plan`, each from the same RNG state (:func:`_run_seeded`: a
+    router's random draws are the same in both)."""
+    for equal in _probe_plan(region):
+        gen = torch.Generator().manual_seed(1234 + (equal == _num_tokens(region)))
         try:
-            args = [_probe(node, region, equal_tokens, gen) for node in region.inputs]
+            args = [_probe(node, region, equal, gen) for node in region.inputs]
         except _CannotProbe as e:  # an unchecked rewrite could be silently wrong: the layer stays as written
             return f"it cannot be checked against the original ({e})"
         expected = _run_seeded(original, [a.clone() if isinstance(a, torch.Tensor) else a for a in args])
@@ -363,11 +363,43 @@ def _verify(original: GraphModule, canonical: GraphModule, region: MoERegion, cf
                     equal_nan=True,
                 )
             except AssertionError as err:
-                what = "all-equal tokens" if equal_tokens else "random tokens"
+                what = _probe_name(equal, _num_tokens(region))
                 first = str(err).strip().splitlines()[0]
                 where = _first_difference(original, canonical, args, region, cfg)
                 return f"outputs differ on {what}: {first}; {where}"
     return None
+
+
+def _num_tokens(region: MoERegion) -> int:
+    """T: the tokens of the layer's hidden input (every dimension but the last)."""
+    value = example_value(region.hidden)
+    return math.prod(_hint(s) for s in value.shape[:-1]) if isinstance(value, torch.Tensor) else 0
+
+
+def _probe_plan(region: MoERegion) -> tuple[int, ...]:
+    """verify's probes, each as the number of leading tokens that are all equal (the rest random).
+
+    Equal tokens all pick the same k experts, so ``n`` of them overflow a capacity ``C < n`` and the
+    canonical ops' drop order (which tokens keep their slot) is checked against the model's; random tokens
+    check the routing and the weights. One probe does both when its first ``n = max(T/2, 1.5·C)`` tokens
+    are equal and at least a quarter stay random (``n > C`` overflows; the equal tokens also compete with
+    random ones for the same slots). Where that does not fit (a capacity close to T, or very few tokens),
+    two probes: all random, then all equal, each a full run of both graphs (the verification is most of the
+    passes' compile time, issue 19).
+    """
+    tokens, capacity = _num_tokens(region), region.capacity
+    equal = max(tokens // 2, capacity + 1 + capacity // 2) if capacity else tokens // 2
+    if tokens >= 4 and equal > capacity and tokens - equal >= tokens // 4:
+        return (equal,)
+    return (0, tokens)
+
+
+def _probe_name(equal: int, tokens: int) -> str:
+    if equal == 0:
+        return "random tokens"
+    if equal >= tokens:
+        return "all-equal tokens"
+    return f"tokens whose first {equal} of {tokens} are equal"
 
 
 def _first_difference(original: GraphModule, canonical: GraphModule, args: list, region: MoERegion,
@@ -441,7 +473,7 @@ def _hint(size) -> int:
     return int(hint)
 
 
-def _probe(node: Node, region: MoERegion, equal_tokens: bool, gen: torch.Generator):
+def _probe(node: Node, region: MoERegion, equal: int, gen: torch.Generator):
     value = example_value(node)
     if isinstance(value, torch.SymInt):
         return _hint(value)
@@ -456,8 +488,10 @@ def _probe(node: Node, region: MoERegion, equal_tokens: bool, gen: torch.Generat
         t = torch.randn(shape, generator=gen, dtype=torch.float32)
         if len(shape) >= 2 and node is not region.hidden:
             t = t / math.sqrt(shape[-1])
-        if equal_tokens and node is region.hidden:
-            t = t.reshape(-1, shape[-1])[:1].expand(math.prod(shape[:-1]), shape[-1]).reshape(shape).clone()
+        if equal and node is region.hidden:  # the first ``equal`` tokens all equal the first one
+            flat = t.reshape(-1, shape[-1]).clone()
+            flat[1:equal] = flat[0]
+            t = flat.reshape(shape)
         t = t.to(value.dtype)
     elif value.dtype == torch.bool:
         t = torch.rand(shape, generator=gen) > 0.5
