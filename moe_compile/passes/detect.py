@@ -45,7 +45,7 @@ from torch.fx import Graph, GraphModule, Node
 from ..counters import counters
 from ..debug import log
 from .expert_weights import expert_mlp, is_parameter, routed_output
-from .graph_utils import example_value, module_region, region_boundary, shape_of
+from .graph_utils import example_value, module_region, region_boundary, shape_of, strip
 from .manager import PassResult
 from .checkpoint_bodies import checkpoint_bodies
 from .regions import MoERegion, NoMatch, Skip
@@ -328,9 +328,15 @@ def _layer_output(inputs: list[Node], outputs: list[Node]) -> tuple[Node | None,
             if shape is None or not value.is_floating_point():
                 continue
             for node in inputs:
-                if node.op != "get_attr" and not is_parameter(node) and same(shape_of(node), shape):
+                if node.op != "get_attr" and not is_parameter(node) and same(shape_of(node), shape) and (
+                        same is _same_shape or strip(out, methods=_ROW_VIEWS) is not node):
                     return out, node
     return None, None
+
+
+#: views that only flatten the hidden states into rows (a module returning its input so viewed computes nothing:
+#: a router that reshapes the tokens for the experts after it is no layer)
+_ROW_VIEWS = ("view", "reshape", "flatten", "contiguous", "to", "float")
 
 
 def _same_rows(a: tuple | None, b: tuple) -> bool:
