@@ -143,3 +143,33 @@ def test_routed_rows_accumulated_into_the_shared_output_are_named(caplog):
     assert moe_compile.counters["regions_rewritten"] == 0
     (message,) = [r.getMessage() for r in caplog.records if "left unchanged" in r.getMessage()]
     assert "added in place (index_add_ = index_add_) into" in message, message
+
+
+class _Accumulated(SharedExpertMoE):
+    """Step-3.7's ending, written by hand: a loop over every expert reading ``up[e]`` / ``down[e]`` by a
+    constant index, its rows ``index_add_``-ed into a zero-filled accumulator, which is then scaled and
+    added to the shared expert."""
+
+    def forward(self, x):
+        probs = torch.softmax(self.router(x), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        mask = torch.nn.functional.one_hot(chosen, num_classes=self.up.shape[0]).permute(2, 1, 0)
+        final = torch.zeros_like(x)
+        for e in range(self.up.shape[0]):
+            pick, token = torch.where(mask[e])
+            h = self._act(torch.nn.functional.linear(x[token], self.up[e]))
+            y = torch.nn.functional.linear(h, self.down[e]) * weights[token, pick, None]
+            final.index_add_(0, token, y)
+        shared = self.s_down(torch.nn.functional.silu(self.s_gate(x)) * self.s_up(x))
+        return final * self.routed_scaling + shared
+
+
+def test_experts_accumulated_in_place_then_scaled(tmp_path):
+    """The accumulator stands for the routed result: replaced by the canonical ops; the scaling and the
+    shared expert after it stay as written; equal to eager forward and backward."""
+    torch.manual_seed(0)
+    layer = _Accumulated(8, 12, 4, shared="plain", routed_scaling=2.5)
+    compile_and_compare(layer, torch.randn(10, 8), options={"debug_dir": str(tmp_path)}, **TOL)
+    assert moe_compile.counters["regions_rewritten"] == 1, dict(moe_compile.counters)
+    code = _after(tmp_path)
+    assert code.count("torch.ops.moe.combine.default(") == 1 and "index_add_" not in code and "2.5" in code
