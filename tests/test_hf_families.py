@@ -39,7 +39,8 @@ EP_LEFT_OUT = {
     "inkling2_loop": "inkling2's MoE block (soft-capped SwiGLU) in a looped model",
     # passed the same 2-rank check when they became rewritten (issue 18's session report); left out for time
     "inkling2": "its soft-capped SwiGLU is one more moe.experts activation, exchanged as hy_v4's",
-    "kolibri1": "its router (sigmoid of the top-k values) is llama4's without the dense scores",
+    "kolibri1": "its router (selection-only bias, the sigmoid of the gathered logits) is routing math only: the "
+                "exchange is that of every bias-corrected family in the spawn",
 }
 EP_FAMILIES = [f for f in REWRITTEN if f not in EP_LEFT_OUT]
 
