@@ -36,7 +36,7 @@ NEEDS_PREPARE = {f for (f, impl), status in H.EXPECTED.items() if status.startsw
 EP_LEFT_OUT = {
     "glm5_next": "its experts class is hy_v4's (clamped SwiGLU); its indexed attention makes it the slowest case",
     "hy_v4_vl": "hy_v4's MoE block in a vision-language model",
-    "inkling2_loop": "inkling2's MoE block (soft-capped SwiGLU) in a looped model",
+    "inkling2_loop": "inkling2's MoE block (soft-capped SwiGLU) in a looped model (both checked by hand, below)",
     # passed the same 2-rank check when they became rewritten (issue 18's session report); left out for time
     "inkling2": "its soft-capped SwiGLU is one more moe.experts activation, exchanged as hy_v4's",
     "kolibri1": "its router (selection-only bias, the sigmoid of the gathered logits) is routing math only: the "
