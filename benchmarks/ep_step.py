@@ -23,6 +23,10 @@ same process:
     every rank holds all ``E`` experts and uses its ``E/P``.
 ``compiled EP, sharded`` (P > 1)
     the same after ``moe_compile.shard_experts(copy, "world", x)``: each rank holds its ``E/P``.
+``compiled EP, sharded, sequential`` (P > 1, ``--sequential``)
+    the same with ``options["schedule"] = "sequential"``: every wait right after its
+    issue, so nothing overlaps an exchange (the default ``optimal`` schedule runs the
+    backward's expert weight gradients while its second all-to-all is in flight).
 ``compiled EP, sharded, r=R`` (P > 1, one per ``--num-chunks R``)
     the same with ``options["num_chunks"] = R``: each all-to-all cut into R chunks that
     the schedule overlaps with the other chunks' expert compute (gloo runs a collective
@@ -97,6 +101,9 @@ PEERS = {"tutel": "Tutel moe_layer", "deepspeed": "DeepSpeed-MoE"}
 COMPILED = {INDUCTOR, COMPILED_1, REPLICATED, SHARDED}
 
 
+SEQUENTIAL = f"{SHARDED}, sequential"
+
+
 def chunked(r) -> str:
     """The variant name of ``compiled EP, sharded`` with ``options["num_chunks"] = r``."""
     return f"{SHARDED}, r={r}"
@@ -145,6 +152,9 @@ def _build(rank: int, world_size: int, args: argparse.Namespace):
         for r in args.num_chunks:  # the same sharded layer, its exchange pipelined in r chunks
             layers[chunked(r)] = torch.compile(copy.deepcopy(sharded), backend="moe", fullgraph=True,
                                                options={**options, "num_chunks": r})
+        if args.sequential:  # the same sharded layer, nothing overlapping its exchanges
+            layers[SEQUENTIAL] = torch.compile(copy.deepcopy(sharded), backend="moe", fullgraph=True,
+                                               options={**options, "schedule": "sequential"})
         if args.dense:
             layers[DENSE] = dense
     layers[GEMM] = _gemm_step(world_size, args)
@@ -430,6 +440,8 @@ def parse_args(argv=None):
     parser.add_argument("--num-chunks", nargs="*", default=[], type=_chunks,
                         help="with P > 1, also the sharded layer with options['num_chunks'] = each value "
                              "(an integer r, or auto): its all-to-alls pipelined with the expert compute")
+    parser.add_argument("--sequential", action="store_true",
+                        help="with P > 1, also the sharded layer with options['schedule'] = 'sequential' (no overlap)")
     parser.add_argument("--rtol", type=float, default=1e-3)
     parser.add_argument("--atol", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)

@@ -1,6 +1,6 @@
 """How much inter-node all-to-all traffic and time does NetMoE's sample placement save?
 
-Three parts, each a table, all written to ``--json``:
+Four parts, each a table, all written to ``--json``:
 
 1. **Simulated, NetMoE's Table 3** (no ranks spawned). GPT models S = 1024, H = 768 …
    4096, ``I / J = 4`` samples per GPU, ``E = 2·J`` experts, ``K = 2``, on 32 GPUs as
@@ -31,11 +31,18 @@ Three parts, each a table, all written to ``--json``:
    exchange (``WireCounter``), payload and metadata; the solver's time next to the
    scatter + expert time it ran behind.
 
+4. **Compiled, 4 gloo ranks as 2 × 2**: the tiny decoder of ``tests/models/decoder.py``
+   (``--layers`` layers, routing with or without locality) compiled with
+   ``options={"sample_placement": "netmoe"}``, forward and backward per step: bytes per step
+   per link, placed and gathering home (``moe_compile.ops.netmoe.PLACE_SAMPLES``), the
+   samples moved and the step time (``--compiled-only``: this part alone).
+
 3. **Solver time, NetMoE's Table 4** (MoE-GPT-S, J = 16 as 2 × 8, I / J = 2 … 24): the
    median time of one ``solve_placement`` on this machine's CPU next to the paper's KM
    and PuLP times and its scatter + computation time.
 
-    python benchmarks/netmoe.py                 # all three
+    python benchmarks/netmoe.py                 # all four
+    python benchmarks/netmoe.py --compiled-only # part 4 only (to ``<json>_compiled.json``)
     python benchmarks/netmoe.py --quick         # fewer draws and layers, smaller measured run
     python benchmarks/netmoe.py --no-measure    # parts 1 and 3 only (no ranks spawned)
 """
@@ -302,6 +309,83 @@ def part_measured(args, alpha):
     return results
 
 
+# --------------------------------------------------------------------------- compiled
+
+def _compiled_rank(rank, world, layers, seq, dim, locality, steps):
+    import torch
+
+    import moe_compile
+    from moe_compile.ops import netmoe as netmoe_ops
+    from tests.models.decoder import TinyMoEDecoder, local_tokens
+
+    torch.manual_seed(0)
+    model = TinyMoEDecoder(layers=layers, model_dim=dim, hidden=2 * dim, experts=2 * world, vocab=64,
+                           locality=locality)
+    compiled = torch.compile(model, backend="moe", fullgraph=True,
+                             options={"ep_group": "world", "ranks_per_node": 2, "sample_placement": "netmoe"})
+    batch = 4
+    out = {}
+    moe_compile.counters.clear()
+    for place in (False, True):
+        netmoe_ops.PLACE_SAMPLES = place
+        moved_before = sum(v for k, v in moe_compile.counters.items() if k.endswith(":samples_moved_in"))
+        seconds, logits = [], None
+        for step in range(steps + 1):
+            data = local_tokens(world * batch, seq, 64, step, locality)[rank * batch:(rank + 1) * batch, :-1]
+            if step == 1 and netmoe_ops.wire_counter() is not None:
+                netmoe_ops.wire_counter().bytes.clear()       # step 0 compiles (and is not counted)
+            start = time.perf_counter()
+            y = compiled(data)
+            y.square().mean().backward()
+            seconds.append(time.perf_counter() - start)
+            logits = y.detach() if step == 1 else logits
+        counter = netmoe_ops.wire_counter()
+        moved = sum(v for k, v in moe_compile.counters.items() if k.endswith(":samples_moved_in")) - moved_before
+        out[place] = {"logits": logits, "bytes": {f"{what}:{link}": n for (what, link), n in counter.bytes.items()},
+                      "step_ms": 1e3 * statistics.median(seconds[1:]), "moved": moved,
+                      "placed": moe_compile.counters["sample_placement:placed"]}
+    netmoe_ops.PLACE_SAMPLES = True
+    torch.testing.assert_close(out[True]["logits"], out[False]["logits"], rtol=1e-4, atol=1e-5)
+    return {str(place): {k: v for k, v in rec.items() if k != "logits"} for place, rec in out.items()}
+
+
+def part_compiled(args):
+    """4. The compiled step: ``options={"sample_placement": "netmoe"}`` on a tiny decoder, 4 gloo ranks as 2 × 2."""
+    from moe_compile.testing import spawn
+
+    results, rows = [], []
+    for locality in (True, False):
+        per_rank = spawn(_compiled_rank, 4, args.layers, args.seq, args.dim, locality, args.steps, timeout=900)
+        totals = {}
+        for r in per_rank:
+            for place, rec in r.items():
+                for key, n in rec["bytes"].items():
+                    kind = "meta" if key.startswith("meta:") else "payload"
+                    link = key.rsplit(":", 1)[1]
+                    totals[(place, kind, link)] = totals.get((place, kind, link), 0) + n // args.steps
+        rec = {"locality": locality, "bytes_per_step": {f"{p}:{k}:{lk}": n for (p, k, lk), n in totals.items()},
+               "placed_layers": per_rank[0]["True"]["placed"],
+               "samples_moved_in_per_step": sum(r["True"]["moved"] for r in per_rank) / (args.steps + 1),
+               "step_ms": {p: statistics.median(r[p]["step_ms"] for r in per_rank) for p in ("False", "True")}}
+        results.append(rec)
+        b = rec["bytes_per_step"]
+        for kind in ("payload", "meta"):
+            for link in ("inter", "intra"):
+                off, on = b.get(f"False:{kind}:{link}", 0), b.get(f"True:{kind}:{link}", 0)
+                rows.append(["yes" if locality else "no", kind, link, f"{off}", f"{on}",
+                             f"{100.0 * (on / off - 1.0):+.1f} %" if off else "–"])
+    print_table(f"compiled: {args.layers}-layer decoder, options sample_placement='netmoe', 4 gloo ranks as 2 × 2, "
+                f"I/J = 4, S = {args.seq}, M = {args.dim}, E = 8, K = 2; fwd+bwd bytes per step handed to "
+                "all_to_all_single (all ranks), gathering home (off) vs placed",
+                ["locality", "bytes", "link", "off", "NetMoE", "change"], rows, left={"locality", "bytes", "link"})
+    print_table("compiled: layers placed, samples moved per step (all ranks), median step ms on this shared CPU",
+                ["locality", "placed layers", "samples moved in / step", "step ms off", "step ms NetMoE"],
+                [["yes" if r["locality"] else "no", str(r["placed_layers"]), f"{r['samples_moved_in_per_step']:.1f}",
+                  f"{r['step_ms']['False']:.1f}", f"{r['step_ms']['True']:.1f}"] for r in results],
+                left={"locality"})
+    return results
+
+
 # --------------------------------------------------------------------------- Table 4
 
 def part_solver_time(args, alpha):
@@ -349,16 +433,26 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-measure", action="store_true")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps of the compiled part (after one compiling)")
+    parser.add_argument("--compiled-only", action="store_true", help="part 4 only")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/netmoe.json"))
     args = parser.parse_args()
     if args.quick:
         args.layers, args.draws, args.seq, args.dim, args.solver_repeat = 2, 1, 16, 16, 2
         args.alphas = [0.05, 0.2]
     result = {"machine": platform.platform(), "args": {k: str(v) for k, v in vars(args).items()}}
+    if args.compiled_only:
+        result["compiled"] = part_compiled(args)
+        args.json = args.json.with_name(args.json.stem + "_compiled.json")
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+        return
     result["simulated"] = part_simulated(args)
     alpha = result["simulated"]["alpha"]
     if not args.no_measure:
         result["measured"] = part_measured(args, alpha)
+        result["compiled"] = part_compiled(args)
     result["solver_time"] = part_solver_time(args, alpha)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")

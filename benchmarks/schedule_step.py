@@ -50,6 +50,7 @@ predicted-vs-measured Gantt charts of the ``optimal`` variant go to ``--timeline
 
     python benchmarks/schedule_step.py --quick
     python benchmarks/schedule_step.py --world-sizes 1 2 4 --compressors none int8
+    python benchmarks/schedule_step.py --dp [--quick]   # options["dp_group"]: benchmarks/grad_sync_step.py
 """
 from __future__ import annotations
 
@@ -421,6 +422,11 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--dp" in argv:  # the data-parallel gradient sync variants (DDP / end / asap / FSMoE): their own script
+        import grad_sync_step
+
+        return grad_sync_step.main([a for a in argv if a != "--dp"])
     args = parse_args(argv)
     rows = []
     for world_size in args.world_sizes:

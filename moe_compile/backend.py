@@ -3,7 +3,7 @@
     torch.compile(model, backend="moe", fullgraph=True, options={...})
 
 Pipeline (:mod:`moe_compile.passes.pipeline`, DESIGN.md): stage-1 passes on the
-Dynamo graph (detect, canonicalize, expert_parallel, pause_mp, chunk, exchange),
+Dynamo graph (detect, canonicalize, sample_placement, expert_parallel, pause_mp, chunk, exchange),
 then AOTAutograd, whose forward and backward graphs each run the stage-2 passes
 and then the inner compiler: ``"eager"`` (the AOTAutograd graphs run as they are,
 the default on CPU) or ``"inductor"`` (the default on CUDA).
@@ -27,6 +27,7 @@ from .faults import name_collective_faults
 from .passes import pipeline
 from .passes.checkpoint_bodies import checkpoint_bodies, mark_sharded_operands
 from .passes.saved_order import inductor_partitioner, partition
+from .passes.grad_sync import plan_grad_sync
 from .passes.local_weights import SHARD_INPUTS, sharded_placeholders
 from .shard_record import expert_shard
 from .passes.graph_utils import on_cuda
@@ -42,10 +43,10 @@ def stage1_passes(cfg: MoECompileConfig, body: bool = False) -> list:
     return with_user_passes(pipeline.stage1_passes(cfg, body))
 
 
-def stage2_passes(cfg: MoECompileConfig) -> list:
-    """Passes on the AOTAutograd forward / backward graphs (order only, semantics unchanged), with the
-    user's passes."""
-    return with_user_passes(pipeline.stage2_passes(cfg))
+def stage2_passes(cfg: MoECompileConfig, grad_sync=None) -> list:
+    """Passes on the AOTAutograd forward / backward graphs (order only, semantics unchanged, but for
+    ``grad_sync``'s data-parallel average of the gradients), with the user's passes."""
+    return with_user_passes(pipeline.stage2_passes(cfg, grad_sync))
 
 
 def _run_stage(passes: list, context: CompileContext, gm: torch.fx.GraphModule, prefix: str = ""):
@@ -103,7 +104,10 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg:
     shard_inputs = gm.meta.get(SHARD_INPUTS, [])
     if shard_inputs:  # sharded experts: their DTensors are inputs, fed from each call's placeholders
         example_inputs = [*example_inputs, *(_shard_of(example_inputs[i]) for i in shard_inputs)]
-    return with_shard_inputs(_compile(cfg, context, gm, example_inputs), shard_inputs)
+    grad_sync = plan_grad_sync(cfg, gm, example_inputs, context.plans)  # options["dp_group"]: which inputs are params
+    if grad_sync is not None:
+        context.summary["grad_sync"] = grad_sync.report  # filled by the backward's grad_sync pass
+    return with_shard_inputs(_compile(cfg, context, gm, example_inputs, grad_sync), shard_inputs)
 
 
 def with_shard_inputs(compiled, positions: Sequence[int]):
@@ -143,7 +147,7 @@ def _shard_of(placeholder: torch.Tensor) -> torch.Tensor:
     return param
 
 
-def _compile(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.GraphModule, example_inputs):
+def _compile(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.GraphModule, example_inputs, grad_sync=None):
     """The inner compiler (AOTAutograd with the stage-2 passes) on ``gm`` after stage 1."""
 
     inner = cfg.inner
@@ -154,7 +158,7 @@ def _compile(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.GraphM
 
         def inductor_inner(graph, inputs, **kwargs):
             prefix = "bw_" if kwargs.get("is_backward") else "fw_"
-            graph = _run_stage(stage2_passes(cfg), context, graph, prefix)
+            graph = _run_stage(stage2_passes(cfg, grad_sync), context, graph, prefix)
             with _timed("seconds:inner"):
                 return compile_fx_inner(graph, inputs, **kwargs)
 
@@ -168,7 +172,7 @@ def _compile(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.GraphM
     def eager_inner(graph, inputs, prefix):
         from .schedule.measure import timed_graph
 
-        graph = _run_stage(stage2_passes(cfg), context, graph, prefix)
+        graph = _run_stage(stage2_passes(cfg, grad_sync), context, graph, prefix)
         with _timed("seconds:inner"):
             run = name_collective_faults(graph)  # names the MoE layer of a failed collective
             # moe_compile.measure_tasks(): per-task timing while a measurement is active, else `run` itself

@@ -68,6 +68,10 @@ class CompileContext:
                 write_plans(directory, self.plans)
         else:
             self.sites.annotate(gm, backward=stage == "bw")
+            if stage == "bw" and self.summary.get("grad_sync") and directory is not None:
+                from .schedule.plan import write_plans
+
+                write_plans(directory, self.plans, extra={"grad_sync": self.summary["grad_sync"]})
         if directory is not None:
             write_summary(directory, self.summary)
 

@@ -30,9 +30,9 @@ from typing import Any
 from .errors import ConfigError
 
 __all__ = [
-    "ConfigError", "MoECompileConfig", "config", "default_cache_dir",
+    "ADAPTIVE_CHUNKS", "ConfigError", "MoECompileConfig", "config", "default_cache_dir",
     "InnerCompiler", "Kernels", "PauseMPSchedule", "ScheduleName",
-    "INNER_COMPILERS", "KERNELS", "PAUSE_MP", "SCHEDULES",
+    "INNER_COMPILERS", "KERNELS", "PAUSE_MP", "SCHEDULES", "DPPlacement", "DP_PLACEMENTS",
 ]
 
 _ENV_PREFIX = "MOE_COMPILE_"
@@ -81,11 +81,21 @@ class PauseMPSchedule(_StrOption):
     S2 = "s2"      # MP-Split after the gate, MP-AllGather after the return all-to-all
 
 
+class DPPlacement(_StrOption):
+    """``options["dp_placement"]``: where the data-parallel gradient all-reduces are issued."""
+
+    ASAP = "asap"    # as soon as the bucket's last gradient exists (DDP's rule)
+    END = "end"      # all at the end of the backward graph
+    FSMOE = "fsmoe"  # in the MoE layers' backward pipelines (FSMoE eqs 3-5)
+
+
 #: The allowed values as plain strings (what the error messages list).
 INNER_COMPILERS = tuple(m.value for m in InnerCompiler)
 KERNELS = tuple(m.value for m in Kernels)
 SCHEDULES = tuple(m.value for m in ScheduleName)
+SAMPLE_PLACEMENT = ("none", "netmoe")
 PAUSE_MP = tuple(m.value for m in PauseMPSchedule)
+DP_PLACEMENTS = tuple(m.value for m in DPPlacement)
 
 
 @dataclasses.dataclass
@@ -131,7 +141,9 @@ class MoECompileConfig:
     #: Algorithm of the expert-parallel all-to-all: "flat" (one all_to_all_single), "1dh",
     #: "2dh", "pipe" (hierarchical over nodes of ``ranks_per_node`` ranks), a name given to
     #: register_all_to_all, or "auto": per layer, the one with the least time predicted by
-    #: the fitted cost models (``cost_models``) for its exchange size; flat without models.
+    #: the fitted cost models (``cost_models``) for its exchange size; flat without models;
+    #: or "adaptive": chosen at every call among the registered algorithms by Tutel's online
+    #: search per capacity bucket (Tutel §3.3; moe_compile.ops.adaptive_exchange), no recompile.
     all_to_all: str = "flat"
     #: Ranks per node for the hierarchical all-to-alls (consecutive EP ranks form a node).
     ranks_per_node: int | None = None
@@ -142,7 +154,9 @@ class MoECompileConfig:
     #: (compression not chunked, Tutel §3.3), "fastermoe" (per-chunk loop, pipeline degree 2).
     schedule: ScheduleName = ScheduleName.OPTIMAL
     #: Chunks r of each expert-parallel layer's capacity dimension: an integer >= 1, or
-    #: "auto" = the r solver (FSMoE Algorithm 1) on the fitted cost models (``cost_models``).
+    #: "auto" = the r solver (FSMoE Algorithm 1) on the fitted cost models (``cost_models``), or
+    #: "adaptive" = chosen at every call among r in ADAPTIVE_CHUNKS by Tutel's online search per
+    #: capacity bucket (Tutel §3.3; moe_compile.ops.adaptive_exchange), no recompile.
     num_chunks: Any = 1
     #: Fitted cost models (JSON written by ``python -m moe_compile.profile``); None = that
     #: command's default file for this machine, if it exists.
@@ -165,6 +179,24 @@ class MoECompileConfig:
     #: gate, MP-AllGather after the return all-to-all), or "auto" (Parm Algorithm 1 on the
     #: fitted cost models). S1 and S2 use the fused EP&ESP-AlltoAll.
     pause_mp: PauseMPSchedule = PauseMPSchedule.AUTO
+    #: NetMoE's dynamic sample placement (netmoe.txt §3): "none", or "netmoe" (each placed
+    #: layer's gather delivers a sample to the device the Kuhn-Munkres solver picks, cutting
+    #: inter-node bytes; needs ``ep_group`` and ``ranks_per_node``, and samples independent
+    #: along the batch: passes/sample_placement.py).
+    sample_placement: str = "none"
+    #: Data-parallel group whose gradients the compiled backward averages (FSMoE
+    #: "Co-design in backward propagation and gradient synchronization"): None (no
+    #: gradient sync in the graph; wrap the model in DDP / FSDP as usual), "world" or a
+    #: ``ProcessGroup``. The gradients of the parameters each graph reads are all-reduced in
+    #: buckets inside its backward and divided by the group size, as DDP does; do not also
+    #: wrap the model in DDP (:mod:`moe_compile.passes.grad_sync`).
+    dp_group: Any = None
+    #: Bucket size (MiB) of ``dp_group``'s gradient all-reduce (DDP's ``bucket_cap_mb``).
+    dp_bucket_mb: float = 25.0
+    #: Where each bucket's all-reduce is issued in the backward graph: "asap" (as soon as its
+    #: last gradient exists, like DDP), "end" (all at the end of the backward), "fsmoe" (in
+    #: the MoE layers' backward pipelines by FSMoE's assignment, eqs 3-5; "asap" without layers).
+    dp_placement: DPPlacement = DPPlacement.ASAP
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> MoECompileConfig:
@@ -186,7 +218,7 @@ class MoECompileConfig:
             get_compressor(self.compressor)
         if not isinstance(self.all_to_all, str):
             raise ConfigError(f"options['all_to_all']={self.all_to_all!r}: expected an algorithm name (a string)")
-        if self.all_to_all not in ("flat", "auto"):
+        if self.all_to_all not in ("flat", "auto", "adaptive"):
             from .collectives.all_to_all_registry import get_all_to_all
 
             get_all_to_all(self.all_to_all)
@@ -198,8 +230,9 @@ class MoECompileConfig:
             raise ConfigError(f"options['schedule']={self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
         self.schedule = ScheduleName(self.schedule)
         r = self.num_chunks
-        if not (r == "auto" or (isinstance(r, int) and not isinstance(r, bool) and r >= 1)):
-            raise ConfigError(f"options['num_chunks']={r!r}: expected an integer >= 1 or 'auto'")
+        if not (r in ("auto", "adaptive") or (isinstance(r, int) and not isinstance(r, bool) and r >= 1)):
+            raise ConfigError(f"options['num_chunks']={r!r}: expected an integer >= 1 or 'auto', or 'adaptive'")
+        _check_adaptive(self)
         _check_optional_str(self, "cost_models")
         if self.emulate_link is not None:
             from .collectives.emulated import Link
@@ -234,6 +267,16 @@ class MoECompileConfig:
         if self.pause_mp not in PAUSE_MP:
             raise ConfigError(f"options['pause_mp']={self.pause_mp!r}: choose one of {', '.join(PAUSE_MP)}")
         self.pause_mp = PauseMPSchedule(self.pause_mp)
+        if self.sample_placement not in SAMPLE_PLACEMENT:
+            raise ConfigError(f"options['sample_placement']={self.sample_placement!r}: choose one of "
+                              f"{', '.join(SAMPLE_PLACEMENT)}")
+        _check_dp_group(self.dp_group)
+        mb = self.dp_bucket_mb
+        if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0 or not math.isfinite(mb):
+            raise ConfigError(f"options['dp_bucket_mb']={mb!r}: expected a number of MiB > 0")
+        if self.dp_placement not in DP_PLACEMENTS:
+            raise ConfigError(f"options['dp_placement']={self.dp_placement!r}: choose one of {', '.join(DP_PLACEMENTS)}")
+        self.dp_placement = DPPlacement(self.dp_placement)
         b = self.capacity_bucket
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ConfigError(f"options['capacity_bucket']={b!r}: expected an integer >= 1")
@@ -309,12 +352,46 @@ def _check_dependencies(cfg: MoECompileConfig) -> MoECompileConfig:
                     f"options['ep_group'] is None (no expert parallelism): set options['ep_group'] "
                     f"(e.g. 'world') or leave {name} at {off!r}"
                 )
+    if cfg.sample_placement != "none" and (cfg.ep_group is None or cfg.ranks_per_node is None):
+        raise ConfigError(f"options['sample_placement']={cfg.sample_placement!r} needs options['ep_group'] and "
+                          f"options['ranks_per_node'] (samples are placed over the nodes of the group)")
+    if cfg.dp_group is None and cfg.dp_placement != DPPlacement.ASAP:
+        raise ConfigError(
+            f"options['dp_placement']={cfg.dp_placement.value!r} places the data-parallel gradient all-reduce, "
+            f"but options['dp_group'] is None: set options['dp_group'] (e.g. 'world') or leave dp_placement at 'asap'"
+        )
     if cfg.nan_check and cfg.compressor == "none":
         raise ConfigError(
             "options['nan_check']=True checks what a compressor is given, but options['compressor'] is "
             "'none': choose a compressor (fp16, bf16, int8, fp8, zfp) or leave nan_check False"
         )
     return cfg
+
+
+#: r that ``num_chunks="adaptive"`` chooses among at every call (Tutel §3.3's bounded set)
+ADAPTIVE_CHUNKS = (1, 2, 4, 8)
+
+
+def _check_adaptive(cfg: MoECompileConfig) -> None:
+    """``num_chunks`` / ``all_to_all`` "adaptive" run the exchange inside one runtime op
+    (moe_compile.ops.adaptive_exchange): plain expert parallelism, uncompressed."""
+    adaptive = [name for name in ("num_chunks", "all_to_all") if getattr(cfg, name) == "adaptive"]
+    if not adaptive:
+        return
+    what = " and ".join(f"options[{name!r}]='adaptive'" for name in adaptive)
+    if cfg.all_to_all == "adaptive" and cfg.ranks_per_node is None:
+        raise ConfigError(f"{what} chooses among the hierarchical all-to-alls too, which need "
+                          f"options['ranks_per_node'] (ranks per node); set it, or use all_to_all='flat'")
+    if cfg.compressor != "none":
+        raise ConfigError(f"{what}: the adaptive exchange is uncompressed; options['compressor']="
+                          f"{cfg.compressor!r} must be 'none'")
+    for name in ("mp_group", "esp_group"):
+        if getattr(cfg, name) is not None:
+            raise ConfigError(f"{what}: the adaptive exchange is plain expert parallelism; options[{name!r}] "
+                              f"must be None (Parm's layouts choose their schedule with pause_mp)")
+    if cfg.num_chunks == "auto":
+        raise ConfigError(f"{what}: options['num_chunks'] must be an integer or 'adaptive' (not 'auto': the "
+                          f"adaptive exchange measures r at runtime instead of predicting it)")
 
 
 def _field_names() -> list[str]:
@@ -365,6 +442,16 @@ def _check_ep_group(group: Any, name: str = "ep_group") -> None:
     )
 
 
+def _check_dp_group(group: Any) -> None:
+    if group is None or (isinstance(group, str) and group == "world"):
+        return
+    import torch.distributed as dist
+
+    if isinstance(group, dist.ProcessGroup):
+        return
+    raise ConfigError(f"options['dp_group']={group!r}: expected None, 'world' or a ProcessGroup")
+
+
 def _parse_env(name: str, raw: str, default: Any) -> Any:
     env = _ENV_PREFIX + name.upper()
     if isinstance(default, bool):
@@ -381,12 +468,12 @@ def _parse_env(name: str, raw: str, default: Any) -> Any:
         except ValueError:
             raise ConfigError(f'{env}={raw!r}: expected JSON such as {{"alpha_us": 10, "gbps": 25}}') from None
     if name == "num_chunks":
-        if raw == "auto":
+        if raw in ("auto", "adaptive"):
             return raw
         try:
             return int(raw)
         except ValueError:
-            raise ConfigError(f"{env}={raw!r}: expected an integer >= 1 or auto") from None
+            raise ConfigError(f"{env}={raw!r}: expected an integer >= 1, auto or adaptive") from None
     if isinstance(default, int) or name == "ranks_per_node":
         if raw == "" and default is None:
             return None

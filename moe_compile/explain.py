@@ -5,6 +5,8 @@ Reads the debug dumps (``options={"debug_dir": dir}`` or ``MOE_COMPILE_DEBUG_DIR
     <dir>/rank<r>/graph<id>/summary.json    regions found / skipped and why, passes, options, plans
     <dir>/rank<r>/graph<id>/schedule.json   per layer: r, order, predicted times and timelines
     <dir>/rank<r>/measured.json             measured seconds (moe_compile.debug.record_measured)
+    <dir>/rank<r>/adaptive.json             per-call choices of the adaptive exchange (Tutel §3.3;
+                                            moe_compile.schedule.adaptive.write_decisions)
 
 and the measured timelines that ``moe_compile.measure_tasks().write(dir)`` adds to
 schedule.json (their makespan, and its error against the predicted one).
@@ -46,6 +48,7 @@ class GraphDump:
         self.summary = _load(directory / "summary.json")
         self.schedule = _load(directory / "schedule.json") or {"layers": []}
         self.measured = _load(directory.parent / "measured.json") or {}
+        self.adaptive = _load(directory.parent / "adaptive.json") or {}
 
 
 def _load(path: Path) -> dict | None:
@@ -170,6 +173,15 @@ def _explain_graph(dump: GraphDump, console, png: bool) -> list[Path]:
                 table.add_row(stage, p["pass"], "yes" if p["modified"] else "no")
         console.print(table)
 
+    placement = summary.get("sample_placement") or []
+    if placement:
+        table = Table(title="NetMoE sample placement (options['sample_placement'])", title_justify="left")
+        for column in ("layer", "placed", "residual", "why / after it"):
+            table.add_column(column)
+        for p in placement:
+            table.add_row(p["layer"], "yes" if p["placed"] else "no", p.get("residual", "-"), p["why"])
+        console.print(table)
+
     layers = {entry["layer"]: dict(entry) for entry in summary.get("layers") or []}
     for plan in dump.schedule.get("layers") or []:
         layers.setdefault(plan["layer"], {}).update({k: v for k, v in plan.items() if k != "timelines"})
@@ -179,10 +191,55 @@ def _explain_graph(dump: GraphDump, console, png: bool) -> list[Path]:
             table.add_column(column)
         for name, entry in layers.items():
             table.add_row(name, str(entry.get("ep_size", "-")), str(entry.get("all_to_all", "-")),
-                          str(entry.get("chunks", "-")), str(entry.get("schedule", "-")), str(entry.get("why", "-")),
+                          _chunks(entry), str(entry.get("schedule", "-")), str(entry.get("why", "-")),
                           _predicted(entry), _measured(dump, name, entry))
         console.print(table)
+    _explain_adaptive(dump, set(layers), console)
     return _write_pngs(dump, console) if png else []
+
+
+def _chunks(entry: dict) -> str:
+    """The plan's r, or for an adaptive layer the r and algorithms it chooses among per call."""
+    adaptive = entry.get("adaptive")
+    if adaptive:
+        return f"adaptive: r in {adaptive['chunks']} x {', '.join(adaptive['algorithms'])}"
+    return str(entry.get("chunks", "-"))
+
+
+#: the last this many calls of each adaptive layer are listed
+ADAPTIVE_ROWS = 16
+
+
+def _explain_adaptive(dump: GraphDump, layers: set, console) -> None:
+    """The adaptive exchange's per-call choices (``num_chunks`` / ``all_to_all`` "adaptive", Tutel §3.3):
+    per bucket the winner, and the last calls with their predicted vs measured times."""
+    from rich.table import Table
+
+    for described in dump.adaptive.get("tables") or []:
+        name = described["layer"]
+        if name not in layers:
+            continue
+        table = Table(title=f"{name}: adaptive exchange, per capacity bucket (Tutel §3.3)", title_justify="left")
+        for column in ("rows R", "winner (r, algorithm)", "per row", "runner-up", "measured per row"):
+            table.add_column(column)
+        for bucket in described["buckets"].values():
+            winner = bucket["winner"]
+            table.add_row(f"{bucket['rows'][0]}-{bucket['rows'][1]}", "exploring" if winner is None else
+                          f"r={winner[0]} {winner[1]}", _us(bucket["score_s_per_row"]),
+                          _us(bucket["runner_up_s_per_row"]), _us(bucket["measured_s_per_row"]))
+        console.print(table)
+        calls = [d for d in dump.adaptive.get("decisions") or [] if d["layer"] == name][-ADAPTIVE_ROWS:]
+        table = Table(title=f"{name}: the last {len(calls)} calls", title_justify="left")
+        for column in ("R", "r", "algorithm", "phase", "predicted fw", "measured fw", "measured bw", "decision"):
+            table.add_column(column)
+        for d in calls:
+            table.add_row(str(d["rows"]), str(d["chunks"]), d["algorithm"], d["phase"], _ms(d["predicted_s"]),
+                          _ms(d["forward_s"]), _ms(d["backward_s"]), _us(d["decision_s"]))
+        console.print(table)
+
+
+def _us(seconds: Any) -> str:
+    return f"{float(seconds) * 1e6:.2f} µs" if isinstance(seconds, (int, float)) and seconds < 1e29 else "-"
 
 
 def _write_pngs(dump: GraphDump, console) -> list[Path]:

@@ -115,7 +115,7 @@ def stage1_summary(gm: GraphModule, cfg: Any) -> dict:
     ep_size = state.layers[0].group.size if state.layers else None
     return {
         "options": options_summary(cfg, ep_size), "regions": regions, "skipped": skipped, "no_moe": no_moe,
-        "layers": layers,
+        "layers": layers, "sample_placement": list(state.placement),
     }
 
 

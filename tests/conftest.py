@@ -50,5 +50,5 @@ def aot_graphs(monkeypatch):
             return PassResult(gm, False)
 
     stage2 = moe_compile.backend.stage2_passes
-    monkeypatch.setattr(moe_compile.backend, "stage2_passes", lambda cfg: [*stage2(cfg), Record()])
+    monkeypatch.setattr(moe_compile.backend, "stage2_passes", lambda cfg, *rest: [*stage2(cfg, *rest), Record()])
     return graphs

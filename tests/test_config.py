@@ -230,6 +230,10 @@ BAD_VALUES = {
     "mp_group": ["everyone", 1],
     "esp_group": ["everyone", 1],
     "pause_mp": ["s3", None, True],
+    "sample_placement": ["fastmoe", None, 1, True],
+    "dp_group": ["everyone", 0, ["world"]],
+    "dp_bucket_mb": [0, -1.0, True, "25", float("inf"), None],
+    "dp_placement": ["bubbles", None, 1],
 }
 
 
@@ -262,6 +266,8 @@ def test_bad_value_raises_config_error_naming_the_option(name, value):
     ({"ep_group": "world", "nan_check": True}, "compressor"),
     ({"mp_group": "world"}, "ep_group"),
     ({"esp_group": "world"}, "ep_group"),
+    ({"dp_placement": "fsmoe"}, "dp_group"),
+    ({"dp_placement": "end"}, "dp_group"),
 ])
 def test_option_that_would_do_nothing_names_the_option_it_needs(options, needs):
     with pytest.raises(ConfigError) as info:

@@ -66,8 +66,9 @@ from ..errors import ConfigError
 from .group import EPGroup
 
 __all__ = [
-    "BookedExchange", "Link", "completed_exchanges", "emit_emulated_all_to_all", "emulated_all_to_all",
-    "link_seconds", "record_bookings", "sent_bytes",
+    "BookedExchange", "Link", "completed_exchanges", "emit_emulated_all_to_all", "emulated_all_reduce",
+    "emulated_all_reduce_future", "emulated_all_to_all", "link_seconds", "record_bookings", "ring_bytes",
+    "sent_bytes",
 ]
 
 _OPTION_FORM = '{"alpha_us": 10, "gbps": 25}'
@@ -269,3 +270,37 @@ def emit_emulated_all_to_all(graph: Graph, x: Node, rows_per_peer: Node | int, g
         torch.ops.moe.emulated_all_to_all.default, (x, rows_per_peer, group.name, link.alpha_us, link.gbps)
     )
     return graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (a2a,))
+
+
+# --------------------------------------------------------------------------- the data-parallel all-reduce
+
+
+def ring_bytes(nbytes: float, world: int) -> float:
+    """Bytes a ring all-reduce of an ``nbytes`` buffer sends per rank: ``2 (P - 1) / P · n`` (the whole buffer
+    on one rank, as :func:`sent_bytes`)."""
+    return 2 * nbytes * (world - 1) / world if world > 1 else float(nbytes)
+
+
+def emulated_all_reduce_future(x: Tensor, group: Any, alpha_us: float, gbps: float) -> tuple[Tensor, Future]:
+    """Sum ``x`` (a copy) over ``group`` on the same emulated link as the all-to-alls (FIFO with them, priced
+    as a ring: :func:`ring_bytes`); the result and the future that completes when the link is done."""
+    size = dist.get_world_size(group)
+    out = x.contiguous().clone()
+    work = dist.all_reduce(out, group=group, async_op=True)
+    fut = _LINK.submit(work, out, link_seconds(ring_bytes(out.numel() * out.element_size(), size), alpha_us, gbps))
+    return out, fut
+
+
+@torch.library.custom_op("moe::emulated_all_reduce", mutates_args=())
+def emulated_all_reduce(x: Tensor, group_name: str, alpha_us: float, gbps: float) -> Tensor:
+    """Issue a sum all-reduce of ``x`` on ``group_name`` over the emulated link (``options["dp_group"]``'s
+    gradient buckets under ``options["emulate_link"]``); ``wait_tensor`` of the result blocks until the link's
+    finish time."""
+    out, fut = emulated_all_reduce_future(x, _resolve_process_group(group_name), alpha_us, gbps)
+    _register_work(out, _create_work_from_future(fut))
+    return out
+
+
+@emulated_all_reduce.register_fake
+def _emulated_all_reduce_fake(x, group_name, alpha_us, gbps):
+    return x.new_empty(x.shape)

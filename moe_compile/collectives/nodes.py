@@ -24,7 +24,7 @@ from .algorithms.base import differentiable_all_to_all_op
 from .group import EPGroup
 
 __all__ = [
-    "WAIT", "all_to_all_ops", "emit_all_gather", "emit_all_reduce_max", "emit_all_to_all", "emit_wait",
+    "WAIT", "all_to_all_ops", "emit_all_gather", "emit_all_reduce", "emit_all_reduce_max", "emit_all_to_all", "emit_wait",
     "is_all_to_all", "is_collective", "is_collective_op", "is_wait",
 ]
 
@@ -91,3 +91,17 @@ def emit_all_gather(graph: Graph, x: Node, group_size: int, group_name: str, *, 
     """
     namespace = torch.ops._c10d_functional_autograd if differentiable else torch.ops._c10d_functional
     return graph.call_function(namespace.all_gather_into_tensor.default, (x, group_size, group_name))
+
+
+def emit_all_reduce(graph: Graph, x: Node, op: str, group_name: str, link=None) -> Node:
+    """Insert an all-reduce (``op``: "sum", "max", ...) of ``x`` over the group named ``group_name``; the
+    issued node (not waited: the caller places :func:`emit_wait` where the result is needed). ``link``
+    (an :class:`.emulated.Link`, sum only): the emulated all-reduce on that link."""
+    if link is not None:
+        import importlib
+
+        importlib.import_module(".emulated", __package__)  # registers moe::emulated_all_reduce
+        if op != "sum":
+            raise ValueError(f"emit_all_reduce: the emulated all-reduce sums; op={op!r}")
+        return graph.call_function(torch.ops.moe.emulated_all_reduce.default, (x, group_name, link.alpha_us, link.gbps))
+    return graph.call_function(torch.ops._c10d_functional.all_reduce.default, (x, op, group_name))

@@ -211,6 +211,8 @@ def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
     experts = region.experts
     with graph.inserting_before(output):
         tokens = env[region.tokens]
+        if not isinstance(k, int):  # a runtime k (Tutel §5 top-ANY): read from the [T, k] ids, not a constant
+            k = call(torch.ops.aten.sym_size.int, env[region.expert_ids], -1)
         ids = call("reshape", env[region.expert_ids], (-1, k), method=True)
         if region.dense_weights:   # [T, E] scores: the weights are their entries at the ids
             weights = call(torch.gather, env[region.gate_weights], 1, call("long", ids, method=True))

@@ -36,6 +36,11 @@ r is ``config.num_chunks``, or with ``"auto"`` the r solver (FSMoE Algorithm 1,
 "auto" uses r = 2, ScheMoE §4's own setting, and says so in the log. The
 "sequential" schedule has nothing to overlap, so "auto" gives it r = 1, and
 "fastermoe" has pipeline degree 2.
+
+With ``num_chunks="adaptive"`` (or ``all_to_all="adaptive"``) the layer's r is chosen per call at
+runtime (Tutel §3.3): this pass writes the alternatives (``ExchangePlan.adaptive``: r in
+``config.ADAPTIVE_CHUNKS`` x the algorithms) and the exchange pass emits one
+``moe.adaptive_exchange`` (:mod:`moe_compile.ops.adaptive_exchange`) instead of chunks.
 """
 from __future__ import annotations
 
@@ -43,9 +48,9 @@ import dataclasses
 
 from torch.fx import GraphModule
 
-from ..config import MoECompileConfig
+from ..config import ADAPTIVE_CHUNKS, MoECompileConfig
 from ..debug import log
-from .exchange_plan import ExchangePlan
+from .exchange_plan import AdaptiveChoices, ExchangePlan
 from .manager import PassResult
 from .state import moe_state
 
@@ -67,6 +72,9 @@ class Chunk:
     def __call__(self, gm: GraphModule) -> PassResult:
         state = moe_state(gm)
         for plan in list(state.layers):
+            if plan.adaptive is not None or self.cfg.num_chunks == "adaptive":
+                state.replace_plan(self.adaptive(plan))
+                continue
             chunks, why, schedule_plan = self.chunks_for(plan)
             if chunks == 1:
                 log.info("moe_compile: %s not chunked (r = 1: %s)", plan.name, why)
@@ -74,6 +82,16 @@ class Chunk:
                 log.info("moe_compile: %s split into r = %d chunks along capacity (%s)", plan.name, chunks, why)
             state.replace_plan(dataclasses.replace(plan, chunks=chunks, schedule_plan=schedule_plan))
         return PassResult(gm, False)
+
+    def adaptive(self, plan: ExchangePlan) -> ExchangePlan:
+        """Tutel §3.3: the r the runtime op chooses among (``ADAPTIVE_CHUNKS``, or the one fixed r), no
+        prediction here: the op measures (:mod:`moe_compile.ops.adaptive_exchange`)."""
+        choices = plan.adaptive or AdaptiveChoices(algorithms=(plan.algorithm,))
+        r = self.cfg.num_chunks
+        chunks = ADAPTIVE_CHUNKS if r == "adaptive" else (r,)
+        log.info("moe_compile: %s: r and the all-to-all chosen per call among r in %s x %s (Tutel §3.3)",
+                 plan.name, list(chunks), list(choices.algorithms))
+        return dataclasses.replace(plan, chunks=1, adaptive=dataclasses.replace(choices, chunks=chunks))
 
     def chunks_for(self, plan: ExchangePlan):
         """r for ``plan``'s layer, why, and the schedule plan (predictions): the option, or the solver's

@@ -101,7 +101,7 @@ class Detect:
         for region in regions:
             counters[f"pattern:{region.pattern}"] += 1
             log.info(
-                "moe_compile: found %s MoE layer %s (E=%d, k=%d, capacity=%s, routing: %s)",
+                "moe_compile: found %s MoE layer %s (E=%d, k=%s, capacity=%s, routing: %s)",
                 region.pattern, region.name, region.num_experts, region.top_k, region.capacity or "dropless",
                 region.routing,
             )

@@ -30,6 +30,9 @@ DeepSpeed-MoE baseline (``pause="off"``), or the fused EP&ESP-AlltoAll of S1 / S
 (:mod:`.mp_split`). A ``compressor`` wraps every all-to-all as C → A → D; an
 algorithm other than flat is one call of :mod:`moe_compile.collectives.all_to_all_registry`;
 ``emulate_link`` issues the emulated exchange of :mod:`moe_compile.collectives.emulated`.
+A plan with ``adaptive`` alternatives (``num_chunks`` / ``all_to_all`` "adaptive", Tutel §3.3)
+gets one ``moe.adaptive_exchange`` in place of steps 3's chunks (:func:`_adaptive`): the r and
+the algorithm are chosen per call at runtime (:mod:`moe_compile.ops.adaptive_exchange`).
 
 Contract: every row is computed by the expert the model routed it to, with the
 same weights (the local slice or shard); chunks split rows, which an expert's MLP
@@ -53,6 +56,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from .. import ops  # noqa: F401  (registers torch.ops.moe.*)
+from ..ops import adaptive_exchange  # noqa: F401  (registers torch.ops.moe.adaptive_exchange)
 from ..collectives import all_to_all_registry, compressors  # noqa: F401  (registers moe.compress / decompress)
 from ..collectives import model_parallel  # noqa: F401  (registers torch.ops.moe.mp_*)
 from ..collectives.emulated import Link, emit_emulated_all_to_all
@@ -187,7 +191,9 @@ def build_layer(gm: GraphModule, plan: ExchangePlan, cfg: MoECompileConfig, loca
 
     # 3. the exchange, per chunk
     with graph.inserting_before(experts):
-        if plan.chunks == 1:
+        if plan.adaptive is not None:
+            output = _adaptive(graph, plan, cfg, experts, experts_args, meta)
+        elif plan.chunks == 1:
             output = Emitter(graph, plan, cfg, experts, experts_args, chunk=1).exchange(layer.buffer)
         else:
             output = _chunked(graph, plan, cfg, experts, experts_args, meta)
@@ -268,6 +274,30 @@ def _chunked(graph: Graph, plan: ExchangePlan, cfg, experts: Node, experts_args:
         part = insert_node(graph, operator.getitem, parts, i - 1, meta={TASK_META: TaskLabel(plan.name, i, "C1")})
         outputs.append(Emitter(graph, plan, cfg, experts, experts_args, chunk=i).exchange(part))
     return insert_node(graph, torch.ops.moe.cat_rows.default, outputs, total, meta={**meta, TASK_META: TaskLabel(plan.name, 0, "D2")})
+
+
+def _adaptive(graph: Graph, plan: ExchangePlan, cfg, experts: Node, experts_args: tuple, meta: dict) -> Node:
+    """Tutel §3.3: the whole exchange as one ``moe.adaptive_exchange``, which picks (r, algorithm) per call
+    among ``plan.adaptive`` (:mod:`moe_compile.ops.adaptive_exchange`)::
+
+        y, local_in, choice = moe.adaptive_exchange(buf, w1l, w2l, w3l, act, b1l, b2l, b3l, act_args,
+                                                    layer, group, ranks_per_node, rs, algorithms, alpha, gbps)
+    """
+    w1, w2, w3, activation = experts_args[:4]
+    tail = list(experts_args[4:])  # the biases and act_args the canonical node gives (trailing defaults left out)
+    b1, b2, b3 = (tail[:3] + [None] * 3)[:3]
+    act_args = list(tail[3]) if len(tail) > 3 else []
+    link = Link.from_option(cfg.emulate_link)
+    alpha_us, gbps = (link.alpha_us, link.gbps) if link is not None else (-1.0, 1.0)
+    task = {**meta, TASK_META: TaskLabel(plan.name, 0, "E")}
+    node = insert_node(graph, torch.ops.moe.adaptive_exchange.default, plan.layer.buffer, w1, w2, w3, activation,
+                       b1, b2, b3, act_args, plan.name, plan.group.name, cfg.ranks_per_node or 1,
+                       list(plan.adaptive.chunks), ",".join(plan.adaptive.algorithms), alpha_us, gbps, meta=task)
+    for key, value in experts.meta.items():
+        if key not in _VALUE_META and key != TASK_META:
+            node.meta.setdefault(key, value)
+    counters["regions_adaptive"] += 1
+    return insert_node(graph, operator.getitem, node, 0, meta=task)
 
 
 class Emitter:

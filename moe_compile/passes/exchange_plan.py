@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from ..collectives.layout import MoELayout
     from ..schedule.plan import LayerPlan
 
-__all__ = ["PAUSE_MODES", "CanonicalLayer", "ExchangePlan"]
+__all__ = ["PAUSE_MODES", "AdaptiveChoices", "CanonicalLayer", "ExchangePlan"]
 
 #: ``ExchangePlan.pause``: "ep" (plain expert parallelism) or, for a layer with ESP / MP groups,
 #: Parm's "off" (the DeepSpeed-MoE baseline, Fig. 3(a)), "s1" (Fig. 3(b)) or "s2" (Fig. 3(c))
@@ -66,6 +66,15 @@ class CanonicalLayer:
 
 
 @dataclasses.dataclass(frozen=True)
+class AdaptiveChoices:
+    """Tutel §3.3's runtime alternatives of a layer (``num_chunks`` / ``all_to_all`` "adaptive"): the r and
+    the algorithms that ``moe.adaptive_exchange`` chooses among at every call."""
+
+    chunks: tuple[int, ...] = (1,)
+    algorithms: tuple[str, ...] = ("flat",)
+
+
+@dataclasses.dataclass(frozen=True)
 class ExchangePlan:
     """How one layer's expert buffer is exchanged: see the module docstring.
 
@@ -90,6 +99,7 @@ class ExchangePlan:
     chunks: int = 1                # r: the exchange is split along capacity into r chunks
     schedule_plan: LayerPlan | None = None  # the chunk pass's plan: r, why, predicted timelines
     output: Node | None = None     # the [E, R, M] node moe.combine reads, once the exchange is built
+    adaptive: AdaptiveChoices | None = None  # chosen per call at runtime (Tutel §3.3) instead of chunks / algorithm
 
     def __post_init__(self):
         if self.pause not in PAUSE_MODES:
@@ -147,4 +157,6 @@ class ExchangePlan:
             "layer": self.name, "ep_size": self.group.size, "num_local_experts": self.num_local,
             "all_to_all": self.algorithm, "pause_mp": self.pause if self.layout is not None else None,
             "chunks": self.chunks,
+            **({"adaptive": {"chunks": list(self.adaptive.chunks), "algorithms": list(self.adaptive.algorithms)}}
+               if self.adaptive is not None else {}),
         }

@@ -40,10 +40,12 @@ is still correct (data parallel) and logged at WARNING; with sharded weights it 
 
 Steps: 1. check the group (and, compiled inside DistributedDataParallel's forward, DDP:
 :func:`moe_compile.expert_grads.check_data_parallel`) against sharded weights; 2. match the canonical layers;
-3. choose each layer's all-to-all algorithm; 4. write the plans.
+3. choose each layer's all-to-all algorithm (``"adaptive"``: the algorithms usable on the group, recorded
+in ``ExchangePlan.adaptive`` for the runtime choice of Tutel §3.3); 4. write the plans.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -57,7 +59,7 @@ from ..collectives.layout import MoELayout
 from ..config import ConfigError, MoECompileConfig
 from ..debug import log
 from ..expert_grads import check_data_parallel
-from .exchange_plan import CanonicalLayer, ExchangePlan
+from .exchange_plan import AdaptiveChoices, CanonicalLayer, ExchangePlan
 from .graph_utils import example_value
 from .local_weights import sharded_placeholders
 from .manager import PassResult
@@ -128,8 +130,9 @@ class ExpertParallel:
         for dispatch, reason in skips:
             log.warning("moe_compile: MoE layer %s (%s) not made expert-parallel: %s; every rank runs all of its "
                         "experts locally", dispatch.meta.get("moe_region", "?"), dispatch.name, reason)
-        # 3. each layer's all-to-all algorithm
-        algorithms = {m.name: self._algorithm(m) for m in matches}
+        # 3. each layer's all-to-all algorithm ("adaptive": the runtime op chooses among the usable ones)
+        adaptive = self._adaptive_algorithms() if self.cfg.all_to_all == "adaptive" else None
+        algorithms = {m.name: "flat" if adaptive else self._algorithm(m) for m in matches}
         if self.layout is not None and any(a != "flat" for a in algorithms.values()):
             log.info("moe_compile: with options['esp_group'] / options['mp_group'] the all-to-alls are flat "
                      "(Parm's EP&ESP-AlltoAll); all_to_all=%r is not used", self.cfg.all_to_all)
@@ -142,8 +145,29 @@ class ExpertParallel:
         # 4. the plans
         state = moe_state(gm)
         for match in matches:
-            state.layers.append(self.plan(match, algorithms[match.name]))
+            plan = self.plan(match, algorithms[match.name])
+            if adaptive is not None:
+                plan = dataclasses.replace(plan, adaptive=AdaptiveChoices(algorithms=adaptive))
+            state.layers.append(plan)
         return PassResult(gm, False)
+
+    def _adaptive_algorithms(self) -> tuple[str, ...]:
+        """``all_to_all="adaptive"``: the registered algorithms usable on the group (the self-check passed;
+        an algorithm that cannot run on this topology is left out and logged), flat first."""
+        usable = ["flat"]
+        all_to_all_registry.make_topology(self.group.name, self.cfg.ranks_per_node)  # sub-groups, on every rank
+        for name in all_to_all_registry.all_to_all_names():
+            if name == "flat":
+                continue
+            try:
+                if self.cfg.verify_collectives:
+                    all_to_all_registry.verify_all_to_all(name, self.group.name, self.cfg.ranks_per_node)
+            except (ConfigError, ValueError, RuntimeError) as e:
+                log.info("moe_compile: all_to_all='adaptive': %s left out on this group: %s", name, e)
+                continue
+            usable.append(name)
+        log.info("moe_compile: all_to_all='adaptive' chooses per call among %s", ", ".join(usable))
+        return tuple(usable)
 
     def plan(self, layer: CanonicalLayer, algorithm: str) -> ExchangePlan:
         """The layer's :class:`ExchangePlan`: plain EP, or with ESP / MP groups Parm's baseline

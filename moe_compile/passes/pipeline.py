@@ -5,7 +5,7 @@ Stage 1 runs on Dynamo's graph (torch IR, before AOTAutograd); each pass
 either decides (writes the per-layer plans of ``gm.meta["moe"]``,
 :mod:`.state`) or builds from what was decided::
 
-    detect → canonicalize → expert_parallel → pause_mp → chunk → exchange
+    detect → canonicalize → [sample_placement] → expert_parallel → pause_mp → chunk → exchange
     (find)   (rewrite to     (plan: group,     (plan:      (plan:  (build every plan's
               moe.dispatch/   layout,           Parm's      r)      exchange, once)
               experts/        algorithm)        schedule)
@@ -14,7 +14,10 @@ either decides (writes the per-layer plans of ``gm.meta["moe"]``,
 Stage 2 runs on each of AOTAutograd's forward and backward graphs (aten IR) and
 changes order and placement only, never values::
 
-    drop_dead_collectives → schedule → lower → streams
+    drop_dead_collectives → schedule → lower → streams → grad_sync
+
+``grad_sync`` (only with ``options["dp_group"]``, backward graph only) adds the data-parallel
+gradient all-reduces; it changes values (the gradients become DDP's averages), nothing else.
 """
 from __future__ import annotations
 
@@ -27,17 +30,19 @@ from .dead_collectives import DropDeadCollectives
 from .detect import Detect
 from .emit_exchange import Exchange
 from .expert_parallel import ExpertParallel
+from .grad_sync import GradSync, GradSyncPlan
 from .lower import Lower
 from .pause_mp import PauseMP
+from .sample_placement import SamplePlacement
 from .schedule import SchedulePass
 from .streams import StreamsPass
 
 __all__ = ["STAGE1", "STAGE2", "stage1_passes", "stage2_passes"]
 
 #: the built-in passes of stage 1 (Dynamo graph), in the order they run
-STAGE1 = ("detect", "canonicalize", "expert_parallel", "pause_mp", "chunk", "exchange")
+STAGE1 = ("detect", "canonicalize", "sample_placement", "expert_parallel", "pause_mp", "chunk", "exchange")
 #: the built-in passes of stage 2 (each AOTAutograd graph), in the order they run
-STAGE2 = ("drop_dead_collectives", "schedule", "lower", "streams")
+STAGE2 = ("drop_dead_collectives", "schedule", "lower", "streams", "grad_sync")
 
 
 def stage1_passes(cfg: MoECompileConfig, body: bool = False) -> list:
@@ -47,14 +52,16 @@ def stage1_passes(cfg: MoECompileConfig, body: bool = False) -> list:
         return []
     group = resolve_group(cfg.ep_group)
     layout = resolve_layout(cfg.ep_group, cfg.esp_group, cfg.mp_group) if group is not None else None
-    passes = [Detect(expert_parallel=group is not None, report_empty=not body), Canonicalize(cfg), ExpertParallel(cfg, group, layout),
+    passes = [Detect(expert_parallel=group is not None, report_empty=not body), Canonicalize(cfg), SamplePlacement(cfg, group, body=body),
+              ExpertParallel(cfg, group, layout),
               PauseMP(cfg), Chunk(cfg), Exchange(cfg, group)]
     assert tuple(p.name for p in passes) == STAGE1
     return passes
 
 
-def stage2_passes(cfg: MoECompileConfig) -> list:
-    """The built-in stage-2 passes for ``cfg``."""
-    passes = [DropDeadCollectives(), SchedulePass(cfg.schedule), Lower(cfg), StreamsPass()]
+def stage2_passes(cfg: MoECompileConfig, grad_sync: GradSyncPlan | None = None) -> list:
+    """The built-in stage-2 passes for ``cfg``; ``grad_sync``: the graph's data-parallel gradients
+    (:func:`.grad_sync.plan_grad_sync`), None = no ``dp_group``."""
+    passes = [DropDeadCollectives(), SchedulePass(cfg.schedule), Lower(cfg), StreamsPass(), GradSync(grad_sync)]
     assert tuple(p.name for p in passes) == STAGE2
     return passes

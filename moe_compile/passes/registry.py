@@ -9,7 +9,7 @@ built-ins, and appears in the debug dumps as ``<NN>_<name>_{before,after}.py``
 The anchors are the built-in passes of :mod:`.pipeline`: stage 1 (Dynamo graph,
 torch IR, before AOTAutograd) ``detect``, ``canonicalize``, ``expert_parallel``,
 ``pause_mp``, ``chunk``, ``exchange``; stage 2 (AOTAutograd forward and backward
-graphs, aten IR) ``drop_dead_collectives``, ``schedule``, ``lower``, ``streams``.
+graphs, aten IR) ``drop_dead_collectives``, ``schedule``, ``lower``, ``streams``, ``grad_sync``.
 ``expert_parallel``, ``pause_mp`` and ``chunk`` decide (they write the layers' plans in
 ``gm.meta["moe"]``); ``exchange`` builds the collectives, so a pass that wants to see
 them runs ``after="exchange"``. Passes registered on the same anchor and side run in

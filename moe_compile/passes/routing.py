@@ -145,7 +145,7 @@ def read_router(selection: Node) -> Router:
     ids = _extend_ids(ids0, num_tokens)
     ids_shape = shape_of(ids)
     top_k = 1 if len(ids_shape) == 1 else ids_shape[-1]
-    if len(ids_shape) > 2 or not isinstance(top_k, int) or not same_size(ids_shape[0], num_tokens):
+    if len(ids_shape) > 2 or not isinstance(top_k, (int, torch.SymInt)) or not same_size(ids_shape[0], num_tokens):
         raise NoMatch(f"the expert ids {ids.name} of {selection.name} are not [T, k] (shape {list(ids_shape)})")
     id_nodes = reachable([ids], forward=False, stop=is_selection)
     weights, chain, dense = _gate_weights(selection, ids, id_nodes, num_tokens * top_k, num_tokens * num_experts)
@@ -225,7 +225,9 @@ def _selection_args(selection: Node) -> tuple[int, int]:
     args = list(selection.args[1:]) + [None, None]
     k = selection.kwargs.get("k", args[0])
     dim = selection.kwargs.get("dim", args[1] if args[1] is not None else -1)
-    if not isinstance(k, int) or not isinstance(dim, int):
+    if isinstance(k, Node) and isinstance(example_value(k), torch.SymInt):
+        k = example_value(k)  # a runtime k (Tutel §5 top-ANY): the ids are [T, k] with a symbolic k
+    if not isinstance(k, (int, torch.SymInt)) or not isinstance(dim, int):
         raise NoMatch(f"top-k {selection.name} has a non-constant k or dim")
     if selection.kwargs.get("largest", True) is False:
         raise NoMatch(f"top-k {selection.name} selects the smallest scores")

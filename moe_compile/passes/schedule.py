@@ -51,6 +51,18 @@ Baselines (``config.schedule``), as the simulator models them
 - ``fastermoe``: the per-chunk loop (C1^i D1^i E^i C2^i)_i then (D2^i)_i: a chunk's
   dispatch exchange is waited on before the next chunk is compressed.
 
+Side work (issue 19, "the other direction's gradient work"): the nodes that read
+a chain's first exchange but feed nothing its second one sends run right after
+that chunk's D1 E C2, i.e. once the second exchange is issued and before it is
+waited on. In the backward these are the experts' weight gradients::
+
+    w = wait(a); gh = relu'(w @ W2); gx = gh @ W1; a2 = all_to_all(gx)   # D1 E C2, A2 issued
+    gW2 = hᵀ @ w; gW1 = xᵀ @ gh                                         # overlap A2
+    w2 = wait(a2); ...                                                  # D2
+
+Two of the four expert matmuls of the backward thus overlap its second exchange;
+an un-chunked layer (r = 1) is ordered the same way (it is its own group, one chain).
+
 A graph without chains is left unchanged. A graph whose chains cannot be
 attributed to a layer is left unchanged and the reason logged.
 
@@ -105,6 +117,7 @@ class Chain:
     chunk: int = 1              # 1-based index of ``source`` among the layer's outputs
     pre: list[Node] = dataclasses.field(default_factory=list)    # C1
     mid: list[Node] = dataclasses.field(default_factory=list)    # D1 E C2
+    side: list[Node] = dataclasses.field(default_factory=list)   # from the first wait, not needed by the second issue
     post: list[Node] = dataclasses.field(default_factory=list)   # D2
 
     @property
@@ -172,6 +185,10 @@ def _attribute(chain: Chain) -> None:
     mid_down = reachable(w1.users, stop=lambda n: n is chain.second or is_wait(n) or is_all_to_all(n))
     mid_up = reachable(chain.second.all_input_nodes, forward=False, stop=lambda n: n is w1 or is_wait(n))
     chain.mid = [n for n in mid_down & mid_up if n not in (chain.second, w1)]
+    # work that reads the first exchange but does not feed the second (the backward's weight gradients of
+    # the experts): it can run while the second exchange is in flight
+    chain.side = [n for n in mid_down if n not in mid_up and n not in (chain.second, w1) and not is_wait(n)
+                  and not is_all_to_all(n) and n.op != "output"]
     # D2: after the second wait, up to (not including) the join that reads every chunk
     chain.post = [n for n in reachable(w2.users, stop=_is_join_or_barrier) if not _is_join_or_barrier(n)]
 
@@ -256,9 +273,9 @@ class SchedulePass:
         layers: dict[Node | None, list[Chain]] = {}
         for chain in chains:
             layers.setdefault(chain.layer, []).append(chain)
-        if None in layers and self.schedule != "sequential":
-            # un-chunked layers (r = 1): nothing to reorder except the waits, which stay late
-            layers.pop(None)
+        for chain in layers.pop(None, []):
+            # an un-chunked layer (r = 1) is a group of its own: its side work still fills its second exchange
+            layers[chain.first] = [chain]
         backward = self.backward if self.backward is not None else _looks_backward(gm)
         order = _order(gm, layers, self.schedule, backward)
         if order == list(gm.graph.nodes):
@@ -277,7 +294,7 @@ def _looks_backward(gm: GraphModule) -> bool:
 def _order(gm: GraphModule, layers: dict, schedule: str, backward: bool) -> list[Node]:
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
-    key: dict[Node, tuple] = {n: (position[n], 0, 0, position[n]) for n in nodes}
+    key: dict[Node, tuple] = {n: (position[n], 0, 0, 0, position[n]) for n in nodes}
     extra_deps: dict[Node, set[Node]] = {}
     for chains in layers.values():
         count = len(chains)
@@ -285,14 +302,15 @@ def _order(gm: GraphModule, layers: dict, schedule: str, backward: bool) -> list
         start = min(position[n] for n in members)
         for c in chains:
             rank = count - c.chunk if backward else c.chunk - 1     # backward: chunks r .. 1
-            for phase, group in ((0, c.pre), (1, c.mid), (2, c.post)):
+            # side work (sub 1) right after its chunk's D1 E C2, i.e. once the second exchange is issued
+            for phase, sub, group in ((0, 0, c.pre), (1, 0, c.mid), (1, 1, c.side), (2, 0, c.post)):
                 for n in group:
                     if schedule in ("optimal", "tutel"):
-                        k = (phase, rank)
+                        k = (phase, rank, sub)
                     elif schedule == "fastermoe":
-                        k = (0 if phase < 2 else 1, rank, phase)
+                        k = (0 if phase < 2 else 1, rank, phase, sub)
                     else:  # sequential: chunk after chunk
-                        k = (rank, phase)
+                        k = (rank, phase, sub)
                     key[n] = (start, *k, position[n])
         if schedule == "tutel" and all(c.source is not None for c in chains):
             last_pre = [n for c in chains for n in c.pre]
@@ -303,7 +321,7 @@ def _order(gm: GraphModule, layers: dict, schedule: str, backward: bool) -> list
                     extra_deps.setdefault(n, set()).update(all_w2)
     # a node outside every chain runs no later than the chain tasks that need it (e.g. the
     # transposed saved weight an expert-backward matmul reads)
-    in_chain = {n for chains in layers.values() for c in chains for n in (*c.pre, *c.mid, *c.post)}
+    in_chain = {n for chains in layers.values() for c in chains for n in (*c.pre, *c.mid, *c.side, *c.post)}
     for n in reversed(nodes):
         if n not in in_chain and n.users:
             key[n] = min([key[n], *(key[u] for u in n.users)])

@@ -5,6 +5,7 @@ One :class:`MoEGraphState` per graph, created by the first pass that asks
 
     detect           → found, pending, skips          (the layers matched, and why others were not)
     canonicalize     → pending emptied, skips          (the layers left as written)
+    sample_placement → placement                       (NetMoE: the layers placed, and refused with why)
     expert_parallel  → layers: an ExchangePlan each    (group, layout, algorithm, weights)
     pause_mp         → layers: plan.pause              (Parm's schedule per layer)
     chunk            → layers: plan.chunks, schedule   (r and its predictions)
@@ -44,6 +45,7 @@ class MoEGraphState:
     skips: list[Skip] = dataclasses.field(default_factory=list)         # layers left as the model wrote them
     layers: list[ExchangePlan] = dataclasses.field(default_factory=list)  # one plan per expert-parallel layer
     detected: bool = False                                              # detect ran on this graph
+    placement: list[dict] = dataclasses.field(default_factory=list)     # sample_placement: per layer placed / refused
     # stage 2 (AOTAutograd graphs)
     schedule: str = ""                                                  # the schedule pass's order
     sites: dict = dataclasses.field(default_factory=dict)               # node name → faults.Site
@@ -53,6 +55,7 @@ class MoEGraphState:
         self.found += other.found
         self.skips += other.skips
         self.layers += other.layers
+        self.placement += other.placement
 
     def replace_plan(self, plan: ExchangePlan) -> None:
         """Put ``plan`` in place of the plan of the same layer."""

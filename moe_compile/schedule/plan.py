@@ -137,10 +137,12 @@ def _simulate(shape, models, r, schedule, compressor, algorithm, backward) -> Si
     return simulate(times, schedule)
 
 
-def write_plans(directory: Path, plans: list[LayerPlan]) -> None:
-    """``schedule.json`` plus, per layer with predictions, a Chrome trace and a PNG Gantt chart."""
+def write_plans(directory: Path, plans: list[LayerPlan], extra: dict | None = None) -> None:
+    """``schedule.json`` plus, per layer with predictions, a Chrome trace and a PNG Gantt chart; ``extra``:
+    more top-level entries (``grad_sync``: the data-parallel buckets and FSMoE's assignment)."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "schedule.json").write_text(json.dumps({"layers": [p.to_dict() for p in plans]}, indent=2))
+    (directory / "schedule.json").write_text(json.dumps({"layers": [p.to_dict() for p in plans], **(extra or {})},
+                                                        indent=2, default=str))
     for i, plan in enumerate(plans):
         for phase, sim in plan.timelines.items():
             from .timeline import write_chrome_trace, write_gantt_png

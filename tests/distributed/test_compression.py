@@ -94,7 +94,7 @@ def _step(model, x, options):
 
     wire = _CountWireBytes()
     stage2 = moe_compile.backend.stage2_passes
-    moe_compile.backend.stage2_passes = lambda cfg: [*stage2(cfg), wire]
+    moe_compile.backend.stage2_passes = lambda cfg, *rest: [*stage2(cfg, *rest), wire]
     try:
         compiled = torch.compile(model, backend="moe", fullgraph=True,
                                  options={"ep_group": "world", "inner": "eager", **options})

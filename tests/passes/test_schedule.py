@@ -151,6 +151,31 @@ def test_order_world_4_uncompressed(fake_group, aot_graphs, schedule):
         assert tokens(gm) == [x for x in expected(schedule, order) if x[0] not in "CD"]
 
 
+@pytest.mark.parametrize("chunks", [1, 2])
+@pytest.mark.parametrize("schedule", ["optimal", "tutel", "fastermoe"])
+def test_expert_weight_gradients_fill_the_second_backward_exchange(fake_group, aot_graphs, schedule, chunks):
+    """Backward: the experts' weight-gradient matmuls of a chunk (they read the chunk's first exchange but
+    feed nothing the second one sends) run after that chunk's second issue and before its wait, so they
+    overlap the exchange (issue 19 item 2: the other direction's gradient work), with r = 1 too."""
+    fake_group(2)
+    _, backward = _graphs(aot_graphs, 2, chunks, schedule, compressor="none")
+    nodes = list(backward.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    issues = calls(backward, A2A)
+    firsts = [a for a in issues if not any(b in issues for b in ancestors(a))]
+    assert len(firsts) == chunks
+    for first in firsts:
+        (w1,) = [u for u in first.users if u.target is WAIT]
+        (second,) = [a for a in issues if w1 in ancestors(a)]
+        (w2,) = [u for u in second.users if u.target is WAIT]
+        feeds_second = ancestors(second)
+        side = [n for n in nodes if n.target in MATMULS and w1 in ancestors(n) and n not in feeds_second
+                and second not in ancestors(n)]
+        assert len(side) == 2, [n.name for n in side]   # grad w1, grad w2 of this chunk
+        for n in side:
+            assert position[second] < position[n] < position[w2], (n.name, second.name, w2.name)
+
+
 # --------------------------------------------------------------------------- unchanged graphs, errors
 
 

@@ -1,0 +1,251 @@
+"""Where should the data-parallel gradient all-reduce go? DDP wrapper vs in-graph at the end vs asap vs FSMoE.
+
+FSMoE ("Co-design in backward propagation and gradient synchronization") slices the dense
+gradients' all-reduce into the idle link time of the MoE layers' backward pipelines. This
+script measures, in one run on ``P`` gloo ranks and the emulated link (DESIGN.md "Measuring
+schedules on small machines": the all-to-alls AND the gradient all-reduces share one α-β link,
+FIFO), the training step of the examples' ``MoETransformer`` compiled whole with ``ep_group``:
+
+1. ``ddp``: ``DistributedDataParallel(torch.compile(model))`` (DDP's buckets and hooks, its
+   DDPOptimizer splitting the graph), its all-reduce on the same emulated link (a comm hook);
+2. ``end``: ``options["dp_group"]``, every bucket's all-reduce at the end of the backward graph;
+3. ``asap``: each bucket issued as soon as its last gradient exists;
+4. ``fsmoe``: FSMoE's assignment (``dp_placement="fsmoe"``) on cost models of the link (α-β of the
+   all-to-all and all-reduce from the link's own parameters) and the experts timed here.
+
+Calibration: the ``end`` variant on a free link gives Σ compute per phase; the link's bandwidth
+is set so that the backward's communication (two all-to-alls per layer plus the ring all-reduce
+of every gradient) takes ``--comm-ratio`` × the backward's compute. Columns: step, forward and
+backward medians (slowest rank), ``bwd vs bound`` = backward / max(Σ backward compute, Σ backward
+comm) (the issue's target: ≤ 1.10), and the speedup over the DDP wrapper. Gradients of every
+variant are checked against ``end`` after the first step.
+
+    python benchmarks/schedule_step.py --dp            # or: python benchmarks/grad_sync_step.py
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from tables import print_table as _print_table  # noqa: E402
+from moe_compile.testing import spawn  # noqa: E402
+
+HEADER = ["P", "variant", "step ms", "fwd ms", "bwd ms", "bwd vs bound", "speedup vs ddp"]
+VARIANTS = ("ddp", "end", "asap", "fsmoe")
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("moe_transformer", ROOT / "examples" / "moe_transformer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _step(net, tokens):
+    for p in net.parameters():
+        p.grad = None
+    start = time.perf_counter()
+    loss = net(tokens)
+    mid = time.perf_counter()
+    loss.backward()
+    return mid - start, time.perf_counter() - mid
+
+
+def _slowest(*seconds):
+    t = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _ddp_hook(link: dict, world: int):
+    from moe_compile.collectives.emulated import emulated_all_reduce_future
+
+    def hook(state, bucket):
+        _, fut = emulated_all_reduce_future(bucket.buffer(), dist.group.WORLD, link["alpha_us"], link["gbps"])
+        return fut.then(lambda f: f.value()[0].div_(world))
+
+    return hook
+
+
+def _experts_model(args, world: int):
+    """α-β of the experts per MAC, timed here on every rank at once (the contention of the step)."""
+    from moe_compile.schedule.cost_model import AlphaBeta
+
+    local = args.experts // world
+    w1 = torch.randn(local, args.hidden, args.dim)
+    w2 = torch.randn(local, args.dim, args.hidden)
+    sizes, seconds = [], []
+    for rows in (16, 64, 256):
+        x = torch.randn(local, rows, args.dim)
+        dist.barrier()
+        samples = []
+        for _ in range(5):
+            start = time.perf_counter()
+            torch.ops.moe.experts(x, w1, w2, None, "gelu")
+            samples.append(time.perf_counter() - start)
+        seconds.append(statistics.median(samples))
+        sizes.append(local * rows * args.dim * args.hidden * 2)
+    return AlphaBeta.fit(sizes, seconds)
+
+
+def _run_rank(rank: int, world: int, args) -> list[dict]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import moe_compile.ops  # noqa: F401  (registers the ops)
+    assert moe_compile.ops
+    from moe_compile.collectives.emulated import ring_bytes, sent_bytes
+    from moe_compile.schedule.cost_model import AlphaBeta, CostModels, task_key
+
+    example = _example()
+    torch.manual_seed(args.seed)
+    base = example.MoETransformer(vocab=args.vocab, dim=args.dim, hidden=args.hidden, num_experts=args.experts,
+                                  num_layers=args.layers, num_heads=args.heads)
+    tokens = example.synthetic_batch(args.batch, args.seq, args.vocab, torch.Generator().manual_seed(rank + 1))
+    work = Path(tempfile.mkdtemp(prefix="grad_sync_step_"))
+
+    def build(variant: str, link: dict, models: str | None = None):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        options = {"ep_group": "world", "inner": args.inner, "emulate_link": link}
+        if variant == "ddp":
+            # DDPOptimizer (optimize_ddp) splits the graph at DDP's buckets; the split subgraphs lose the
+            # data-dependent capacity's shape environment (moe.dispatch fails in them), so it is off: the
+            # compiled backward runs whole and DDP's hooks all-reduce its buckets as the gradients land
+            torch._dynamo.config.optimize_ddp = False
+            net = DDP(torch.compile(model, backend="moe", fullgraph=True, options=options))
+            net.register_comm_hook(None, _ddp_hook(link, world))
+            return net
+        options.update(dp_group="world", dp_placement=variant, dp_bucket_mb=args.bucket_mb)
+        if models:
+            options["cost_models"] = models
+        return torch.compile(model, backend="moe", fullgraph=True, options=options)
+
+    def timed(net, steps):
+        out = []
+        for _ in range(steps):
+            dist.barrier()
+            out.append(tuple(_slowest(*_step(net, tokens))))
+        return out
+
+    # 1. calibration: Σ compute per phase on a free link
+    free = {"alpha_us": 0.0, "gbps": 1e6}
+    net = build("end", free)
+    for _ in range(args.warmup + 1):
+        _step(net, tokens)
+    calib = timed(net, args.steps)
+    compute = {"forward": statistics.median(t[0] for t in calib), "backward": statistics.median(t[1] for t in calib)}
+    del net
+    E, M = args.experts, args.dim
+    rows = -(-2 * int(1.25 * args.batch * args.seq) // E)                  # the example's GShard capacity (k=2, f=1.25)
+    a2a_bytes = sent_bytes(E * rows * M * 4, world)
+    grad_bytes = ring_bytes(sum(p.numel() * 4 for p in base.parameters()), world)
+    backward_bytes = 2 * args.layers * a2a_bytes + grad_bytes
+    gbps = backward_bytes / (compute["backward"] * args.comm_ratio) / 1e9
+    link = {"alpha_us": args.alpha_us, "gbps": gbps}
+    comm = {"forward": 2 * args.layers * (a2a_bytes / (gbps * 1e9) + args.alpha_us * 1e-6),
+            "backward": backward_bytes / (gbps * 1e9)}
+    # 2. cost models of the link (the all-to-all per payload byte, the ring all-reduce per buffer byte), experts
+    beta = 1.0 / (gbps * 1e9)
+    models = CostModels({
+        task_key("all_to_all", "flat", world): AlphaBeta(args.alpha_us * 1e-6, beta * (world - 1) / world),
+        task_key("all_reduce", world=world): AlphaBeta(args.alpha_us * 1e-6, beta * 2 * (world - 1) / world),
+        "experts": _experts_model(args, world)}, {"note": "benchmarks/grad_sync_step.py: the emulated link"})
+    path = str(models.save(work / "cost_models.json"))
+    # 3. the variants, first step compiles; gradients against "end"
+    nets, grads = {}, {}
+    for variant in VARIANTS:
+        nets[variant] = build(variant, link, path if variant == "fsmoe" else None)
+        _step(nets[variant], tokens)
+        grads[variant] = [p.grad.clone() for p in nets[variant].parameters()]
+    for variant in VARIANTS:
+        for g, ref in zip(grads[variant], grads["end"]):
+            torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-5)
+    for _ in range(args.warmup):
+        for net in nets.values():
+            _step(net, tokens)
+    times = {v: [] for v in VARIANTS}
+    for i in range(args.steps):
+        for v in VARIANTS[i % len(VARIANTS):] + VARIANTS[:i % len(VARIANTS)]:
+            times[v].extend(timed(nets[v], 1))
+    rows_out = []
+    for v in VARIANTS:
+        fwd = statistics.median(t[0] for t in times[v])
+        bwd = statistics.median(t[1] for t in times[v])
+        rows_out.append({"P": world, "variant": v, "step_ms": statistics.median(a + b for a, b in times[v]) * 1e3,
+                         "forward_ms": fwd * 1e3, "backward_ms": bwd * 1e3,
+                         "backward_vs_bound": bwd / max(compute["backward"], comm["backward"]),
+                         "compute_ms": {k: s * 1e3 for k, s in compute.items()},
+                         "comm_ms": {k: s * 1e3 for k, s in comm.items()}, "link": link,
+                         "grad_bytes": sum(p.numel() * 4 for p in base.parameters())})
+    ddp = rows_out[0]["step_ms"]
+    for row in rows_out:
+        row["speedup_vs_ddp"] = ddp / row["step_ms"]
+    return rows_out
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--experts", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--bucket-mb", type=float, default=0.25)
+    parser.add_argument("--alpha-us", type=float, default=10.0)
+    parser.add_argument("--comm-ratio", type=float, default=1.0,
+                        help="Σ backward comm (all-to-alls + gradient all-reduce) / Σ backward compute")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--inner", default="eager")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/grad_sync_step.json"))
+    parser.add_argument("--quick", action="store_true", help="small sizes, 3 steps: checks the script runs")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.dim, args.hidden, args.seq, args.layers, args.steps, args.warmup, args.vocab = 32, 64, 16, 2, 3, 1, 64
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rows = spawn(_run_rank, args.world_size, args, timeout=args.timeout)[0]
+    info = {"device": "cpu", "backend": "gloo (loopback) + emulated link", "cpu_count": os.cpu_count(),
+            "processor": platform.processor() or platform.machine(), "torch": torch.__version__}
+    r0 = rows[0]
+    title = (f"MoETransformer step, {args.layers} MoE layers, dim {args.dim}, hidden {args.hidden}, E {args.experts}, "
+             f"{args.batch}x{args.seq} tokens/rank; backward compute {r0['compute_ms']['backward']:.1f} ms, backward "
+             f"comm {r0['comm_ms']['backward']:.1f} ms (link {r0['link']['gbps'] * 1e3:.1f} MB/s); "
+             f"{r0['grad_bytes'] / 2**20:.2f} MiB of gradients")
+    body = [[str(r["P"]), r["variant"], f"{r['step_ms']:.1f}", f"{r['forward_ms']:.1f}", f"{r['backward_ms']:.1f}",
+             f"{r['backward_vs_bound']:.2f}x", f"{r['speedup_vs_ddp']:.2f}x"] for r in rows]
+    _print_table(title, HEADER, body)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"machine": info, "args": {k: str(v) if isinstance(v, Path) else v
+                                                               for k, v in vars(args).items()}, "rows": rows},
+                                    indent=2) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""``moe::adaptive_exchange``: a layer's whole expert-parallel exchange, its (r, algorithm) chosen per call.
+
+Tutel §3.3 (Fig. 13, 14) adapts the pipelining strategy, the all-to-all
+algorithm and the pipelining degree r, to the capacity of each iteration, with
+no recompilation. The graph therefore holds one opaque op in place of the
+chunked exchange that ``num_chunks=r`` builds node by node::
+
+    Before (what the exchange pass builds for a fixed r = 2, flat):
+        b1, b2 = moe.chunk_rows(buf, 2)
+        y_i = A2(experts_local(A1(b_i)))                       # per chunk, nodes in the graph
+        y = moe.cat_rows([y1, y2], R)
+
+    After (num_chunks="adaptive" and/or all_to_all="adaptive"):
+        y, local_in, h1, h3, choice = moe.adaptive_exchange(buf, w1l, w2l, w3l, act, b1l, b2l, b3l, act_args,
+                                                    layer, group, ranks_per_node, rs, algorithms, link)
+
+At each call the op reads R (rows per expert, agreed over the group before the
+dispatch), asks the layer's :class:`moe_compile.schedule.adaptive.AdaptiveTable`
+for a candidate (r, algorithm) in O(1) (Tutel's online search over capacity
+buckets), runs Tutel's pipeline with it (all r first all-to-alls issued, each
+chunk's experts as soon as its rows arrive, its return all-to-all issued at
+once), times itself and records the time. ``choice`` (a ``[2]`` int64: the
+candidate and the call) tells the backward which strategy the forward ran;
+``local_in`` (the received rows) and ``h1`` / ``h3`` (the expert MLP's
+pre-activations, :mod:`.expert_vjp`) are what the backward needs, saved as
+AOTAutograd saves activations.
+
+Why one runtime op rather than ``torch.cond`` or guarded graphs: every
+alternative in the graph would multiply its nodes by |r| x |algorithms|
+(``torch.cond`` branches with data-dependent shapes and collectives inside are
+also not supported by AOTAutograd's partitioner today), and a guard on the
+capacity would recompile for each new bucket. An opaque custom op is traced
+once (its fake implementation gives the shapes from R), never guards on R, and
+cannot recompile; its cost is that Inductor does not fuse across it (there is
+nothing to fuse in an exchange) and the stage-2 scheduler does not reorder
+inside it (the op pipelines itself).
+
+Backward (``torch.library.register_autograd``, opaque to AOTAutograd like the
+forward): ``moe::adaptive_exchange_backward`` runs the same strategy on the
+gradient: the return all-to-all of each chunk's gradient, the expert MLP's VJP
+from the saved inputs and pre-activations (:func:`.expert_vjp.experts_vjp`: no
+expert matmul recomputed), and the first all-to-all back. An equal-split all-to-all
+is its own adjoint, so values and gradients equal the fixed-r exchange's (every
+row is computed by the same expert, with the same weights, whatever r).
+
+The link: with ``emulate_link`` the exchanges are the emulated ones
+(:mod:`moe_compile.collectives.emulated`, flat only), so the choice can be seen
+on a small machine; otherwise flat is ``all_to_all_single`` issued
+asynchronously, another algorithm is called through the registry
+(:mod:`moe_compile.collectives.all_to_all_registry`, synchronous per chunk).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..counters import counters
+from .chunk import chunk_bounds
+from .expert_vjp import experts_saving, experts_vjp
+
+__all__ = ["adaptive_exchange", "adaptive_exchange_backward", "candidates_of"]
+
+
+def candidates_of(chunks: Sequence[int], algorithms: str) -> tuple[tuple[int, str], ...]:
+    """The (r, algorithm) alternatives, in the fixed order every rank explores them. ``algorithms``: the names
+    joined by commas (a custom op takes no list of strings)."""
+    return tuple((int(r), a) for a in algorithms.split(",") for r in chunks)
+
+
+class _Exchanger:
+    """Equal-split all-to-alls on the layer's group: ``issue(x, per_peer)`` → a handle, ``wait(handle)``."""
+
+    def __init__(self, group_name: str, ranks_per_node: int, algorithm: str, alpha_us: float, gbps: float):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        self.group_name, self.ranks_per_node, self.algorithm = group_name, ranks_per_node, algorithm
+        self.alpha_us, self.gbps = alpha_us, gbps
+        self.group = _resolve_process_group(group_name)
+        self.size = dist.get_world_size(self.group)
+
+    def issue(self, x: Tensor, per_peer: int):
+        x = x.contiguous()
+        if self.alpha_us >= 0:  # the emulated link (flat)
+            from ..collectives.emulated import emulated_all_to_all
+
+            return emulated_all_to_all(x, per_peer, self.group_name, self.alpha_us, self.gbps)
+        if self.algorithm == "flat":
+            out = torch.empty_like(x)
+            return out, dist.all_to_all_single(out, x, group=self.group, async_op=True)
+        from ..collectives.all_to_all_registry import all_to_all
+
+        with torch.no_grad():
+            return all_to_all(x, per_peer, self.group_name, self.algorithm, self.ranks_per_node), None
+
+    def wait(self, handle) -> Tensor:
+        if isinstance(handle, Tensor):
+            return torch.ops._c10d_functional.wait_tensor(handle)
+        out, work = handle
+        if work is not None:
+            work.wait()
+        return out
+
+
+def _agree(group_name: str, device: torch.device):
+    """Element-wise max over the group: every rank settles a bucket on the same scores."""
+    def agree(values: list[float]) -> list[float]:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        group = _resolve_process_group(group_name)
+        if dist.get_world_size(group) == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t.tolist()
+    return agree
+
+
+_CALLS: dict[int, object] = {}  # call id → its Decision, until its backward has run (bounded)
+_NEXT_CALL = [0]
+
+
+def _autograd_inside_op():
+    """Autograd back on inside a custom op's implementation (which runs below the Autograd dispatch keys):
+    the backward differentiates the expert MLP of each chunk (its VJP) with torch's own autograd."""
+    keys = torch._C.DispatchKey
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor"):
+        if hasattr(keys, key):
+            exclude = exclude.remove(getattr(keys, key))
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+
+
+@torch.library.custom_op("moe::adaptive_exchange", mutates_args=())
+def adaptive_exchange(
+    buffer: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, activation: str, b1: Tensor | None,
+    b2: Tensor | None, b3: Tensor | None, act_args: list[float], layer: str, group_name: str,
+    ranks_per_node: int, chunks: list[int], algorithms: str, alpha_us: float, gbps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``buffer: [E, R, M]`` → ``(expert outputs [E, R, M], local_in [El, P·R, M], h1 [El, P·R, H], h3 (the same,
+    or empty without w3), choice [2])``; see the module
+    docstring. ``alpha_us < 0``: no emulated link; ``algorithms``: names joined by commas."""
+    from ..schedule.adaptive import Decision, adaptive_table, log_decision
+
+    num_experts, rows, model_dim = buffer.shape
+    num_local = w1.shape[0]
+    table = adaptive_table(layer, candidates_of(chunks, algorithms))
+    start = time.perf_counter()
+    index, phase, predicted = table.choose(rows, _agree(group_name, buffer.device))
+    decision_s = time.perf_counter() - start
+    r, algorithm = table.candidates[index]
+    link = _Exchanger(group_name, ranks_per_node, algorithm, alpha_us, gbps)
+    p = link.size
+    bounds = chunk_bounds(rows, r)
+    start = time.perf_counter()
+    sent = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):  # A1 of every chunk issued first (Tutel Fig. 14)
+        sent.append(link.issue(buffer[:, lo:hi].reshape(-1, model_dim), num_local * (hi - lo)))
+    returned, local_ins, h1s, h3s = [], [], [], []
+    for (lo, hi), handle in zip(zip(bounds[:-1], bounds[1:]), sent):
+        n = hi - lo
+        recv = link.wait(handle).view(p, num_local, n, model_dim)
+        local_in = recv.transpose(0, 1).reshape(num_local, p * n, model_dim)
+        local_ins.append(local_in)
+        y, h1, h3 = experts_saving(local_in, w1, w2, w3, activation, b1, b2, b3, act_args)
+        h1s.append(h1)
+        if h3 is not None:
+            h3s.append(h3)
+        back = y.view(num_local, p, n, model_dim).transpose(0, 1).reshape(-1, model_dim)
+        returned.append((link.issue(back, num_local * n), n))
+    outs = [link.wait(h).view(num_experts, n, model_dim) for h, n in returned]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+    forward_s = time.perf_counter() - start
+    table.record(rows, index, forward_s)
+    call = _NEXT_CALL[0] = _NEXT_CALL[0] + 1
+    decision = log_decision(Decision(layer, rows, table.bucket_of(rows), r, algorithm, phase, predicted,
+                                     decision_s, forward_s))
+    if len(_CALLS) > 1024:
+        _CALLS.pop(next(iter(_CALLS)))
+    _CALLS[call] = decision
+    counters["adaptive_calls"] += 1
+    local, h1, h3 = (parts[0] if len(parts) == 1 else torch.cat(parts, 1) for parts in (local_ins, h1s, h3s or [None]))
+    if h3 is None:
+        h3 = h1.new_empty(0)
+    choice = torch.tensor([index, call], dtype=torch.long, device=buffer.device)
+    return out, local, h1, h3, choice
+
+
+@adaptive_exchange.register_fake
+def _adaptive_exchange_fake(buffer, w1, w2, w3, activation, b1, b2, b3, act_args, layer, group_name,
+                            ranks_per_node, chunks, algorithms, alpha_us, gbps):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    size = dist.get_world_size(_resolve_process_group(group_name))
+    num_experts, rows, model_dim = buffer.shape
+    out = buffer.new_empty((num_experts, rows, model_dim), dtype=w1.dtype)
+    local = buffer.new_empty((w1.shape[0], size * rows, model_dim))
+    h1 = w1.new_empty((w1.shape[0], size * rows, w1.shape[1]))
+    h3 = w1.new_empty((w1.shape[0], size * rows, w1.shape[1])) if w3 is not None else w1.new_empty(0)
+    return out, local, h1, h3, buffer.new_empty((2,), dtype=torch.long)
+
+
+@torch.library.custom_op("moe::adaptive_exchange_backward", mutates_args=())
+def adaptive_exchange_backward(
+    grad_out: Tensor, local_in: Tensor, h1: Tensor, h3: Tensor, choice: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None,
+    activation: str, b1: Tensor | None, b2: Tensor | None, b3: Tensor | None, act_args: list[float],
+    layer: str, group_name: str, ranks_per_node: int, chunks: list[int], algorithms: str,
+    alpha_us: float, gbps: float,
+) -> list[Tensor]:
+    """The adjoint of :func:`adaptive_exchange` with the forward's strategy: ``[grad of buffer, grads of the
+    given weights and biases (w1, w2, w3, b1, b2, b3 that are not None), in that order]``."""
+    from ..schedule.adaptive import adaptive_table
+
+    index, call = (int(v) for v in choice.tolist())
+    table = adaptive_table(layer, candidates_of(chunks, algorithms))
+    r, algorithm = table.candidates[index]
+    link = _Exchanger(group_name, ranks_per_node, algorithm, alpha_us, gbps)
+    p = link.size
+    num_local, total, model_dim = local_in.shape
+    rows = total // p
+    num_experts = num_local * p
+    params = [t for t in (w1, w2, w3, b1, b2, b3) if t is not None]
+    bounds = chunk_bounds(rows, r)
+    start = time.perf_counter()
+    grad_out = grad_out.to(w1.dtype)
+    sent = [link.issue(grad_out[:, lo:hi].reshape(-1, model_dim), num_local * (hi - lo))  # A2's adjoint
+            for lo, hi in zip(bounds[:-1], bounds[1:])]
+    param_grads = [torch.zeros_like(t) for t in params]
+    returned = []
+    for (lo, hi), handle in zip(zip(bounds[:-1], bounds[1:]), sent):
+        n = hi - lo
+        grad_y = link.wait(handle).view(p, num_local, n, model_dim).transpose(0, 1).reshape(num_local, p * n,
+                                                                                           model_dim)
+        with _autograd_inside_op(), torch.enable_grad():
+            cols = slice(p * lo, p * hi)
+            grad_x, grads = experts_vjp(grad_y, local_in[:, cols], h1[:, cols], h3[:, cols] if w3 is not None else None,
+                                        w1, w2, w3, activation, b1, b2, b3, act_args)
+        for acc, g in zip(param_grads, (g for g in grads if g is not None)):
+            acc.add_(g)
+        back = grad_x.view(num_local, p, n, model_dim).transpose(0, 1).reshape(-1, model_dim)
+        returned.append((link.issue(back.to(local_in.dtype), num_local * n), n))  # A1's adjoint
+    outs = [link.wait(h).view(num_experts, n, model_dim) for h, n in returned]
+    grad_buffer = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+    backward_s = time.perf_counter() - start
+    table.add(rows, index, backward_s)
+    decision = _CALLS.pop(call, None)
+    if decision is not None:
+        decision.backward_s = backward_s
+    return [grad_buffer.contiguous(), *param_grads]
+
+
+@adaptive_exchange_backward.register_fake
+def _adaptive_exchange_backward_fake(grad_out, local_in, h1, h3, choice, w1, w2, w3, activation, b1, b2, b3, act_args,
+                                     layer, group_name, ranks_per_node, chunks, algorithms, alpha_us, gbps):
+    params = [t for t in (w1, w2, w3, b1, b2, b3) if t is not None]
+    return [local_in.new_empty(grad_out.shape), *(torch.empty_like(t) for t in params)]
+
+
+def _setup_context(ctx, inputs, output):
+    buffer, w1, w2, w3, activation, b1, b2, b3, act_args, *rest = inputs
+    _, local_in, h1, h3, choice = output
+    ctx.present = tuple(t is not None for t in (w1, w2, w3, b1, b2, b3))
+    ctx.args = (activation, act_args, *rest)
+    ctx.save_for_backward(local_in, h1, h3, choice, *(t for t in (w1, w2, w3, b1, b2, b3) if t is not None))
+
+
+def _backward(ctx, grad_out, _grad_local, _grad_h1, _grad_h3, _grad_choice):
+    local_in, h1, h3, choice, *params = ctx.saved_tensors
+    it = iter(params)
+    w1, w2, w3, b1, b2, b3 = (next(it) if present else None for present in ctx.present)
+    activation, act_args, *rest = ctx.args
+    grads = adaptive_exchange_backward(grad_out.contiguous(), local_in, h1, h3, choice, w1, w2, w3, activation, b1, b2, b3,
+                                       act_args, *rest)
+    grad_buffer, *param_grads = grads
+    it = iter(param_grads)
+    w_grads = [next(it) if present else None for present in ctx.present]
+    return (grad_buffer, w_grads[0], w_grads[1], w_grads[2], None, w_grads[3], w_grads[4], w_grads[5],
+            *([None] * 8))
+
+
+adaptive_exchange.register_autograd(_backward, setup_context=_setup_context)

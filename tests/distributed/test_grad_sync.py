@@ -1,0 +1,302 @@
+"""Data-parallel gradient sync in the compiled backward (``options["dp_group"]``, moe_compile/passes/grad_sync.py).
+
+Each case: 3 AdamW steps of a model compiled with ``dp_group`` (no DDP wrapper) against the same
+model eager inside ``DistributedDataParallel``, each rank on its own batch: every step's loss and
+every gradient, and the final weights, equal. Cases (2 gloo ranks, one spawn):
+
+- GShard layer, data parallel only (no ``ep_group``), buckets of a few hundred bytes (several buckets);
+- GShard layer, ``ep_group`` = ``dp_group`` (replicated experts: each rank computes its own experts' gradients);
+- the examples' transformer compiled whole, ``ep_group``, r = 2 chunks; and with its attention checkpointed;
+- ``shard_experts``: the GShard layer and the per-expert ``LoopMoE`` (the experts' gradients divided, not all-reduced);
+- ``dp_placement="end"``;
+- the bf16 compressor on the all-to-all, within the bf16 bound;
+- the emulated link (the buckets' all-reduces on it, ``moe::emulated_all_reduce``);
+- Inductor as the inner compiler, several buckets;
+
+then graph order (every bucket's all-reduce issued once, right after its last gradient, waited once
+before the return) and the errors: DDP around a model compiled with ``dp_group``. 4 ranks: ``ep_group``
+= world, and ``ep_group`` two groups of 2 inside ``dp_group`` = world (experts replicated over the two
+expert groups).
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_compile.testing import spawn
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900)]
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+BF16 = dict(rtol=2e-2, atol=2e-2)
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _transformer_module():
+    spec = importlib.util.spec_from_file_location("moe_transformer", EXAMPLES / "moe_transformer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _model(name: str):
+    """(model, the loss of its output, a batch maker (rank, step) → input)."""
+    torch.manual_seed(0)  # the same weights on every rank
+    if name in ("transformer", "transformer_ac"):
+        module = _transformer_module()
+        model = module.MoETransformer(vocab=64, dim=16, hidden=32, num_experts=4, num_layers=2,
+                                      checkpoint_attention=name == "transformer_ac")
+        return model, (lambda out: out), (lambda rank, step: module.synthetic_batch(
+            2, 9, 64, torch.Generator().manual_seed(100 * step + rank)))
+    if name == "gshard":
+        from tests.models.gshard import GShardMoE
+
+        model = GShardMoE(8, 16, 4, top_k=2, capacity_factor=1.0)
+    else:
+        from tests.models.loop import LoopMoE
+
+        model = LoopMoE(8, 16, 4, top_k=2)
+    return model, (lambda out: out.pow(2).mean()), (lambda rank, step: torch.randn(
+        2, 6, 8, generator=torch.Generator().manual_seed(100 * step + rank)))
+
+
+def _full(grad):
+    return grad.full_tensor() if isinstance(grad, torch.distributed.tensor.DTensor) else grad
+
+
+def _case(rank: int, name: str, options: dict, sharded: bool = False, tol: dict = TOL) -> str:
+    """3 AdamW steps compiled with ``options`` against eager DDP; returns the case's name."""
+    import moe_compile
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch._dynamo.reset()
+    model, loss_of, batch = _model(name)
+    eager = DDP(copy.deepcopy(model))
+    if sharded:
+        assert moe_compile.shard_experts(model, options["ep_group"], batch(rank, 0), options=options)
+    compiled = torch.compile(model, backend="moe", fullgraph=True, options={"inner": "eager", **options})
+    opt_c, opt_e = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    what = f"{name} {options} rank {rank}"
+    for step in range(3):
+        x = batch(rank, step)
+        losses = []
+        for net, opt in ((eager, opt_e), (compiled, opt_c)):
+            opt.zero_grad()
+            loss = loss_of(net(x))
+            loss.backward()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], **tol, msg=lambda m: f"{what} step {step} loss: {m}")
+        reference = dict(eager.module.named_parameters())
+        for pname, p in model.named_parameters():
+            assert p.grad is not None, f"{what} step {step}: {pname} has no gradient"
+            torch.testing.assert_close(_full(p.grad), reference[pname].grad, **tol,
+                                       msg=lambda m: f"{what} step {step} grad {pname}: {m}")
+        opt_e.step()
+        opt_c.step()
+    full = moe_compile.full_expert_state_dict(model) if sharded else model.state_dict()
+    for key, value in eager.module.state_dict().items():
+        torch.testing.assert_close(full[key], value, **tol, msg=lambda m: f"{what} weight {key}: {m}")
+    if "ep_group" in options:
+        assert moe_compile.counters["regions_expert_parallel"] >= 1, dict(moe_compile.counters)
+    return f"{name}:{sorted(options)}"
+
+
+class _Recorder:
+    """A user pass after grad_sync: keeps the backward graphs."""
+
+    name = "record_grad_sync"
+
+    def __init__(self):
+        self.graphs, self.layers = [], []
+
+    def __call__(self, gm):
+        from moe_compile.passes.manager import PassResult
+
+        if any(n.name.startswith("tangents") for n in gm.graph.nodes):
+            from moe_compile.passes.grad_sync import BUCKET_LAYER_META, BUCKET_META
+
+            self.graphs.append(gm)
+            issues = sorted((n.meta[BUCKET_META], n.meta.get(BUCKET_LAYER_META)) for n in gm.graph.nodes
+                            if BUCKET_META in n.meta and n.target is torch.ops._c10d_functional.all_reduce.default)
+            self.layers.append([layer for _, layer in issues])
+        return PassResult(gm, False)
+
+
+def _bucket_nodes(gm):
+    from moe_compile.collectives.nodes import is_wait
+    from moe_compile.passes.grad_sync import BUCKET_META
+
+    issues, waits = {}, {}
+    for node in gm.graph.nodes:
+        if BUCKET_META in node.meta:
+            (waits if is_wait(node) else issues).setdefault(node.meta[BUCKET_META], []).append(node)
+    return issues, waits
+
+
+def _check_order(gm, placement: str) -> int:
+    """Every bucket: one all-reduce, one wait on it; the waits after all other work; "asap": the issue right
+    after its last gradient (only the bucket's own flatten between); "end": every issue after all the
+    backward's own work. The number of buckets."""
+    from moe_compile.passes.grad_sync import BUCKET_META
+
+    issues, waits = _bucket_nodes(gm)
+    assert issues and sorted(issues) == sorted(waits) == list(range(len(issues))), (issues, waits)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    flatten = {torch.ops.aten.view.default, torch.ops.aten.clone.default, torch.ops.aten.cat.default}
+    output = gm.graph.output_node()
+    first_wait = min(order[w] for ws in waits.values() for w in ws)
+    owned, last_grad = {}, {}
+    for index, (issue,) in issues.items():
+        frontier, own, grads = [issue.args[0]], set(), []  # the bucket's gradients: back through the flatten
+        while frontier:
+            node = frontier.pop()
+            if node.op == "call_function" and node.target in flatten:
+                own.add(node)
+                frontier.extend(node.all_input_nodes)
+            else:
+                grads.append(node)
+        owned[index], last_grad[index] = own, max(order[g] for g in grads)
+    sync = set().union(*owned.values(), *(set(i) for i in issues.values()))
+    work = [n for n in gm.graph.nodes if n.op == "call_function" and order[n] < first_wait and n not in sync]
+    for index, (issue,) in issues.items():
+        (wait,) = waits[index]
+        assert issue.target is torch.ops._c10d_functional.all_reduce.default and wait.args[0] is issue
+        assert order[work[-1]] < order[wait] < order[output], f"bucket {index} waited before the backward's end"
+        assert BUCKET_META in issue.meta
+        between = [n for n in gm.graph.nodes if last_grad[index] < order[n] < order[issue]]
+        if placement == "asap":
+            assert set(between) <= owned[index], f"bucket {index}: {[n.name for n in between]} before its issue"
+        else:
+            assert order[issue] > order[work[-1]], f"bucket {index} issued before the backward's end"
+    return len(issues)
+
+
+def _graph_order(rank: int) -> dict:
+    import moe_compile
+
+    counts = {}
+    for placement in ("asap", "end"):
+        recorder = _Recorder()
+        moe_compile.register_pass(recorder, after="grad_sync")
+        try:
+            torch._dynamo.reset()
+            model, loss_of, batch = _model("transformer")
+            compiled = torch.compile(model, backend="moe", fullgraph=True, options={
+                "inner": "eager", "ep_group": "world", "dp_group": "world", "dp_bucket_mb": 0.002,
+                "dp_placement": placement})
+            loss_of(compiled(batch(rank, 0))).backward()
+        finally:
+            moe_compile.unregister_pass(recorder)
+        (gm,) = recorder.graphs
+        counts[placement] = _check_order(gm, placement)
+        assert counts[placement] > 2, counts
+    return counts
+
+
+def _fsmoe_models(rank: int) -> str:
+    """Cost models where the experts' backward leaves the link idle and the all-reduce is cheap."""
+    import tempfile
+
+    from moe_compile.schedule.cost_model import AlphaBeta, CostModels
+
+    models = CostModels({"all_to_all:flat:2": AlphaBeta(1e-4, 1e-9), "experts": AlphaBeta(1e-5, 1e-8),
+                         "all_reduce:2": AlphaBeta(1e-5, 1e-10)}, {"source": "test"})
+    return str(models.save(Path(tempfile.mkdtemp()) / f"models{rank}.json"))
+
+
+def _fsmoe_order(rank: int) -> list:
+    """dp_placement="fsmoe" on the 2-layer transformer compiled whole: each bucket the assignment puts in a
+    layer is issued inside that layer's backward pipeline (between its first and last labelled node), never
+    before its last gradient; the others at the end; equal to eager DDP."""
+    import moe_compile
+    from moe_compile.tasks import task_label
+
+    options = {"ep_group": "world", "dp_group": "world", "dp_bucket_mb": 0.001, "dp_placement": "fsmoe",
+               "cost_models": _fsmoe_models(rank)}
+    recorder = _Recorder()
+    moe_compile.register_pass(recorder, after="grad_sync")
+    try:
+        _case(rank, "transformer", options)
+    finally:
+        moe_compile.unregister_pass(recorder)
+    gm = recorder.graphs[0]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    spans: dict = {}
+    for node in gm.graph.nodes:
+        if task_label(node) is not None:
+            spans.setdefault(task_label(node).layer, []).append(order[node])
+    spans = sorted((min(v), max(v)) for v in spans.values())
+    assert len(spans) == 2, spans
+    issues, waits = _bucket_nodes(gm)
+    layers = recorder.layers[0]
+    assert len(layers) == len(issues) and any(layer is not None for layer in layers), layers
+    for index, layer in enumerate(layers):
+        (issue,) = issues[index]
+        if layer is None:
+            continue
+        first, last = spans[layer]
+        assert first < order[issue] < last, f"bucket {index} meant for layer {layer} {spans[layer]} at {order[issue]}"
+    return layers
+
+
+def _errors(rank: int, world_size: int = 2) -> list[str]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import moe_compile
+    from moe_compile import ConfigError
+
+    torch._dynamo.reset()
+    model, loss_of, batch = _model("gshard")
+    net = DDP(torch.compile(model, backend="moe", fullgraph=True, options={"dp_group": "world", "inner": "eager"}))
+    with pytest.raises(Exception, match="averaged twice") as e:
+        net(batch(rank, 0))
+    messages = [str(e.value)]
+    with pytest.raises(Exception, match=r"options\['dp_group'\]=7: expected None, 'world' or a ProcessGroup"):
+        torch.compile(model, backend="moe", options={"dp_group": 7})(batch(rank, 0))
+    with pytest.raises(ConfigError, match="dp_placement"):
+        moe_compile.config.merged({"dp_placement": "fsmoe"})  # without dp_group
+    return messages
+
+
+def _two_ranks(rank: int, world_size: int) -> dict:
+    done = [
+        _case(rank, "gshard", {"dp_group": "world", "dp_bucket_mb": 0.0005}),
+        _case(rank, "gshard", {"ep_group": "world", "dp_group": "world"}),
+        _case(rank, "transformer", {"ep_group": "world", "dp_group": "world", "num_chunks": 2,
+                                    "dp_bucket_mb": 0.002}),
+        _case(rank, "transformer_ac", {"ep_group": "world", "dp_group": "world"}),
+        _case(rank, "gshard", {"ep_group": "world", "dp_group": "world"}, sharded=True),
+        _case(rank, "loop", {"ep_group": "world", "dp_group": "world"}, sharded=True),
+        _case(rank, "gshard", {"ep_group": "world", "dp_group": "world", "dp_placement": "end"}),
+        _case(rank, "gshard", {"ep_group": "world", "dp_group": "world", "compressor": "bf16"}, tol=BF16),
+        _case(rank, "gshard", {"ep_group": "world", "dp_group": "world", "emulate_link": {"alpha_us": 10, "gbps": 1}}),
+        _case(rank, "gshard", {"ep_group": "world", "dp_group": "world", "inner": "inductor", "dp_bucket_mb": 0.0005}),
+    ]
+    return {"cases": done, "order": _graph_order(rank), "fsmoe": _fsmoe_order(rank), "errors": _errors(rank, world_size)}
+
+
+def _four_ranks(rank: int, world_size: int) -> list[str]:
+    import torch.distributed as dist
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    return [
+        _case(rank, "gshard", {"ep_group": "world", "dp_group": "world", "dp_bucket_mb": 0.0005}),
+        _case(rank, "transformer", {"ep_group": pairs[rank // 2], "dp_group": "world"}),
+    ]
+
+
+def test_grad_sync_two_ranks():
+    results = spawn(_two_ranks, 2, timeout=600)
+    assert results[0]["cases"] == results[1]["cases"] and len(results[0]["cases"]) == 10
+    assert results[0]["order"] == results[1]["order"]
+    assert results[0]["fsmoe"] == results[1]["fsmoe"]
+    assert "DistributedDataParallel" in results[0]["errors"][0]
+
+
+def test_grad_sync_four_ranks():
+    results = spawn(_four_ranks, 4, timeout=600)
+    assert all(r == results[0] for r in results) and len(results[0]) == 2
