@@ -18,8 +18,8 @@ Two things stop Dynamo before the ``moe`` backend ever sees a transformers MoE m
    loop form the backend recognises (README, "Supported MoE patterns"). Same parameters, same
    result; an expert that receives no token contributes nothing, as before.
 
-Families ``prepare`` cannot make capturable as a whole (longcat_flash's and step3p7's experts loops
-have no substitute yet; qwen4_exp's attention branches on a tensor value; switch_transformers'
+Families ``prepare`` cannot make capturable as a whole (longcat_flash's experts loop
+has no substitute yet; qwen4_exp's attention branches on a tensor value; switch_transformers'
 output capturing fails under Dynamo even with its experts substituted) are listed in
 :data:`NO_SUBSTITUTE`; ``prepare`` says so at WARNING with the fix (and ``strict=True`` raises ``ValueError`` instead). transformers is never
 imported by this module: classes are matched by module and name.
@@ -49,11 +49,6 @@ NO_SUBSTITUTE: dict[str, tuple[str, str]] = {
     "qwen4_exp": (
         "its attention branches on a tensor value (`if num_complete_blocks > 0:`), outside the MoE layers",
         "torch.compile without fullgraph=True, or torch.compile(layer.mlp, backend=\"moe\") on its MoE blocks alone",
-    ),
-    "step3p7": (
-        "its experts loop `for expert_idx in hit` over nonzero() has no registered substitute yet",
-        "torch.compile without fullgraph=True (its MoE layers then stay eager), or a Dynamo-safe forward for its "
-        "experts module registered with moe_compile.hf.register_forward",
     ),
     "switch_transformers": (
         "transformers' output capturing (utils/output_capturing.py) raises a TypeError under Dynamo",
@@ -199,13 +194,30 @@ def _dbrx_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
     shape = (self.num_experts, self.ffn_hidden_size, self.hidden_size)
     w1, v1, w2 = (self.mlp.w1.view(shape), self.mlp.v1.view(shape), self.mlp.w2.view(shape))
-    for e in range(self.num_experts):
+    for e in range(self.num_experts):   # DbrxExpertGLU's computation, its weights read as W[e] by the backend
         idx, token_idx = torch.where(expert_mask[e])
-        y = self.mlp(hidden_states[token_idx], w1[e], v1[e], w2[e])
+        x = hidden_states[token_idx]
+        h = self.mlp.activation_fn(torch.nn.functional.linear(x, w1[e])) * torch.nn.functional.linear(x, v1[e])
+        y = torch.matmul(h, w2[e])
         out.index_add_(0, token_idx, y * top_k_weights[token_idx, idx, None])
     return out.view(batch_size, -1, self.hidden_size)
 
 
 register_forward("NllbMoeExperts", _module_dict_experts_forward)
 register_forward("SwitchTransformersExperts", _module_dict_experts_forward)
+def _stacked_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """Experts stored ``gate_up_proj [E, 2F, H]`` / ``down_proj [E, H, F]`` with the class's own
+    ``_apply_gate`` whose loop transformers did not put behind ``@use_experts_implementation``
+    (``Step3p7Experts``); expert ``E`` of the one-hot (a padding id) is skipped as there."""
+    final = torch.zeros_like(hidden_states)
+    mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+    for e in range(self.num_experts):
+        top_k_pos, token_idx = torch.where(mask[e])
+        current = self._apply_gate(torch.nn.functional.linear(hidden_states[token_idx], self.gate_up_proj[e]))
+        current = torch.nn.functional.linear(current, self.down_proj[e]) * top_k_weights[token_idx, top_k_pos, None]
+        final.index_add_(0, token_idx, current.to(final.dtype))
+    return final
+
+
 register_forward("DbrxExperts", _dbrx_experts_forward)
+register_forward("Step3p7Experts", _stacked_experts_forward)

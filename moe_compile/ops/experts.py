@@ -15,6 +15,10 @@ parsed from the name)::
     relu, relu2 (relu²), gelu, gelu_tanh, silu, sigmoid     act(g) [⊙ u]       act_args = []
     swiglu_oai   (gpt-oss)      g' = min(g, limit); u' = clamp(u, -limit, limit)
                                 (u' + 1) ⊙ g' σ(α g')                      act_args = [α, limit]
+    swiglu_clamped (GLM-5-Next, HY-V4)   silu(g') ⊙ u', g', u' as above          act_args = [limit]
+    swiglu_limited (Step-3.7)   min(silu(g), limit) ⊙ clamp(u, -limit, limit)    act_args = [limit]
+    swiglu_softcap (Inkling 2)  c_g tanh(g / c_g) σ(g) ⊙ c_u tanh(u / c_u), in float32
+                                                                           act_args = [c_g, c_u]
 
 Registered as a CompositeImplicitAutograd op: it shows as ``moe.experts`` in the
 stage-1 graph (dumps, and the expert-parallel / chunk passes find it by name) and
@@ -49,9 +53,30 @@ def _swiglu_oai(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def _swiglu_clamped(gate: Tensor, up: Tensor, limit: float) -> Tensor:
+    """GLM-5-Next's / HY-V4's SwiGLU: ``silu(min(g, limit)) · clamp(u, -limit, limit)`` (no α, no +1)."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def _swiglu_limited(gate: Tensor, up: Tensor, limit: float) -> Tensor:
+    """Step-3.7's SwiGLU: the activation clamped, ``min(silu(g), limit) · clamp(u, -limit, limit)``."""
+    return F.silu(gate).clamp(max=limit) * up.clamp(min=-limit, max=limit)
+
+
+def _swiglu_softcap(gate: Tensor, up: Tensor, gate_cap: float, up_cap: float) -> Tensor:
+    """Inkling 2's soft-capped SwiGLU: ``c_g tanh(g / c_g) · σ(g) · c_u tanh(u / c_u)``, the sigmoid on the
+    raw gate, computed in float32 and returned in the input's dtype."""
+    dtype = gate.dtype
+    gate, up = gate.float(), up.float()
+    return (torch.tanh(gate / gate_cap) * gate_cap * torch.sigmoid(gate) * (torch.tanh(up / up_cap) * up_cap)).to(dtype)
+
+
 #: gated forms ``glu(g, u, *act_args)`` other than ``act(g) ⊙ u``: name → (function, names of its act_args)
 GATED = {
     "swiglu_oai": (_swiglu_oai, ("alpha", "limit")),
+    "swiglu_clamped": (_swiglu_clamped, ("limit",)),
+    "swiglu_softcap": (_swiglu_softcap, ("gate_cap", "up_cap")),
+    "swiglu_limited": (_swiglu_limited, ("limit",)),
 }
 
 _lib = torch.library.Library("moe", "FRAGMENT")

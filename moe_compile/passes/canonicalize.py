@@ -17,6 +17,15 @@ After::
     y = moe.experts(buf, W1ᵀ, W2ᵀ, None, "relu")               # weights in [E, out, in]
     out = moe.combine(y, ids, loc, w.view(-1, k)).reshape_as(hidden)
 
+Scores before the experts (Llama 4: ``routed_in = x.repeat(E, 1) * scores.T.reshape(-1, 1)``, every
+expert on every token, ``sigmoid(-inf) = 0`` for the unchosen ones, ``MoERegion.scaled_before``)::
+
+    Before:  s = sigmoid(full_like(logits, -inf).scatter_(1, ids, vals)); y = bmm(.. x.repeat(E, 1) * s ..)
+             routed = y.view(E, T, M).sum(0)
+    After:   w = s.gather(1, ids); xs = (x[:, None] * w[..., None]).reshape(T·k, M)
+             buf, loc = moe.dispatch(xs, ids.reshape(T·k, 1), E, 0)
+             routed = moe.combine(moe.experts(buf, ...), ids.reshape(T·k, 1), loc, ones).view(T, k, M).sum(1)
+
 Shared experts (Qwen2-MoE, DeepSeek, Hunyuan, Llama 4): only the routed output is replaced
 (``MoERegion.routed``, the ``[T, M]`` value the routed computation funnels into, found from the
 graph by :func:`.expert_weights.routed_output`); what the layer computes after it, a shared expert,
@@ -205,7 +214,16 @@ def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
         if not isinstance(k, int):  # a runtime k (Tutel §5 top-ANY): read from the [T, k] ids, not a constant
             k = call(torch.ops.aten.sym_size.int, env[region.expert_ids], -1)
         ids = call("reshape", env[region.expert_ids], (-1, k), method=True)
-        weights = call("reshape", env[region.gate_weights], (-1, k), method=True)
+        if region.dense_weights:   # [T, E] scores: the weights are their entries at the ids
+            weights = call(torch.gather, env[region.gate_weights], 1, call("long", ids, method=True))
+        else:
+            weights = call("reshape", env[region.gate_weights], (-1, k), method=True)
+        if region.scaled_before:   # expert(w · x): T·k scaled rows, one choice each, combined with weight 1
+            model_dim = shape_of(region.tokens)[-1]
+            tokens = call("reshape", call(operator.mul, call("unsqueeze", tokens, 1, method=True),
+                                          call("unsqueeze", weights, -1, method=True)), (-1, model_dim), method=True)
+            ids = call("reshape", ids, (-1, 1), method=True)
+            weights = call(torch.ones_like, call("reshape", weights, (-1, 1), method=True))
         linears = (experts.w1, experts.w2, experts.w3)
         w1, w2, w3 = (_canonical_weight(call, lin, env) if lin is not None else None for lin in linears)
         b1, b2, b3 = (_canonical_bias(call, lin, env) if lin is not None else None for lin in linears)
@@ -217,12 +235,16 @@ def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
             args.pop()
         expert_out = call(torch.ops.moe.experts.default, *args)
         combined = call(torch.ops.moe.combine.default, expert_out, ids, locations, weights)
+        if region.scaled_before:   # [T·k, M] → the sum of each token's k outputs
+            combined = call("sum", call("reshape", combined, (-1, k, model_dim), method=True), 1, method=True)
         combined = call("to", combined, example_value(routed).dtype, method=True)
         if not _same_shape(shape_of(routed), shape_of(region.tokens)):
             combined = call("reshape_as", combined, env[region.hidden], method=True)
     old = env[routed]
-    later = reachable(old.users, stop=lambda n: n is output) - {output}
-    old.replace_all_uses_with(combined)
+    # an accumulator's in-place writers (``final.index_add_(0, rows, y)``) keep writing into it, now unread
+    writers = {u for u in old.users if is_inplace(u) and u.args[0] is old}
+    later = reachable([u for u in old.users if u not in writers], stop=lambda n: n is output) - {output}
+    old.replace_all_uses_with(combined, delete_user_cb=lambda user: user not in writers)
     for node in [n for n in graph.nodes if n in later]:  # after the canonical ops, in their order
         output.prepend(node)
     _eliminate_dead_code(graph)

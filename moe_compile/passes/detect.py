@@ -45,12 +45,13 @@ from torch.fx import Graph, GraphModule, Node
 from ..counters import counters
 from ..debug import log
 from .expert_weights import expert_mlp, is_parameter, routed_output
-from .graph_utils import example_value, module_region, region_boundary, shape_of
+from .graph_utils import example_value, module_region, region_boundary, shape_of, strip
 from .manager import PassResult
 from .checkpoint_bodies import checkpoint_bodies
 from .regions import MoERegion, NoMatch, Skip
 from .routing import (
-    NotARouter, Router, expert_tokens, is_selection, read_router, router_part, same_size, selection_of,
+    NotARouter, Router, expert_tokens, is_selection, read_router, router_part, same_size, scales_expert_input,
+    selection_of,
 )
 from .state import moe_state
 
@@ -261,14 +262,18 @@ def _match(graph: Graph, router: Router) -> MoERegion:
         if output is None:
             continue
         experts, expert_input = expert_mlp(region, router.num_experts, selection)
+        tokens = expert_tokens(router, expert_input)
+        scaled_before = scales_expert_input(router, expert_input, tokens)
         in_shape = shape_of(expert_input)
-        if in_shape is not None and len(in_shape) == 3 and in_shape[0] == router.num_experts:
+        if scaled_before and in_shape is not None and len(in_shape) == 3 and same_size(
+                in_shape[0] * in_shape[1], router.num_experts * shape_of(tokens)[0]):
+            capacity, pattern = 0, "dense"   # every expert runs every token, scaled by its score (0 unchosen)
+        elif in_shape is not None and len(in_shape) == 3 and in_shape[0] == router.num_experts:
             capacity, pattern = int(in_shape[1]), "gshard"
         elif len(experts.w1.weights) > 1:
             capacity, pattern = 0, "loop"
         else:
             capacity, pattern = 0, "sort"
-        tokens = expert_tokens(router, expert_input)
         return MoERegion(
             name=name,
             pattern=pattern,
@@ -286,6 +291,8 @@ def _match(graph: Graph, router: Router) -> MoERegion:
             output=output,
             routing=router.form,
             routed=routed_output(region, selection, output, experts, (shape_of(tokens), shape_of(hidden))),
+            dense_weights=router.dense_weights,
+            scaled_before=scaled_before,
         )
     raise NoMatch(f"top-k {selection.name}: no enclosing module returns a tensor shaped like its input"
                   + (_SPLIT_HINT if _leaves_graph(selection) else ""))
@@ -312,16 +319,30 @@ def _leaves_graph(node: Node) -> bool:
 
 
 def _layer_output(inputs: list[Node], outputs: list[Node]) -> tuple[Node | None, Node | None]:
-    """The module output shaped like one of its float inputs (its hidden states)."""
-    for out in outputs:
-        shape = shape_of(out)
-        value = example_value(out)
-        if shape is None or not value.is_floating_point():
-            continue
-        for node in inputs:
-            if node.op != "get_attr" and not is_parameter(node) and _same_shape(shape_of(node), shape):
-                return out, node
+    """The module output shaped like one of its float inputs (its hidden states), else one that is those
+    hidden states as ``[T, M]`` rows (Llama 4's MoE returns ``[B·S, M]`` for ``[B, S, M]``)."""
+    for same in (_same_shape, _same_rows):
+        for out in outputs:
+            shape = shape_of(out)
+            value = example_value(out)
+            if shape is None or not value.is_floating_point():
+                continue
+            for node in inputs:
+                if node.op != "get_attr" and not is_parameter(node) and same(shape_of(node), shape) and (
+                        same is _same_shape or strip(out, methods=_ROW_VIEWS) is not node):
+                    return out, node
     return None, None
+
+
+#: views that only flatten the hidden states into rows (a module returning its input so viewed computes nothing:
+#: a router that reshapes the tokens for the experts after it is no layer)
+_ROW_VIEWS = ("view", "reshape", "flatten", "contiguous", "to", "float")
+
+
+def _same_rows(a: tuple | None, b: tuple) -> bool:
+    """``b`` is ``a`` flattened to 2-d rows: ``[B, S, M]`` and ``[B·S, M]``."""
+    return (a is not None and len(a) == 3 and len(b) == 2 and same_size(b[1], a[2])
+            and same_size(b[0], a[0] * a[1]))
 
 
 def _same_shape(a: tuple | None, b: tuple) -> bool:

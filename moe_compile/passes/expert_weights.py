@@ -67,14 +67,16 @@ def expert_mlp(region: list[Node], num_experts: int, topk: Node) -> tuple[Expert
         lin = _as_linear(node, num_experts)
         if lin is not None:
             linears.append(lin)
-    if not linears:
-        indexed = [n for n in region if n in after_router and _indexed_expert_linear(n, num_experts)]
-        if indexed:  # JetMoe's parallel experts: F.linear(rows_i, W[i]) per expert over split rows, then cat
+    # JetMoe's parallel experts: F.linear(rows_i, W[i]) per expert over split rows, then cat
+    indexed = [lin.node for lin in linears if _indexed_weight(lin.weight) is not None and _split_item(lin.input)]
+    if not linears or indexed:
+        indexed = indexed or [n for n in region if n in after_router and _indexed_expert_linear(n, num_experts)]
+        if indexed:
             raise NoMatch(
                 f"its expert linears read one expert's weight by a constant index ({indexed[0].name} reads "
                 f"{_indexed_expert_linear(indexed[0], num_experts)}, one linear per expert over split rows, as "
                 "JetMoe's parallel experts do); only expert weights gathered by the expert ids, stacked [E, ...] "
-                "in bmm / grouped_mm / einsum, or per-expert parameters are read"
+                "in bmm / grouped_mm / einsum, per-expert parameters, or W[e] rows chosen by torch.where are read"
             )
         raise NoMatch("no expert linear layers (linear / matmul / bmm / einsum / grouped_mm on expert weights)")
     stacked = [lin for lin in linears if lin.stacked]
@@ -96,10 +98,10 @@ def expert_mlp(region: list[Node], num_experts: int, topk: Node) -> tuple[Expert
     down = downs[0]
     h = strip(down.input, methods=_VIEWS)
     act_args: tuple[float, ...] = ()
-    oai = _swiglu_oai(h)
-    if oai is not None:
-        gate_in, up_in, act_args = oai
-        activation, gated = "swiglu_oai", True
+    special = next(((name, found) for name, match in _GATED_FORMS if (found := match(h)) is not None), None)
+    if special is not None:
+        activation, (gate_in, up_in, act_args) = special
+        gated = True
         up1_out, up3_out = strip(gate_in, methods=_VIEWS), up_in
     else:
         gated = is_call(h, operator.mul, torch.mul, method=("mul",))
@@ -176,6 +178,74 @@ def _swiglu_oai(h: object) -> tuple[Node, Node, tuple[float, float]] | None:
     return None
 
 
+def _swiglu_clamped(h: object) -> tuple[Node, Node, tuple[float]] | None:
+    """GLM-5-Next's / HY-V4's ``silu(clamp(g, max=l)) * clamp(u, -l, l)``: (g, u, (l,)), or None."""
+    if not is_call(h, *_MUL, method=("mul",)) or len(h.args) != 2:
+        return None
+    for act, up_side in (h.args, h.args[::-1]):
+        if not is_call(act, F.silu, method=()):
+            continue
+        gate, up = _clamp_bounds(strip(act.args[0])), _clamp_bounds(up_side)
+        if gate is None or up is None:
+            continue
+        gate_in, gate_low, limit = gate
+        up_in, up_low, up_high = up
+        if gate_low is None and limit is not None and (up_low, up_high) == (-limit, limit):
+            return gate_in, up_in, (limit,)
+    return None
+
+
+def _swiglu_limited(h: object) -> tuple[Node, Node, tuple[float]] | None:
+    """Step-3.7's ``clamp(silu(g), max=l) * clamp(u, -l, l)``: (g, u, (l,)), or None."""
+    if not is_call(h, *_MUL, method=("mul",)) or len(h.args) != 2:
+        return None
+    for act_side, up_side in (h.args, h.args[::-1]):
+        act, up = _clamp_bounds(act_side), _clamp_bounds(up_side)
+        if act is None or up is None:
+            continue
+        found = _activation_or_none(strip(act[0]))
+        limit = act[2]
+        if found is not None and found[0] == "silu" and act[1] is None and limit is not None and (
+                up[1], up[2]) == (-limit, limit):
+            return found[1], up[0], (limit,)
+    return None
+
+
+def _softcap(node: object) -> tuple[Node, float] | None:
+    """(x, c) of ``tanh(x / c) * c``, or None."""
+    if not is_call(node, *_MUL, method=("mul",)) or len(node.args) != 2:
+        return None
+    for tanh, cap in (node.args, node.args[::-1]):
+        if is_call(tanh, torch.tanh, method=("tanh",)) and _constant(cap) is not None:
+            inner = tanh.args[0]
+            if is_call(inner, operator.truediv, torch.div, method=("div",)) and _constant(inner.args[1]) == _constant(cap):
+                return inner.args[0], _constant(cap)
+    return None
+
+
+def _swiglu_softcap(h: object) -> tuple[Node, Node, tuple[float, float]] | None:
+    """Inkling 2's ``softcap(g, c_g) * sigmoid(g) * softcap(u, c_u)`` (``softcap(x, c) = tanh(x / c) * c``,
+    in float32): (g, u, (c_g, c_u)), or None."""
+    h = strip(h, methods=_VIEWS)
+    if not is_call(h, *_MUL, method=("mul",)) or len(h.args) != 2:
+        return None
+    for glu, up_side in (h.args, h.args[::-1]):
+        up = _softcap(up_side)
+        if up is None or not is_call(glu, *_MUL, method=("mul",)) or len(glu.args) != 2:
+            continue
+        for capped, sig in (glu.args, glu.args[::-1]):
+            gate = _softcap(capped)
+            if gate is not None and is_call(sig, torch.sigmoid, F.sigmoid, method=("sigmoid",)) and (
+                    strip(sig.args[0], methods=_VIEWS) is strip(gate[0], methods=_VIEWS)):
+                return gate[0], up[0], (gate[1], up[1])
+    return None
+
+
+#: gated activations read whole, before ``act(g) * u``: (name of ``moe_compile.ops.experts.GATED``, matcher)
+_GATED_FORMS = (("swiglu_oai", _swiglu_oai), ("swiglu_clamped", _swiglu_clamped), ("swiglu_softcap", _swiglu_softcap),
+                ("swiglu_limited", _swiglu_limited))
+
+
 def _activation_or_none(node: object) -> tuple[str, Node] | None:
     """(name, input) of an expert activation of ``moe_compile.ops.experts.ACTIVATIONS``, or None."""
     if not isinstance(node, Node):
@@ -207,7 +277,8 @@ def _activation(node: object) -> tuple[str, Node]:
         raise NoMatch("expert activation is not a graph node")
     raise NoMatch(
         f"expert activation {getattr(node.target, '__name__', node.target)} ({node.name}) is not one of relu, "
-        "relu2, gelu, gelu_tanh, silu, sigmoid, or gpt-oss's clamped SwiGLU"
+        "relu2, gelu, gelu_tanh, silu, sigmoid, or the clamped (gpt-oss, GLM-5-Next) or soft-capped (Inkling 2) "
+        "SwiGLU"
     )
 
 
@@ -293,7 +364,20 @@ def _source_key(name: str) -> str:
 
 def _per_expert_weights(weight0: Node, num_experts: int, among: set[Node]) -> tuple[Node, ...] | None:
     """Expert 0's weight ``weight0`` and the same weight of experts 1 .. E-1, all from ``among``
-    (the weights this layer's linears read); None when ``weight0`` is not expert 0's."""
+    (the weights this layer's linears read); None when ``weight0`` is not expert 0's. Expert ``e``'s weight
+    is the parameter named like expert 0's with ``e`` for its ``0``, or ``W[e]`` when ``weight0`` is
+    ``W[0]`` of a stacked ``W`` (:func:`_indexed_weight`)."""
+    indexed = _indexed_weight(weight0)
+    if indexed is not None:
+        base, index = indexed
+        if index != 0 or shape_of(base)[0] != num_experts:
+            return None
+        by_index: dict[int, Node] = {}
+        for node in sorted(among):
+            other = _indexed_weight(node)
+            if other is not None and other[0] is base:
+                by_index.setdefault(other[1], node)
+        return tuple(by_index[e] for e in range(num_experts)) if all(e in by_index for e in range(num_experts)) else None
     by_key = {_source_key(n.name): n for n in among}
     name = _source_key(weight0.name)
     for m in re.finditer(r"_0_", name):
@@ -332,23 +416,46 @@ def _as_linear(node: Node, num_experts: int) -> _Linear | None:
     return None
 
 
+def _split_item(node: object) -> bool:
+    """``node`` is an item of a ``split`` / ``chunk`` along the rows (JetMoe's per-expert row blocks)."""
+    node = strip(node, methods=_VIEWS)
+    if not (isinstance(node, Node) and node.target is operator.getitem and isinstance(node.args[0], Node)):
+        return False
+    parent = node.args[0]
+    dim = parent.kwargs.get("dim", parent.args[2] if len(parent.args) > 2 else 0)
+    return is_call(parent, torch.split, torch.chunk, method=("split", "chunk")) and dim == 0
+
+
 def _indexed_expert_linear(node: Node, num_experts: int) -> str | None:
     """``W[i]`` (as text) when ``node`` is a linear / matmul on a constant expert index of a stacked
     ``[E, a, b]`` parameter, else None."""
     if node.op != "call_function" or node.target not in (*LINEAR, *MATMUL) or len(node.args) < 2:
         return None
-    weight = node.args[1]
-    if not (isinstance(weight, Node) and weight.target is operator.getitem and isinstance(weight.args[1], int)):
+    indexed = _indexed_weight(node.args[1])
+    if indexed is not None and shape_of(indexed[0])[0] == num_experts:
+        return f"{indexed[0].name}[{indexed[1]}]"
+    return None
+
+
+def _indexed_weight(node: object) -> tuple[Node, int] | None:
+    """(W, e) when ``node`` is ``W[e]``, one expert's ``[a, b]`` weight read by a constant index from a
+    stacked ``[E, a, b]`` parameter ``W`` or a view of one (dbrx stores ``[E·F, H]``, its loop reads
+    ``w1.view(E, F, H)[e]``), else None."""
+    if not (isinstance(node, Node) and node.op == "call_function" and node.target is operator.getitem
+            and isinstance(node.args[1], int) and isinstance(node.args[0], Node)):
         return None
-    param = weight.args[0]
-    shape = shape_of(param)
-    if isinstance(param, Node) and is_parameter(param) and shape is not None and len(shape) == 3 and shape[0] == num_experts:
-        return f"{param.name}[{weight.args[1]}]"
+    base = node.args[0]
+    source = base.args[0] if is_call(base, method=("view", "reshape")) else base
+    shape = shape_of(base)
+    if (isinstance(source, Node) and source.op in ("placeholder", "get_attr") and is_parameter(source)
+            and shape is not None and len(shape) == 3):
+        return base, node.args[1]
     return None
 
 
 def _weight_source(node: object) -> tuple[Node, bool, bool] | None:
-    """(parameter, flips, gathered) for a weight expression: param[.transpose][ids]."""
+    """(parameter, flips, gathered) for a weight expression: param[.transpose][ids]; for one expert's
+    weight read by a constant index, ``W[e]`` itself stands for the parameter (:func:`_indexed_weight`)."""
     flips = False
     gathered = False
     while isinstance(node, Node):
@@ -356,6 +463,8 @@ def _weight_source(node: object) -> tuple[Node, bool, bool] | None:
             if is_parameter(node):
                 return node, flips, gathered
             return None
+        if not gathered and _indexed_weight(node) is not None:
+            return node, flips, False
         if is_call(node, method=("transpose", "t", "mT")) or is_call(node, torch.transpose):
             flips = not flips
             node = node.args[0]
@@ -441,46 +550,85 @@ def routed_output(region: list[Node], topk: Node, output: Node, experts: ExpertM
     from the router's ``topk`` and the down projection's weights, has one of ``shapes`` (the tokens' or the
     hidden states'), and every other routed node the output depends on is computed before it (a funnel:
     what follows, a shared expert added or a scaling, reads the routed experts only through it).
-    ``output`` itself when no node qualifies (e.g. an in-place accumulation into a tensor made before
-    the router).
+    ``output`` itself when no node qualifies.
 
     Before (qwen2_moe)::
 
         shared = down(silu(gate(x)) * up(x)); routed = <sort / grouped_mm / unsort>.sum(1)
         out = routed + sigmoid(linear(x, Wg)) * shared           → routed_output = routed
+
+    An in-place op writes into the tensor it mutates: the output depends on it (Llama 4's
+    ``out = shared(x); out.add_(routed.sum(0))`` returns ``out``, its ``add_`` unused in the graph). A
+    routed result accumulated in place into a tensor that holds other values (a shared expert's output)
+    must funnel through one node before that op, or the layer is not matched.
     """
     members = set(region)
     inside = lambda n: n not in members  # noqa: E731 - stop predicate
     downstream = reachable([u for u in topk.users if u in members], stop=inside) & members
-    routed = downstream & reachable([output], forward=False, stop=inside)
+    routed = downstream & _ancestors_written([output], members)
     down_weights = [u for w in (*experts.w2.weights, *experts.w2.bias) for u in w.users if u in members]
     after_down = reachable(down_weights, stop=inside) & members
-    for node in region:  # an accumulation in place into a tensor that holds other values hides the data flow
-        base = node.args[0] if node.args and isinstance(node.args[0], Node) else None
-        if node in after_down and is_inplace(node) and base is not None and base not in downstream and not is_call(
-                base, torch.zeros_like, torch.zeros, torch.empty_like, method=("new_zeros", "zero_")):
-            raise NoMatch(
-                f"the routed experts' result is added in place ({node.name} = {getattr(node.target, '__name__', node.target)}) "
-                f"into {base.name}, a tensor that holds other values (e.g. a shared expert's output); "
-                "not rewritten (write it out of place: out = shared + routed)"
-            )
+    in_place = [node for node in region if node in after_down and is_inplace(node) and node.args
+                and isinstance(node.args[0], Node) and node.args[0] not in downstream]
+    zeros = lambda n: is_call(n, torch.zeros_like, torch.zeros, torch.empty_like, method=("new_zeros", "zero_"))  # noqa: E731
+    into_other = [node for node in in_place if not zeros(node.args[0])]  # into a tensor that holds other values
+    # a zero-filled accumulator the experts' rows are index_add_-ed into, then read (scaled, a shared expert
+    # added): it stands for its value after the last write
+    accumulators = {node.args[0] for node in in_place if zeros(node.args[0]) and node.args[0] in members}
+    funnel = _funnel(region, routed, after_down, downstream, members, shapes, inside, accumulators)
+    if into_other and (funnel is None or any(n not in reachable(funnel.users, stop=inside) for n in into_other)):
+        node = into_other[0]
+        raise NoMatch(
+            f"the routed experts' result is added in place ({node.name} = {getattr(node.target, '__name__', node.target)}) "
+            f"into {node.args[0].name}, a tensor that holds other values (e.g. a shared expert's output), and no "
+            "single [T, M] result of the experts comes before it; not rewritten (write it out of place: "
+            "out = shared + routed)"
+        )
+    return output if funnel is None else funnel
+
+
+def _ancestors_written(ends: list[Node], members: set[Node]) -> set[Node]:
+    """The members ``ends`` are computed from, with the in-place ops that wrote into them (their users
+    that mutate them: ``out.add_(r)`` makes ``out`` depend on ``r``)."""
+    seen: set[Node] = set()
+    todo = [e for e in ends if e in members]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        todo.extend(u for u in node.users if u in members and is_inplace(u) and u.args and u.args[0] is node)
+        todo.extend(i for i in node.all_input_nodes if i in members)
+    return seen
+
+
+def _funnel(region, routed, after_down, downstream, members, shapes, inside, accumulators) -> Node | None:
+    """:func:`routed_output`'s node, or None. An accumulator (``final = zeros_like(x)``, the experts'
+    rows ``final.index_add_``-ed in) is the funnel as its writes leave it: what it is computed from
+    includes its writers, what follows it is what its other users read."""
+    writers = {n for n in region if is_inplace(n) and n.args and n.args[0] in accumulators}
     for node in region:
-        if node not in routed or node not in after_down:
+        accumulator = node in accumulators
+        if not accumulator and (node not in routed or node not in after_down):
             continue
         value = example_value(node)
         if not isinstance(value, torch.Tensor) or not value.is_floating_point():
             continue
         if not any(_same(shape_of(node), tuple(shape)) for shape in shapes if shape is not None):
             continue
-        before = reachable([node], forward=False, stop=inside)
-        after = reachable(node.users, stop=inside) & members
-        if not all(n in before or n in after for n in routed):
+        if accumulator:
+            before = _ancestors_written([node], members)
+            after = reachable([u for u in node.users if u not in writers], stop=inside) & members
+        else:   # in-place writes into what it reads (a bias ``out.add_(b)``) are before it too
+            before = _ancestors_written([node], members)
+            after = reachable(node.users, stop=inside) & members
+        if not after or not all(n in before or n in after for n in routed):
             continue
         # what follows reads the routing only through it (a top-1 layer's rows still in expert order are
         # [T, M] too, but the un-permutation after them reads the order again)
         if all(i is node or i in after or i not in downstream for n in after for i in n.all_input_nodes):
             return node
-    return output
+    return None
 
 
 def is_parameter(node: Node) -> bool:

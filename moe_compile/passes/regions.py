@@ -71,6 +71,13 @@ class MoERegion:
     #: canonicalize replaces only it, so what the layer computes after it (a shared expert and its gate, the
     #: add, a scaling) stays as written; ``output`` itself when nothing follows the experts
     routed: Node | None = None
+    #: ``gate_weights`` is the router's dense ``[T, E]`` scores, the weights are its entries at the ids
+    #: (Llama 4: top-k values scattered into ``-inf`` logits, then ``sigmoid``)
+    dense_weights: bool = False
+    #: the gate weights scale the tokens before the experts (``expert(w · x)``, Llama 4's
+    #: ``x.repeat(E, 1) * scores``) rather than their outputs; canonicalize dispatches the ``T·k`` scaled
+    #: rows one choice each and sums the k outputs of a token with weight 1
+    scaled_before: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

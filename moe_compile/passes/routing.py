@@ -33,10 +33,15 @@ What is recognised, and how:
 * **Gate weights** are the ``[T, k]`` floats reached from the selection's values
   (``topk(...)[0]``, ``max(...)[0]``) or from a ``gather`` of any scores by the ids
   (weights from the unbiased scores when the bias served selection only) through
-  routing-only math: casts, reshapes, scaling, renormalisation by their own sum,
-  ``softmax`` over the k choices (softmax after the top-k), ``cat`` of per-pick
+  routing-only math: casts, reshapes, scaling, renormalisation by their own sum, ``sigmoid`` of the
+  top-k logits (Llama 4), ``softmax`` over the k choices (softmax after the top-k), ``cat`` of per-pick
   weights. The walk stops before anything that reads the expert ids otherwise (a
   capacity mask): dropping is the dispatch's job.
+* **Dense scores** (Llama 4): the selection's values scattered into a ``[T, E]`` tensor that holds a
+  constant everywhere else (``full_like(logits, -inf).scatter_(1, ids, vals)``), then elementwise math
+  (``sigmoid``) or a softmax over the experts: the gate weights are that ``[T, E]`` tensor read at the
+  ids (``Router.dense_weights``; canonicalize gathers them). What it holds off the ids must be what
+  makes an unchosen expert contribute nothing (``sigmoid(-inf) = 0``): the region check says whether it is.
 * **Inner selections**, those the router's ids or weights are computed from (the
   group top-k of group-limited routing, sparsemixer's first pick, its threshold
   ``max``), belong to the router of the final selection: neither matched alone nor
@@ -66,7 +71,8 @@ from .graph_utils import example_value, is_call, is_inplace, reachable, shape_of
 from .regions import NoMatch
 
 __all__ = [
-    "NotARouter", "Router", "expert_tokens", "is_selection", "read_router", "router_part", "same_size", "selection_of",
+    "NotARouter", "Router", "expert_tokens", "is_selection", "read_router", "router_part", "same_size",
+    "scales_expert_input", "selection_of",
 ]
 
 
@@ -88,6 +94,8 @@ class Router:
     num_experts: int
     top_k: int
     form: str                       # how it routes, for the logs: "top-k", "top-1 by max, renormalised", ...
+    #: ``gate_weights`` is a ``[T, E]`` tensor whose entries at the ids are the weights (dense scores)
+    dense_weights: bool = False
 
 
 _CASTS = ("to", "type", "float", "double", "half", "bfloat16", "contiguous", "type_as")
@@ -140,13 +148,16 @@ def read_router(selection: Node) -> Router:
     if len(ids_shape) > 2 or not isinstance(top_k, (int, torch.SymInt)) or not same_size(ids_shape[0], num_tokens):
         raise NoMatch(f"the expert ids {ids.name} of {selection.name} are not [T, k] (shape {list(ids_shape)})")
     id_nodes = reachable([ids], forward=False, stop=is_selection)
-    weights, chain = _gate_weights(selection, ids, id_nodes, num_tokens * top_k)
+    weights, chain, dense = _gate_weights(selection, ids, id_nodes, num_tokens * top_k, num_tokens * num_experts)
     nodes = _router_nodes(gate, [ids, weights, scores])
     selections = tuple(sorted(n for n in nodes if is_selection(n)))
     tokens = strip(gate.args[0], methods=_CASTS)
     picks = [s for s in selections if _getitem(s, 1) in id_nodes]
     form = _describe(selection, selections, picks, chain, num_experts)
-    return Router(selection, selections, frozenset(nodes), gate, tokens, ids, weights, num_experts, top_k, form)
+    if dense:
+        form += ", values scattered into dense [T, E] scores"
+    return Router(selection, selections, frozenset(nodes), gate, tokens, ids, weights, num_experts, top_k, form,
+                  dense)
 
 
 def expert_tokens(router: Router, expert_input: Node) -> Node:
@@ -169,6 +180,39 @@ def expert_tokens(router: Router, expert_input: Node) -> Node:
     beside_router = reachable([expert_input], forward=False,
                               stop=lambda n: n is router.gate or n in router.nodes or n < earliest)
     return next((c for c in candidates if c in beside_router), router.tokens)
+
+
+_SCALE_PATH = (*_CASTS, "transpose", "t", "reshape", "view", "flatten", "unsqueeze", "expand", "permute", "repeat")
+
+
+def scales_expert_input(router: Router, expert_input: Node, tokens: Node) -> bool:
+    """Whether the gate weights scale the tokens *before* the experts (Llama 4, torchtitan's
+    ``score_before_experts``): from the weights, through reshapes, transposes, casts and row indexing (a
+    permutation into expert order), to a product of them and the tokens that the expert input is computed
+    from. (GShard's combine weights times a one-hot mask feed its dispatch mask too, through ``bool()``,
+    but the other factor is no token tensor.)"""
+    outside = lambda n: n is router.gate or n in router.nodes or n.op == "placeholder"  # noqa: E731
+    feeds = reachable([expert_input], forward=False, stop=outside)
+    todo, seen = [router.gate_weights], set()
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for user in node.users:
+            value = example_value(user)
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point() or user.args[:1] == ():
+                continue
+            if is_call(user, operator.mul, torch.mul, method=("mul",)) and user in feeds:
+                others = [a for a in user.args if isinstance(a, Node) and a is not node]
+                if any(tokens in reachable([a], forward=False, stop=outside) for a in others):
+                    return True
+            elif user.args[0] is node and (
+                    is_call(user, torch.transpose, torch.reshape, torch.flatten, torch.unsqueeze, torch.permute,
+                            method=_SCALE_PATH)
+                    or (user.target is operator.getitem and isinstance(user.args[1], Node))):
+                todo.append(user)
+    return False
 
 
 # --------------------------------------------------------------------------- selection and gate
@@ -320,20 +364,22 @@ def _ids_step(user: Node, ids: Node, num_tokens) -> bool:
 _ELEMENTWISE = (
     operator.truediv, operator.mul, operator.add, operator.sub, operator.neg,
     operator.itruediv, operator.imul, operator.iadd, operator.isub,
-    torch.div, torch.mul, torch.add, torch.sub, torch.clamp, torch.neg,
+    torch.div, torch.mul, torch.add, torch.sub, torch.clamp, torch.neg, torch.sigmoid, F.sigmoid,
 )
 _ELEMENTWISE_METHODS = (
     *_CASTS, "reshape", "view", "flatten", "unsqueeze", "squeeze",
-    "div", "div_", "mul", "mul_", "add", "add_", "sub", "clamp", "clamp_min",
+    "div", "div_", "mul", "mul_", "add", "add_", "sub", "clamp", "clamp_min", "sigmoid",
 )
 _SOFTMAX = (F.softmax, torch.softmax)
 
 
-def _gate_weights(selection: Node, ids: Node, id_nodes: set[Node], numel) -> tuple[Node, list[Node]]:
-    """The ``numel = T·k`` floats multiplying the expert outputs, and the chain of routing math read to them.
+def _gate_weights(selection: Node, ids: Node, id_nodes: set[Node], numel, dense_numel) -> tuple[Node, list[Node], bool]:
+    """The ``numel = T·k`` floats multiplying the expert outputs, the chain of routing math read to them,
+    and whether they are dense ``[T, E]`` scores (``dense_numel = T·E`` floats read at the ids).
 
     Starts: the selection's values, and every ``gather`` by the ids (or by a pick they are concatenated
-    from). From each, routing-only math on the weights (module docstring) while it is the only such user.
+    from). From each, routing-only math on the weights (module docstring) while it is the only such user;
+    values scattered into a constant ``[T, E]`` tensor at their ids continue as dense scores.
     """
     starts: list[tuple[Node, str]] = []
     for node in id_nodes:
@@ -348,6 +394,9 @@ def _gate_weights(selection: Node, ids: Node, id_nodes: set[Node], numel) -> tup
     for start, how in starts:
         chain = _weights_chain(start, ids)
         end = chain[-1]
+        dense = _dense_scores(end, _getitem(selection, 1), dense_numel) if how == "values" else None
+        if dense is not None:
+            return dense[-1], chain + dense, True
         if same_size(_numel(end), numel) and example_value(end).is_floating_point():
             if all(e is not end for e, _, _ in ends):
                 ends.append((end, how, chain))
@@ -356,7 +405,42 @@ def _gate_weights(selection: Node, ids: Node, id_nodes: set[Node], numel) -> tup
     if not ends:
         detail = "; ".join(stops) if stops else f"{selection.name}'s values are unused and no gather reads its ids"
         raise NoMatch(f"no gate weights: nothing of T·k floats is read from the router's selection ({detail})")
-    return ends[0][0], ends[0][2]
+    return ends[0][0], ends[0][2], False
+
+
+_DENSE_STEPS = (torch.sigmoid, F.sigmoid, *_SOFTMAX, operator.mul, operator.truediv, torch.mul, torch.div)
+_CONSTANT_FILLS = (torch.full_like, torch.full, torch.zeros_like, torch.zeros)
+
+
+def _dense_scores(values: Node, selected: Node | None, dense_numel) -> list[Node] | None:
+    """Llama 4's dense scores: ``full_like(logits, c).scatter_(1, ids, values)`` (``values`` the selection's
+    values, ``ids`` its raw indices), then casts, ``sigmoid``, a softmax over the experts or scaling by a
+    constant, while each is the only user: the nodes from the scatter to the ``[T, E]`` scores, or None."""
+    scatters = [u for u in values.users if is_call(u, torch.scatter, method=("scatter", "scatter_"))
+                and len(u.args) == 4 and u.args[3] is values and u.args[2] is selected and u.args[1] in (1, -1)]
+    if selected is None or len(scatters) != 1:
+        return None
+    scatter = scatters[0]
+    if not (is_call(scatter.args[0], *_CONSTANT_FILLS, method=("new_full", "new_zeros"))
+            and same_size(_numel(scatter), dense_numel)):
+        return None
+    chain = [scatter]
+    while len(chain[-1].users) == 1:
+        user = next(iter(chain[-1].users))
+        value = example_value(user)
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point() and same_size(_numel(user), dense_numel)):
+            break
+        if is_call(user, *_SOFTMAX, method=("softmax",)):
+            dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim")
+            if dim not in (-1, 1):
+                break
+        elif is_call(user, *_DENSE_STEPS, method=(*_CASTS, "sigmoid")):
+            if any(isinstance(a, Node) for a in user.args[1:]):   # scaled by a constant only
+                break
+        else:
+            break
+        chain.append(user)
+    return chain
 
 
 def _weights_chain(start: Node, ids: Node) -> list[Node]:

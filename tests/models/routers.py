@@ -12,6 +12,8 @@ expert, ``bmm`` on the gathered stacked weights, ``index_add`` back: dropless, a
 | :class:`SwitchMaxMoE` | top-1 by ``max`` of the softmax, optionally with input jitter (training) | Switch Transformer (Fedus et al. 2021, §2.1) |
 | :class:`NoisyTopkMoE` | noisy top-k gating: logits + N(0, 1)·softplus(noise linear) in training | Shazeer et al. 2017, §3.1 |
 | :class:`TwoPickMoE` | two sequential ``max`` picks, the second over the scores without the first, weights a softmax of each, concatenated; no ``topk`` | PhiMoE's sparsemixer (eval form) |
+| :class:`ScoresBeforeMoE` | sigmoid of the top-k logits, multiplied into the sorted tokens *before* the experts, the outputs summed unweighted | torchtitan's ``score_before_experts`` (its Llama 4) |
+| :class:`DenseScoresMoE` | top-k logits scattered into ``-inf`` ``[T, E]`` scores, ``sigmoid``; every expert runs every token scaled by its score (``einsum`` over ``[E, T, M]``), summed over the experts | Llama 4 as transformers writes it |
 
 :class:`IndexedAttentionBlock` puts an attention whose key selection is a ``topk`` over ``[B, S, S]``
 q·k scores (DeepSeek-V3.2's sparse-attention indexer) before an MoE layer: a ``topk`` that is no router.
@@ -36,6 +38,9 @@ class _RoutedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.randn(num_experts, model_dim, hidden_dim) / math.sqrt(hidden_dim))
         self.w3 = nn.Parameter(torch.randn(num_experts, hidden_dim, model_dim) / math.sqrt(model_dim))
 
+    #: the gate weights multiply the tokens before the experts (torchtitan's ``score_before_experts``)
+    scores_before = False
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
@@ -48,10 +53,14 @@ class _RoutedMoE(nn.Module):
         order = torch.argsort(flat, stable=True)
         rows = order // k
         experts = flat[order]
-        h = tokens[rows].unsqueeze(-1)
+        h = tokens[rows]
+        if self.scores_before:
+            h = (h.float() * weights.reshape(-1)[order].unsqueeze(-1)).to(h.dtype)
+        h = h.unsqueeze(-1)
         up = F.silu(torch.bmm(self.w1[experts], h).squeeze(-1)) * torch.bmm(self.w3[experts], h).squeeze(-1)
         y = torch.bmm(self.w2[experts], up.unsqueeze(-1)).squeeze(-1)
-        y = y * weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
+        if not self.scores_before:
+            y = y * weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
         return torch.zeros_like(tokens).index_add(0, rows, y).reshape(shape)
 
 
@@ -137,6 +146,35 @@ class TwoPickMoE(_RoutedMoE):
         w_first = scores.softmax(-1).gather(-1, first)
         w_second = rest.softmax(-1).gather(-1, second)
         return torch.cat([first, second], dim=-1), torch.cat([w_first, w_second], dim=-1)
+
+
+class ScoresBeforeMoE(_RoutedMoE):
+    scores_before = True
+
+    def route(self, x):
+        vals, ids = self.router(x).topk(self.top_k, dim=-1)
+        return ids, torch.sigmoid(vals.float())
+
+
+class DenseScoresMoE(nn.Module):
+    """Every expert on every token, the token scaled by its score first (0 for the unchosen experts)."""
+
+    def __init__(self, model_dim, hidden_dim, num_experts=4, top_k=2, fill=float("-inf")):
+        super().__init__()
+        self.top_k, self.fill = top_k, fill
+        self.router = nn.Linear(model_dim, num_experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(num_experts, model_dim, 2 * hidden_dim) / math.sqrt(model_dim))
+        self.w_out = nn.Parameter(torch.randn(num_experts, hidden_dim, model_dim) / math.sqrt(hidden_dim))
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        logits = self.router(tokens)
+        vals, ids = torch.topk(logits, self.top_k, dim=-1)
+        scores = torch.sigmoid(torch.full_like(logits, self.fill).scatter(1, ids, vals))
+        scaled = tokens.unsqueeze(0) * scores.t().unsqueeze(-1)                   # [E, T, M]
+        gate, up = torch.einsum("etm,emh->eth", scaled, self.w_in).chunk(2, dim=-1)
+        y = torch.einsum("eth,ehm->etm", F.silu(gate) * up, self.w_out)
+        return y.sum(0).reshape(x.shape)
 
 
 class IndexedAttentionBlock(nn.Module):

@@ -10,6 +10,8 @@ function is one of::
     "gelu"         down(gelu_tanh(x W1ᵀ + b1)) + b2, plain MLP with per-expert biases
     "relu2"        down(relu(x W1ᵀ)²)
     "swiglu_oai"   gpt-oss's clamped SwiGLU on interleaved gate/up columns, with biases
+    "swiglu_clamped"  silu(min(g, l)) * clamp(u, -l, l) (GLM-5-Next, HY-V4), gate and up by chunk
+    "swiglu_softcap"  c_g tanh(g / c_g) * sigmoid(g) * c_u tanh(u / c_u) in float32 (Inkling 2)
 
 No name of the module or its parameters says "shared" or "expert": detection reads the graph.
 """
@@ -21,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-FORMS = ("swiglu", "up_act", "gelu", "relu2", "swiglu_oai")
+FORMS = ("swiglu", "up_act", "gelu", "relu2", "swiglu_oai", "swiglu_clamped", "swiglu_softcap")
 ALPHA, LIMIT = 1.702, 0.5  # a small limit, so that the clamps act on random inputs
+GATE_CAP, UP_CAP = 0.8, 1.5  # small caps, so that the tanh bends on random inputs
 
 
 class SharedExpertMoE(nn.Module):
@@ -31,7 +34,7 @@ class SharedExpertMoE(nn.Module):
         super().__init__()
         assert form in FORMS and shared in (None, "plain", "gated")
         self.top_k, self.form, self.shared, self.routed_scaling = top_k, form, shared, routed_scaling
-        gated = form in ("swiglu", "up_act", "swiglu_oai")
+        gated = form in ("swiglu", "up_act", "swiglu_oai", "swiglu_clamped", "swiglu_softcap")
         self.router = nn.Linear(model_dim, num_experts, bias=False)
         scale_in, scale_h = 1 / math.sqrt(model_dim), 1 / math.sqrt(hidden_dim)
         self.up = nn.Parameter(torch.randn(num_experts, (2 if gated else 1) * hidden_dim, model_dim) * scale_in)
@@ -55,6 +58,13 @@ class SharedExpertMoE(nn.Module):
             return F.gelu(h, approximate="tanh")
         if self.form == "relu2":
             return torch.square(F.relu(h))
+        if self.form == "swiglu_clamped":
+            gate, up = h.chunk(2, dim=-1)
+            return F.silu(torch.clamp(gate, max=LIMIT)) * torch.clamp(up, -LIMIT, LIMIT)
+        if self.form == "swiglu_softcap":
+            gate, up = (t.float() for t in h.chunk(2, dim=-1))
+            capped = torch.tanh(gate / GATE_CAP) * GATE_CAP
+            return (capped * torch.sigmoid(gate) * (torch.tanh(up / UP_CAP) * UP_CAP)).to(h.dtype)
         gate, up = h[..., ::2].clamp(min=None, max=LIMIT), h[..., 1::2].clamp(min=-LIMIT, max=LIMIT)
         return (up + 1) * (gate * torch.sigmoid(gate * ALPHA))
 

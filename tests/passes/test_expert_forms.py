@@ -1,5 +1,6 @@
-"""Expert-function variants: biases, gpt-oss's clamped SwiGLU, relu², GELU-tanh, ``up * act(gate)``, sliced
-and interleaved gate/up; the ``moe.experts`` op against a per-expert loop, and layers rewritten equal to eager."""
+"""Expert-function variants: biases, gpt-oss's clamped SwiGLU, GLM-5-Next's clamped and Inkling 2's soft-capped
+SwiGLU, relu², GELU-tanh, ``up * act(gate)``, sliced and interleaved gate/up; the ``moe.experts`` op against a
+per-expert loop, and layers rewritten equal to eager."""
 import logging
 
 import pytest
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 import moe_compile
 from moe_compile.ops.experts import check_activation
 from tests.helpers import compile_and_compare
-from tests.models.shared import ALPHA, FORMS, LIMIT, SharedExpertMoE
+from tests.models.shared import ALPHA, FORMS, GATE_CAP, LIMIT, UP_CAP, SharedExpertMoE
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 
@@ -33,6 +34,11 @@ def _oai(g, u):
     ("swiglu_oai", _oai, [ALPHA, LIMIT]),
     ("silu", lambda g, u: F.silu(g) * u, []),
     ("relu2", lambda g, u: F.relu(g) ** 2 * u, []),
+    ("swiglu_clamped", lambda g, u: F.silu(torch.minimum(g, torch.tensor(LIMIT, dtype=g.dtype)))
+     * torch.maximum(torch.minimum(u, torch.tensor(LIMIT, dtype=u.dtype)), torch.tensor(-LIMIT, dtype=u.dtype)),
+     [LIMIT]),
+    ("swiglu_softcap", lambda g, u: (torch.tanh(g.float() / GATE_CAP) * GATE_CAP * torch.sigmoid(g.float())
+                                     * (torch.tanh(u.float() / UP_CAP) * UP_CAP)).to(g.dtype), [GATE_CAP, UP_CAP]),
 ])
 def test_experts_op_with_biases_matches_a_loop(activation, glu, args):
     gen = torch.Generator().manual_seed(0)
@@ -65,7 +71,8 @@ def test_bad_activation_arguments_are_named():
 
 EXPECTED = {  # the canonical op's activation and act_args, as the dump prints them
     "swiglu": "'silu'", "up_act": "'gelu'", "gelu": "'gelu_tanh', ", "relu2": "'relu2'",
-    "swiglu_oai": "'swiglu_oai'",
+    "swiglu_oai": "'swiglu_oai'", "swiglu_clamped": f"'swiglu_clamped', None, None, None, [{LIMIT}])",
+    "swiglu_softcap": f"'swiglu_softcap', None, None, None, [{GATE_CAP}, {UP_CAP}])",
 }
 
 

@@ -15,8 +15,8 @@ import torch
 import moe_compile
 from tests.helpers import CausalLMLogits
 from tests.models.routers import (
-    BiasCorrectedMoE, GroupLimitedMoE, IndexedAttentionBlock, NoisyTopkMoE, SoftmaxAfterTopkMoE, SwitchMaxMoE,
-    TwoPickMoE,
+    BiasCorrectedMoE, DenseScoresMoE, GroupLimitedMoE, IndexedAttentionBlock, NoisyTopkMoE, ScoresBeforeMoE,
+    SoftmaxAfterTopkMoE, SwitchMaxMoE, TwoPickMoE,
 )
 
 
@@ -68,6 +68,8 @@ FORMS = {
     "switch-max-jitter": (lambda: SwitchMaxMoE(16, 24, jitter=0.2), True, "top-1 by max"),
     "noisy-topk": (lambda: NoisyTopkMoE(16, 24), True, "top-k, softmax after the selection"),
     "two-picks": (lambda: TwoPickMoE(16, 24), False, "2 sequential picks by max, weights gathered by the ids"),
+    "scores-before": (lambda: ScoresBeforeMoE(16, 24, 6), False, "top-k"),
+    "dense-scores": (lambda: DenseScoresMoE(16, 24), False, "top-k, values scattered into dense [T, E] scores"),
 }
 
 
@@ -84,6 +86,17 @@ def test_routing_form_is_found_and_rewritten(tmp_path, caplog, form):
     assert not _messages(caplog, logging.WARNING)
     assert any(f"routing: {routing})" in m for m in _messages(caplog, logging.INFO)), _messages(caplog, logging.INFO)
     assert _dispatches(tmp_path) == 1
+
+
+def test_dense_scores_nonzero_off_the_ids_stay_eager(caplog):
+    """Dense scores whose unchosen entries are not 0 (``sigmoid(0) = 0.5``: every expert contributes): the
+    sparse canonical form would drop them; the region check says so and the layer stays as written."""
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    torch.manual_seed(0)
+    _compare(DenseScoresMoE(16, 24, fill=0.0), torch.randn(2, 5, 16), train=False)
+    assert moe_compile.counters["regions_found"] == 1 and moe_compile.counters["regions_rewritten"] == 0
+    (message,) = _messages(caplog, logging.WARNING)
+    assert "its canonical form does not reproduce it" in message, message
 
 
 def test_jittered_router_input_is_not_what_the_experts_read():

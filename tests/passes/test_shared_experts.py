@@ -96,28 +96,80 @@ def test_hf_gpt_oss():
     assert moe_compile.counters["regions_rewritten"] == 2, dict(moe_compile.counters)
 
 
-def test_routed_result_added_in_place_into_the_shared_output_is_named(caplog):
-    """Llama 4 writes ``out = shared(x); out.add_(routed)``: the in-place add hides the data flow from the
-    match, so the layer stays as written and the WARNING names the op."""
-    import logging
+class _InPlace(SharedExpertMoE):
+    """Llama 4's ending: ``out = shared(x); out.add_(routed)`` (``into_shared``: the routed rows
+    ``index_add_``-ed straight into the shared output, no ``[T, M]`` routed result of their own)."""
 
-    class InPlace(SharedExpertMoE):
-        def forward(self, x):
-            probs = torch.softmax(self.router(x), dim=-1)
-            weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-            flat = chosen.reshape(-1)
-            order = torch.argsort(flat, stable=True)
-            token, expert = order // self.top_k, flat[order]
-            h = torch.bmm(self.up[expert], x[token].unsqueeze(-1)).squeeze(-1)
-            y = torch.bmm(self.down[expert], self._act(h).unsqueeze(-1)).squeeze(-1)
-            y = y * weights.reshape(-1)[order].unsqueeze(-1)
-            out = self.s_down(torch.nn.functional.silu(self.s_gate(x)) * self.s_up(x))
+    into_shared = False
+
+    def forward(self, x):
+        probs = torch.softmax(self.router(x), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token, expert = order // self.top_k, flat[order]
+        h = torch.bmm(self.up[expert], x[token].unsqueeze(-1)).squeeze(-1)
+        y = torch.bmm(self.down[expert], self._act(h).unsqueeze(-1)).squeeze(-1)
+        y = y * weights.reshape(-1)[order].unsqueeze(-1)
+        out = self.s_down(torch.nn.functional.silu(self.s_gate(x)) * self.s_up(x))
+        if self.into_shared:
+            out.index_add_(0, token, y)
+        else:
             out.add_(torch.zeros_like(x).index_add(0, token, y))
-            return out
+        return out
+
+
+def test_routed_result_added_in_place_into_the_shared_output(tmp_path):
+    """``out.add_(routed)`` makes ``out`` depend on the routed result: the routed ``[T, M]`` result is
+    replaced, the shared expert and the in-place add stay as written; equal to eager."""
+    torch.manual_seed(0)
+    compile_and_compare(_InPlace(8, 12, 4, shared="plain"), torch.randn(10, 8), options={"debug_dir": str(tmp_path)},
+                        **TOL)
+    assert moe_compile.counters["regions_rewritten"] == 1, dict(moe_compile.counters)
+    code = _after(tmp_path)
+    assert code.count("torch.ops.moe.combine.default(") == 1 and ".add_(" in code and "index_add" not in code
+
+
+def test_routed_rows_accumulated_into_the_shared_output_are_named(caplog):
+    """``out.index_add_(0, token, y)`` into the shared output: no routed result of its own to replace, so
+    the layer stays as written and the WARNING names the op."""
+    import logging
 
     torch.manual_seed(0)
     caplog.set_level(logging.WARNING, logger="moe_compile")
-    compile_and_compare(InPlace(8, 12, 4, shared="plain"), torch.randn(10, 8), **TOL)
+    layer = _InPlace(8, 12, 4, shared="plain")
+    layer.into_shared = True
+    compile_and_compare(layer, torch.randn(10, 8), **TOL)
     assert moe_compile.counters["regions_rewritten"] == 0
     (message,) = [r.getMessage() for r in caplog.records if "left unchanged" in r.getMessage()]
-    assert "added in place (add_ = add_) into" in message, message
+    assert "added in place (index_add_ = index_add_) into" in message, message
+
+
+class _Accumulated(SharedExpertMoE):
+    """Step-3.7's ending, written by hand: a loop over every expert reading ``up[e]`` / ``down[e]`` by a
+    constant index, its rows ``index_add_``-ed into a zero-filled accumulator, which is then scaled and
+    added to the shared expert."""
+
+    def forward(self, x):
+        probs = torch.softmax(self.router(x), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        mask = torch.nn.functional.one_hot(chosen, num_classes=self.up.shape[0]).permute(2, 1, 0)
+        final = torch.zeros_like(x)
+        for e in range(self.up.shape[0]):
+            pick, token = torch.where(mask[e])
+            h = self._act(torch.nn.functional.linear(x[token], self.up[e]))
+            y = torch.nn.functional.linear(h, self.down[e]) * weights[token, pick, None]
+            final.index_add_(0, token, y)
+        shared = self.s_down(torch.nn.functional.silu(self.s_gate(x)) * self.s_up(x))
+        return final * self.routed_scaling + shared
+
+
+def test_experts_accumulated_in_place_then_scaled(tmp_path):
+    """The accumulator stands for the routed result: replaced by the canonical ops; the scaling and the
+    shared expert after it stay as written; equal to eager forward and backward."""
+    torch.manual_seed(0)
+    layer = _Accumulated(8, 12, 4, shared="plain", routed_scaling=2.5)
+    compile_and_compare(layer, torch.randn(10, 8), options={"debug_dir": str(tmp_path)}, **TOL)
+    assert moe_compile.counters["regions_rewritten"] == 1, dict(moe_compile.counters)
+    code = _after(tmp_path)
+    assert code.count("torch.ops.moe.combine.default(") == 1 and "index_add_" not in code and "2.5" in code
