@@ -297,6 +297,13 @@ def _order(gm: GraphModule, layers: dict, schedule: str, backward: bool) -> list
     key: dict[Node, tuple] = {n: (position[n], 0, 0, 0, position[n]) for n in nodes}
     extra_deps: dict[Node, set[Node]] = {}
     for chains in layers.values():
+        if len(chains) == 1 and chains[0].layer is None:
+            # un-chunked (r = 1): the graph's own order (a shared expert the exchange pass placed between
+            # the first issue and its wait stays there), only the side work moved behind the second issue
+            chain = chains[0]
+            for n in chain.side:
+                key[n] = (position[chain.second], 1, 0, 0, position[n])
+            continue
         count = len(chains)
         members = [n for c in chains for n in (*c.pre, *c.mid, *c.post, c.first, c.second)]
         start = min(position[n] for n in members)
