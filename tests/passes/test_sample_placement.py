@@ -34,6 +34,18 @@ def gloo_world_1():
     dist.destroy_process_group()
 
 
+def _equal_to_eager(out, ref, model, eager, unused_in_eager: bool = False) -> None:
+    """The compiled output equals eager's, and so does every parameter's gradient of ``(out ** 2).sum()``
+    (``unused_in_eager``: parameters eager leaves without a gradient are not compared)."""
+    torch.testing.assert_close(out, ref, **TOL)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    for (name, p), p_ref in zip(model.named_parameters(), eager.parameters()):
+        if unused_in_eager and p_ref.grad is None:
+            continue
+        torch.testing.assert_close(p.grad, p_ref.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def _pending():
     from moe_compile.ops import netmoe
 
@@ -76,11 +88,7 @@ def test_layer_that_cannot_be_proven_per_sample_left_unplaced_with_warning(gloo_
     assert any("moe.0" in line and " no " in line and words[0] in line for line in text.splitlines()), text
     assert any("moe.1" in line and " yes " in line and "last placed layer" in line for line in text.splitlines()), text
     ref = eager(*args)
-    torch.testing.assert_close(out, ref, **TOL)
-    out.square().sum().backward()
-    ref.square().sum().backward()
-    for (name, p), p_ref in zip(model.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, p_ref.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    _equal_to_eager(out, ref, model, eager)
     assert _pending() == 0
     with torch.no_grad():                       # recompiled without grad: nothing kept for a backward
         torch.testing.assert_close(compiled(*args), eager(*args), **TOL)
@@ -137,12 +145,7 @@ def test_rows_pass_through_a_layer_left_as_canonical_ops(gloo_world_1, caplog):
     assert any("moe.1" in r.getMessage() and "residual" in r.getMessage() for r in caplog.records)
     assert moe_compile.counters["sample_placement:placed"] == 1
     ref = eager(tokens)
-    torch.testing.assert_close(out, ref, **TOL)
-    out.square().sum().backward()
-    ref.square().sum().backward()
-    for (name, p), p_ref in zip(model.named_parameters(), eager.parameters()):
-        if p_ref.grad is not None:
-            torch.testing.assert_close(p.grad, p_ref.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    _equal_to_eager(out, ref, model, eager, unused_in_eager=True)
 
 
 def test_layers_inside_activation_checkpoint_left_unplaced_with_warning(gloo_world_1, caplog):
@@ -169,11 +172,7 @@ def test_layers_inside_activation_checkpoint_left_unplaced_with_warning(gloo_wor
     assert len(warnings) == 1 and "activation-checkpoint" in warnings[0], warnings
     assert moe_compile.counters["sample_placement:placed"] == 0
     ref = eager(tokens)
-    torch.testing.assert_close(out, ref, **TOL)
-    out.square().sum().backward()
-    ref.square().sum().backward()
-    for (name, p), p_ref in zip(model.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, p_ref.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    _equal_to_eager(out, ref, model, eager)
 
 
 @pytest.mark.slow
@@ -189,9 +188,5 @@ def test_placed_layers_under_inductor(gloo_world_1):
     out = compiled(tokens)
     assert moe_compile.counters["sample_placement:placed"] == 2
     ref = eager(tokens)
-    torch.testing.assert_close(out, ref, **TOL)
-    out.square().sum().backward()
-    ref.square().sum().backward()
-    for (name, p), p_ref in zip(model.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, p_ref.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    _equal_to_eager(out, ref, model, eager)
     assert _pending() == 0
