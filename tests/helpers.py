@@ -2,8 +2,20 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
+from pathlib import Path
 
 import torch
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def example_transformer():
+    """``examples/moe_transformer.py`` loaded as a module (the examples are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("moe_transformer", EXAMPLES / "moe_transformer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def compile_and_compare(model, *inputs, options=None, rtol=None, atol=None, dynamic=False):

@@ -19,34 +19,26 @@ raises on the mixed DTensor / plain gradients rather than count them wrongly.
 from __future__ import annotations
 
 import copy
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from moe_compile.testing import spawn
+from tests.helpers import example_transformer
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900)]
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 MAX_NORM = 1e-3  # below every step's norm: clipping scales every gradient
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
-
-def _transformer():
-    spec = importlib.util.spec_from_file_location("moe_transformer", EXAMPLES / "moe_transformer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _model(name: str):
     """(model, the loss of its output)."""
     torch.manual_seed(0)  # the same weights on every rank
     if name == "transformer":
-        return _transformer().MoETransformer(vocab=64, dim=16, hidden=32, num_experts=4, num_layers=2), lambda out: out
+        return example_transformer().MoETransformer(vocab=64, dim=16, hidden=32, num_experts=4, num_layers=2), lambda out: out
     if name == "gshard":
         from tests.models.gshard import GShardMoE
 
@@ -59,7 +51,7 @@ def _model(name: str):
 def _batch(name: str, rank: int, step: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(100 * step + rank)
     if name == "transformer":
-        return _transformer().synthetic_batch(2, 9, 64, gen)
+        return example_transformer().synthetic_batch(2, 9, 64, gen)
     return torch.randn(2, 6, 8, generator=gen)
 
 
@@ -189,7 +181,7 @@ def _ddp_buckets(rank: int) -> list[str]:
             moe_compile.counters.clear()
             messages.clear()
             torch.manual_seed(0)
-            model = _transformer().MoETransformer(vocab=64, dim=128, hidden=256, num_experts=4, num_layers=2)
+            model = example_transformer().MoETransformer(vocab=64, dim=128, hidden=256, num_experts=4, num_layers=2)
             eager = DDP(copy.deepcopy(model), bucket_cap_mb=1)   # > 2 MiB of parameters: several buckets
             with torch._dynamo.config.patch(optimize_ddp=optimize_ddp, capture_dynamic_output_shape_ops=False):
                 net = DDP(torch.compile(model, backend="moe", options={"ep_group": "world"}), bucket_cap_mb=1)

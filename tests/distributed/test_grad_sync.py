@@ -21,33 +21,26 @@ expert groups).
 from __future__ import annotations
 
 import copy
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
 from moe_compile.testing import spawn
+from tests.helpers import example_transformer
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900)]
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 BF16 = dict(rtol=2e-2, atol=2e-2)
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
-
-def _transformer_module():
-    spec = importlib.util.spec_from_file_location("moe_transformer", EXAMPLES / "moe_transformer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _model(name: str):
     """(model, the loss of its output, a batch maker (rank, step) → input)."""
     torch.manual_seed(0)  # the same weights on every rank
     if name in ("transformer", "transformer_ac"):
-        module = _transformer_module()
+        module = example_transformer()
         model = module.MoETransformer(vocab=64, dim=16, hidden=32, num_experts=4, num_layers=2,
                                       checkpoint_attention=name == "transformer_ac")
         return model, (lambda out: out), (lambda rank, step: module.synthetic_batch(
