@@ -26,6 +26,7 @@ from .counters import counters
 from .faults import name_collective_faults
 from .passes import pipeline
 from .passes.checkpoint_bodies import checkpoint_bodies, mark_sharded_operands
+from .passes.safe_views import reshape_unsafe_views
 from .passes.saved_order import inductor_partitioner, partition
 from .passes.grad_sync import plan_grad_sync
 from .passes.local_weights import SHARD_INPUTS, sharded_placeholders
@@ -240,6 +241,11 @@ def _compile(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.GraphM
         from .schedule.measure import timed_graph
 
         graph = _run_stage(stage2_passes(cfg, grad_sync), context, graph, prefix)
+        # torch's meta strides can differ from its CPU kernels' (softplus / batch-norm backward): a traced view
+        # the real tensor cannot take becomes reshape (passes/safe_views.py; Inductor computes its own layouts)
+        reshaped = reshape_unsafe_views(graph, backward=prefix == "bw_")
+        if reshaped:
+            counters["views_reshaped"] += reshaped
         with _timed("seconds:inner"):
             run = name_collective_faults(graph)  # names the MoE layer of a failed collective
             # moe_compile.measure_tasks(): per-task timing while a measurement is active, else `run` itself
