@@ -41,6 +41,9 @@ EP_LEFT_OUT = {
     "inkling2": "its soft-capped SwiGLU is one more moe.experts activation, exchanged as hy_v4's",
     "kolibri1": "its router (selection-only bias, the sigmoid of the gathered logits) is routing math only: the "
                 "exchange is that of every bias-corrected family in the spawn",
+    "qwen3_next": "its gated delta rule (the backward that needs passes/safe_views.py) is qwen3_5_moe's, in the spawn; "
+                  "the slowest linear attention",
+    "lara_mini": "qwen3_next's gated delta rule and a top-k router like those in the spawn; slow linear attention",
 }
 EP_FAMILIES = [f for f in REWRITTEN if f not in EP_LEFT_OUT]
 
