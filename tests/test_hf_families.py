@@ -119,7 +119,7 @@ def _ep_families(rank: int, world_size: int, families: list[str]) -> int:
         ids = torch.randint(0, H.GENERIC["vocab_size"], (2, 6 + 2 * rank), generator=torch.Generator().manual_seed(rank))
         compiled = torch.compile(model, backend="moe", fullgraph=True, options={**H.OPTIONS, "ep_group": "world"})
         out_c, out_e = compiled(ids), eager(ids)
-        present = H.moe_layers_present(model)
+        present = H.moe_layers_run(eager, ids)
         assert moe_compile.counters["regions_expert_parallel"] == present, (family, dict(moe_compile.counters))
         torch.testing.assert_close(out_c, out_e, **H.TOL, msg=lambda m: f"{family} rank {rank} logits: {m}")
         out_c.pow(2).mean().backward()

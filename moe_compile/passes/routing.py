@@ -71,7 +71,7 @@ from .graph_utils import example_value, is_call, is_inplace, reachable, shape_of
 from .regions import NoMatch
 
 __all__ = [
-    "NotARouter", "Router", "expert_tokens", "is_selection", "read_router", "router_part", "same_size",
+    "NotARouter", "Router", "expert_tokens", "is_selection", "is_table_lookup", "read_router", "router_part", "same_size",
     "scales_expert_input", "selection_of",
 ]
 
@@ -102,13 +102,30 @@ _CASTS = ("to", "type", "float", "double", "half", "bfloat16", "contiguous", "ty
 
 
 def is_selection(node: Node) -> bool:
-    """``topk``, or ``max`` over a dim (values and indices; not the elementwise or global max)."""
-    if is_call(node, torch.topk, method=("topk",)):
+    """``topk``, ``max`` over a dim (values and indices; not the elementwise or global max), or a hash
+    router's table lookup (:func:`is_table_lookup`)."""
+    if is_call(node, torch.topk, method=("topk",)) or is_table_lookup(node):
         return True
     if is_call(node, torch.max, method=("max",)):
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
         return isinstance(dim, int)
     return False
+
+
+def is_table_lookup(node: Node) -> bool:
+    """A hash router's selection (DeepSeek-V4 §2.1): the rows of a fixed integer ``[V, k]`` table (a
+    buffer) read by integer token ids, ``tid2eid[input_ids.reshape(-1)]``."""
+    if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2:
+        return False
+    table, index = node.args
+    if not isinstance(table, Node) or not isinstance(index, Node):
+        return False
+    table_value, index_value, value = example_value(table), example_value(index), example_value(node)
+    if not all(isinstance(v, torch.Tensor) for v in (table_value, index_value, value)):
+        return False
+    integer = lambda v: not v.is_floating_point() and not v.is_complex() and v.dtype is not torch.bool  # noqa: E731
+    return (strip(table, methods=_CASTS).op in ("placeholder", "get_attr") and table_value.dim() == 2
+            and integer(table_value) and integer(index_value) and value.dim() == 2)
 
 
 def selection_of(ids: Node) -> Node | None:
@@ -119,6 +136,8 @@ def selection_of(ids: Node) -> Node | None:
 
 def read_router(selection: Node) -> Router:
     """The router whose (last) selection is ``selection`` (raises NoMatch / NotARouter, see the module)."""
+    if is_table_lookup(selection):
+        return _read_hash_router(selection)
     k, dim = _selection_args(selection)
     scores = selection.args[0]
     shape = shape_of(scores)
@@ -158,6 +177,43 @@ def read_router(selection: Node) -> Router:
         form += ", values scattered into dense [T, E] scores"
     return Router(selection, selections, frozenset(nodes), gate, tokens, ids, weights, num_experts, top_k, form,
                   dense)
+
+
+def _read_hash_router(lookup: Node) -> Router:
+    """A hash router (DeepSeek-V4 §2.1): the expert ids are the table's rows for the tokens' ids (fixed,
+    not learned); the gate weights are the gate linear's scores gathered at those ids (then renormalised,
+    scaled), as every ``gather`` router's. Before::
+
+        logits = linear(x2d, W_gate); s = sigmoid(logits)     # [T, E]
+        ids = tid2eid[input_ids.reshape(-1)].long()             # [T, k], the selection
+        w = s.gather(1, ids); w = w / (w.sum(-1, keepdim=True) + eps) * routed_scaling_factor
+
+    A lookup whose ids gather no gate-linear ``[T, E]`` scores is no router (an integer table read for
+    anything else)."""
+    num_tokens, top_k = shape_of(lookup)
+    ids = _extend_ids(lookup, num_tokens)
+    id_nodes = reachable([ids], forward=False, stop=is_selection) | {lookup}
+    gathers = [u for n in id_nodes for u in n.users
+               if _gather_index(u) is n and example_value(u).is_floating_point()]
+    gate = scores = None
+    for gather in gathers:
+        source = gather.args[0] if gather.args else gather.kwargs.get("input")
+        shape = shape_of(source)
+        if isinstance(source, Node) and shape is not None and len(shape) == 2 and same_size(shape[0], num_tokens):
+            gate = _gate_linear(source, shape[-1])
+            if gate is not None:
+                scores = source
+                break
+    if gate is None:
+        raise NotARouter(f"{lookup.name}: a lookup of an integer table whose rows gather no gate-linear [T, E] scores")
+    num_experts = shape_of(scores)[-1]
+    weights, chain, dense = _gate_weights(lookup, ids, id_nodes, num_tokens * top_k, num_tokens * num_experts)
+    nodes = _router_nodes(gate, [weights, scores]) | id_nodes
+    form = "hash (a token-id table lookup), weights gathered by the ids"
+    if any(is_call(n, operator.truediv, operator.itruediv, torch.div, method=("div", "div_")) for n in chain):
+        form += ", renormalised"
+    return Router(lookup, (lookup,), frozenset(nodes), gate, strip(gate.args[0], methods=_CASTS), ids, weights,
+                  num_experts, top_k, form, dense)
 
 
 def expert_tokens(router: Router, expert_input: Node) -> Node:

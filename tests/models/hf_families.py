@@ -18,7 +18,8 @@ the per-family settings of :data:`SETTINGS` where the generic ones do not fit.
 
 :func:`run_family` compiles it with ``backend="moe", fullgraph=True`` and the fast inner
 compiler, checks logits and parameter gradients against eager, and returns the
-:class:`FamilyResult`: MoE layers present (modules with an ``experts`` child), found, rewritten,
+:class:`FamilyResult`: MoE layers present (modules with an ``experts`` child that the forward on token
+ids runs), found, rewritten,
 and the status:
 
 - ``rewritten``: every MoE layer replaced by the canonical ops;
@@ -89,6 +90,9 @@ SETTINGS: dict[str, dict] = {
     "axk2": dict(num_key_value_heads=2),
     "deepseek_ocr2": dict(mlp_layer_types=["sparse", "sparse"]),
     "deepseek_v32": dict(num_key_value_heads=2),
+    # one hash-routed layer (DeepSeek-V4 §2.1; 3 by default) and one top-k layer; the token → experts table is a
+    # checkpoint buffer (zeros at init): random distinct experts per token (hash_tables)
+    "deepseek_v4": dict(mlp_layer_types=["hash_moe", "moe"], hash_tables=True),
     "glm_moe_dsa": dict(num_key_value_heads=2),
     "hy_v4_vl": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}),
     "mistral_large4": dict(num_key_value_heads=2),
@@ -96,7 +100,7 @@ SETTINGS: dict[str, dict] = {
                  ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2}),
     "doge": dict(is_moe=True, num_experts=16),
     "dots3_note": dict(num_key_value_heads=2),
-    "ernie4_5_vl_moe": dict(moe_intermediate_size=[32, 32], rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+    "ernie4_5_vl_moe": dict(mlp_layer_types=["sparse", "sparse"], moe_intermediate_size=[32, 32], rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                              "mrope_section": [3, 3, 2]}),
     "gemma4": dict(enable_moe_block=True, vocab_size_per_layer_input=64, hidden_size_per_layer_input=8,
                    layer_types=["sliding_attention", "full_attention"]),
@@ -146,13 +150,13 @@ EXPECTED: dict[tuple[str, str], str] = {
     ('deepseek_v2', 'grouped_mm'): 'rewritten',
     ('deepseek_v3', 'grouped_mm'): 'rewritten',
     ('deepseek_v32', 'grouped_mm'): 'rewritten',
-    ('deepseek_v4', 'grouped_mm'): 'left eager: no WARNING (no top-k router found)',
+    ('deepseek_v4', 'grouped_mm'): 'rewritten',
     ('diffusion_gemma', 'grouped_mm'): 'left eager: its canonical form does not reproduce it',
     ('doge', 'grouped_mm'): 'left eager: the top-k scores do not come from a gate linear layer',
     ('dots1', 'grouped_mm'): 'rewritten',
     ('dots3_note', 'grouped_mm'): 'rewritten',
     ('ernie4_5_moe', 'grouped_mm'): 'rewritten',
-    ('ernie4_5_vl_moe', 'grouped_mm'): 'left eager: no WARNING (no top-k router found)',
+    ('ernie4_5_vl_moe', 'grouped_mm'): 'rewritten',
     ('exaone_moe', 'grouped_mm'): 'rewritten',
     ('flex_olmo', 'grouped_mm'): 'rewritten',
     ('flint', 'grouped_mm'): 'rewritten',
@@ -365,12 +369,40 @@ def build(family: str, experts_implementation: str | None = "grouped_mm", seed: 
         config._experts_implementation = experts_implementation
     torch.manual_seed(seed)
     model = model_cls(config)
+    if settings.get("hash_tables"):
+        _fill_hash_tables(model, seed)
     return TinyModel(family, Logits(model, settings.get("seq2seq", False)), type(config).__name__, model_cls.__name__)
+
+
+def _fill_hash_tables(model: torch.nn.Module, seed: int) -> None:
+    """A hash router's token → experts table (``tid2eid``, ``[V, k]``, zeros until a checkpoint fills it):
+    k distinct random experts per token id, so that the tiny model routes as a trained one would."""
+    g = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        table = getattr(module, "tid2eid", None)
+        if isinstance(table, torch.Tensor) and table.dim() == 2:
+            experts = module.num_experts
+            rows = [torch.randperm(experts, generator=g)[: table.shape[1]] for _ in range(table.shape[0])]
+            table.copy_(torch.stack(rows))
 
 
 def moe_layers_present(model: torch.nn.Module) -> int:
     """MoE layers of a model: modules with an ``experts`` child (every transformers MoE block has one)."""
     return sum(isinstance(getattr(m, "experts", None), torch.nn.Module) for m in model.modules())
+
+
+def moe_layers_run(model: torch.nn.Module, ids: torch.Tensor) -> int:
+    """The MoE layers (:func:`moe_layers_present`) that the forward on ``ids`` runs, so that are in the
+    compiled graph: ernie4_5_vl_moe's ``vision_moe`` runs on image tokens only, never on token ids.
+    Counted on a copy (a forward in training mode may update buffers)."""
+    model = copy.deepcopy(model)
+    ran: set[str] = set()
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "experts", None), torch.nn.Module):
+            module.register_forward_hook(lambda *_, name=name: ran.add(name))
+    with torch.no_grad():
+        model(ids)
+    return len(ran)
 
 
 # ----------------------------------------------------------------------------- one family, compiled
@@ -469,7 +501,7 @@ def run_family(family: str, experts_implementation: str = "grouped_mm", backward
     except Exception as e:  # the tiny config is wrong for this family: recorded, never hidden
         return FamilyResult(family, experts_implementation, "-", 0, 0, 0, f"not built: {_first_line(e)}",
                             time.perf_counter() - start)
-    present = moe_layers_present(model)
+    present = moe_layers_run(eager, ids)
     handler = _Records()
     logger = logging.getLogger("moe_compile")
     old_level = logger.level

@@ -13,6 +13,7 @@ expert, ``bmm`` on the gathered stacked weights, ``index_add`` back: dropless, a
 | :class:`NoisyTopkMoE` | noisy top-k gating: logits + N(0, 1)·softplus(noise linear) in training | Shazeer et al. 2017, §3.1 |
 | :class:`TwoPickMoE` | two sequential ``max`` picks, the second over the scores without the first, weights a softmax of each, concatenated; no ``topk`` | PhiMoE's sparsemixer (eval form) |
 | :class:`ScoresBeforeMoE` | sigmoid of the top-k logits, multiplied into the sorted tokens *before* the experts, the outputs summed unweighted | torchtitan's ``score_before_experts`` (its Llama 4) |
+| :class:`HashMoE` | hash routing: each token id's experts a fixed row of a ``[V, k]`` table (a buffer), weights the sigmoid scores gathered at them, renormalised, scaled; no selection over scores | DeepSeek-V4's first layers (§2.1) |
 | :class:`DenseScoresMoE` | top-k logits scattered into ``-inf`` ``[T, E]`` scores, ``sigmoid``; every expert runs every token scaled by its score (``einsum`` over ``[E, T, M]``), summed over the experts | Llama 4 as transformers writes it |
 
 :class:`IndexedAttentionBlock` puts an attention whose key selection is a ``topk`` over ``[B, S, S]``
@@ -48,6 +49,10 @@ class _RoutedMoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         ids, weights = self.route(tokens)
+        return self.experts(tokens, ids, weights).reshape(shape)
+
+    def experts(self, tokens, ids, weights):
+        """The routed output ``[T, M]`` of the tokens for their expert ids and gate weights."""
         flat = ids.reshape(-1)
         k = flat.numel() // tokens.shape[0]
         order = torch.argsort(flat, stable=True)
@@ -61,7 +66,7 @@ class _RoutedMoE(nn.Module):
         y = torch.bmm(self.w2[experts], up.unsqueeze(-1)).squeeze(-1)
         if not self.scores_before:
             y = y * weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
-        return torch.zeros_like(tokens).index_add(0, rows, y).reshape(shape)
+        return torch.zeros_like(tokens).index_add(0, rows, y)
 
 
 class GroupLimitedMoE(_RoutedMoE):
@@ -154,6 +159,39 @@ class ScoresBeforeMoE(_RoutedMoE):
     def route(self, x):
         vals, ids = self.router(x).topk(self.top_k, dim=-1)
         return ids, torch.sigmoid(vals.float())
+
+
+class HashMoE(_RoutedMoE):
+    """``forward(x, token_ids)``: experts chosen by a fixed token → experts table (k distinct experts per
+    token id, a buffer) instead of a selection over the scores."""
+
+    def __init__(self, vocab, model_dim, hidden_dim, num_experts=6, top_k=2, scaling=1.5):
+        super().__init__(model_dim, hidden_dim, num_experts, top_k)
+        self.scaling = scaling
+        g = torch.Generator().manual_seed(0)
+        self.register_buffer("tid2eid", torch.stack([torch.randperm(num_experts, generator=g)[:top_k]
+                                                     for _ in range(vocab)]))
+
+    def forward(self, x, token_ids):
+        tokens = x.reshape(-1, x.shape[-1])
+        scores = torch.sigmoid(self.router(tokens))
+        ids = self.tid2eid[token_ids.reshape(-1)].long()
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
+        return self.experts(tokens, ids, weights).reshape(x.shape)
+
+
+class HashRouted(nn.Module):
+    """Token ids → embeddings → ``x + HashMoE(x, token_ids)``."""
+
+    def __init__(self, vocab, model_dim, hidden_dim):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, model_dim)
+        self.moe = HashMoE(vocab, model_dim, hidden_dim)
+
+    def forward(self, token_ids):
+        x = self.embed(token_ids)
+        return x + self.moe(x, token_ids)
 
 
 class DenseScoresMoE(nn.Module):

@@ -11,11 +11,12 @@ import logging
 
 import pytest
 import torch
+from torch import nn
 
 import moe_compile
 from tests.helpers import CausalLMLogits
 from tests.models.routers import (
-    BiasCorrectedMoE, DenseScoresMoE, GroupLimitedMoE, IndexedAttentionBlock, NoisyTopkMoE, ScoresBeforeMoE,
+    BiasCorrectedMoE, DenseScoresMoE, GroupLimitedMoE, HashRouted, IndexedAttentionBlock, NoisyTopkMoE, ScoresBeforeMoE,
     SoftmaxAfterTopkMoE, SwitchMaxMoE, TwoPickMoE,
 )
 
@@ -86,6 +87,43 @@ def test_routing_form_is_found_and_rewritten(tmp_path, caplog, form):
     assert not _messages(caplog, logging.WARNING)
     assert any(f"routing: {routing})" in m for m in _messages(caplog, logging.INFO)), _messages(caplog, logging.INFO)
     assert _dispatches(tmp_path) == 1
+
+
+def test_hash_router_is_found_and_rewritten(tmp_path, caplog):
+    """DeepSeek-V4's hash routing (§2.1): no selection over scores, the expert ids a fixed table's rows for the
+    token ids; found from the table lookup, rewritten, equal to eager forward and backward."""
+    caplog.set_level(logging.INFO, logger="moe_compile")
+    torch.manual_seed(0)
+    _compare(HashRouted(32, 16, 24), torch.randint(0, 32, (2, 7)), train=True, tmp_path=tmp_path)
+    assert moe_compile.counters["regions_rewritten"] == moe_compile.counters["regions_found"] == 1
+    assert not _messages(caplog, logging.WARNING)
+    routing = "hash (a token-id table lookup), weights gathered by the ids, renormalised"
+    assert any(f"routing: {routing})" in m for m in _messages(caplog, logging.INFO)), _messages(caplog, logging.INFO)
+    assert _dispatches(tmp_path) == 1
+
+
+class _TablePairs(nn.Module):
+    """An integer table read by the token ids that is no router (each token embedded as the mean of its two
+    table entries' embeddings), then a top-k MoE layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("pairs", torch.randint(0, 32, (32, 2), generator=torch.Generator().manual_seed(1)))
+        self.embed = nn.Embedding(32, 16)
+        self.moe = BiasCorrectedMoE(16, 24)
+
+    def forward(self, token_ids):
+        x = self.embed(self.pairs[token_ids.reshape(-1)]).mean(-2).reshape(*token_ids.shape, -1)
+        return x + self.moe(x)
+
+
+def test_table_lookup_without_gate_scores_is_no_router(caplog):
+    caplog.set_level(logging.DEBUG, logger="moe_compile")
+    torch.manual_seed(0)
+    _compare(_TablePairs(), torch.randint(0, 32, (2, 7)), train=False)
+    assert moe_compile.counters["regions_rewritten"] == moe_compile.counters["regions_found"] == 1
+    assert not _messages(caplog, logging.WARNING)
+    assert any("is not an MoE router" in m and "integer table" in m for m in _messages(caplog, logging.DEBUG))
 
 
 def test_dense_scores_nonzero_off_the_ids_stay_eager(caplog):
