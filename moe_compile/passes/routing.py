@@ -42,6 +42,11 @@ What is recognised, and how:
   (``sigmoid``) or a softmax over the experts: the gate weights are that ``[T, E]`` tensor read at the
   ids (``Router.dense_weights``; canonicalize gathers them). What it holds off the ids must be what
   makes an unchosen expert contribute nothing (``sigmoid(-inf) = 0``): the region check says whether it is.
+* **Hash routers** (DeepSeek-V4 §2.1): the expert ids a fixed integer table's rows for the token ids
+  (``tid2eid[input_ids]``, :func:`is_table_lookup`), the weights a ``gather`` of gate-linear scores by them.
+* **Skip expert** (Zaya): scores ``[B, S, E + 1]`` (T = B·S) whose last class computes nothing; its choices'
+  ids and weights are ``masked_fill``-ed to a real expert and 0 (:func:`_skip_fill`): E real experts. A
+  router MLP's gate reads no token tensor: the tokens are the ``[T, M]`` rows the experts gather.
 * **Inner selections**, those the router's ids or weights are computed from (the
   group top-k of group-limited routing, sparsemixer's first pick, its threshold
   ``max``), belong to the router of the final selection: neither matched alone nor
@@ -154,20 +159,22 @@ def read_router(selection: Node) -> Router:
             raise NotARouter(f"{selection.name}: a selection over {len(shape)}-d scores that no gate linear computes")
         raise NoMatch(f"the top-k scores do not come from a gate linear layer ({selection.name} selects from "
                       f"{strip(scores).name}, which no linear on a [{shape[dim]}, M] gate weight computes)")
-    if len(shape) != 2 or dim not in (-1, 1):
+    if dim not in (-1, len(shape) - 1):
         raise NoMatch(f"top-k {selection.name} is not over the last dim of a [T, E] score tensor (scores "
                       f"{list(shape)}, dim {dim})")
-    num_tokens, num_experts = shape
+    num_tokens, num_experts = math.prod(shape[:-1]), shape[-1]   # [B, S, E] scores: T = B·S tokens
     ids0 = _getitem(selection, 1)
     if ids0 is None:
         raise NoMatch(f"top-k {selection.name}: its values or indices are unused")
-    ids = _extend_ids(ids0, num_tokens)
+    ids = _extend_ids(ids0, num_tokens, num_experts)
+    skip = any(_skip_fill(n, num_experts) for n in reachable([ids], forward=False, stop=is_selection))
     ids_shape = shape_of(ids)
     top_k = 1 if len(ids_shape) == 1 else ids_shape[-1]
     if len(ids_shape) > 2 or not isinstance(top_k, (int, torch.SymInt)) or not same_size(ids_shape[0], num_tokens):
         raise NoMatch(f"the expert ids {ids.name} of {selection.name} are not [T, k] (shape {list(ids_shape)})")
     id_nodes = reachable([ids], forward=False, stop=is_selection)
-    weights, chain, dense = _gate_weights(selection, ids, id_nodes, num_tokens * top_k, num_tokens * num_experts)
+    weights, chain, dense = _gate_weights(selection, ids, id_nodes, num_tokens * top_k, num_tokens * num_experts,
+                                          num_experts)
     nodes = _router_nodes(gate, [ids, weights, scores])
     selections = tuple(sorted(n for n in nodes if is_selection(n)))
     tokens = strip(gate.args[0], methods=_CASTS)
@@ -175,6 +182,12 @@ def read_router(selection: Node) -> Router:
     form = _describe(selection, selections, picks, chain, num_experts)
     if dense:
         form += ", values scattered into dense [T, E] scores"
+    if skip:   # the last class is a skip expert: its choices became expert 0 with weight 0; E - 1 real experts
+        if not any(_skip_fill(n, num_experts) for n in chain):
+            raise NoMatch(f"the expert ids of {selection.name} map a skip expert (id {num_experts - 1}) to 0, but "
+                          f"its gate weights are not zeroed there")
+        num_experts -= 1
+        form += ", a skip expert (its choices weight 0)"
     return Router(selection, selections, frozenset(nodes), gate, tokens, ids, weights, num_experts, top_k, form,
                   dense)
 
@@ -235,7 +248,21 @@ def expert_tokens(router: Router, expert_input: Node) -> Node:
     earliest = min(candidates)
     beside_router = reachable([expert_input], forward=False,
                               stop=lambda n: n is router.gate or n in router.nodes or n < earliest)
-    return next((c for c in candidates if c in beside_router), router.tokens)
+    found = next((c for c in candidates if c in beside_router), None)
+    return found if found is not None else _gathered_rows(expert_input, router) or router.tokens
+
+
+def _gathered_rows(expert_input: Node, router: Router) -> Node | None:
+    """When the router is a deeper MLP (Zaya's: a down projection, norm, two GELU linears, then the gate
+    linear) its gate reads no token tensor: the ``[T, M]`` tensor whose rows the experts gather
+    (``x[rows]``, through casts), walking back from the expert input."""
+    node = strip(expert_input, methods=_CASTS)
+    while node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], Node):
+        node = strip(node.args[0], methods=_CASTS)
+    shape, ids_shape = shape_of(node), shape_of(router.expert_ids)
+    if node is expert_input or shape is None or len(shape) != 2 or not ids_shape or not same_size(shape[0], ids_shape[0]):
+        return None
+    return node
 
 
 _SCALE_PATH = (*_CASTS, "transpose", "t", "reshape", "view", "flatten", "unsqueeze", "expand", "permute", "repeat")
@@ -393,14 +420,37 @@ def _describe(selection: Node, selections: tuple[Node, ...], picks: list[Node], 
 # --------------------------------------------------------------------------- expert ids
 
 
-def _extend_ids(ids: Node, num_tokens) -> Node:
-    """Follow the selection's indices through integer reshapes to ``[T, k]`` and ``cat`` along the last dim
-    (one pick per ``max``, concatenated) to the ids the experts are indexed by."""
+def _extend_ids(ids: Node, num_tokens, num_classes=None) -> Node:
+    """Follow the selection's indices through integer reshapes to ``[T, k]``, ``cat`` along the last dim
+    (one pick per ``max``, concatenated) and a skip expert's ``masked_fill`` (:func:`_skip_fill`) to the ids
+    the experts are indexed by."""
     while True:
-        nxt = [u for u in ids.users if _ids_step(u, ids, num_tokens)]
+        nxt = [u for u in ids.users if _ids_step(u, ids, num_tokens) or _skip_fill(u, num_classes, ids)]
         if len(nxt) != 1:
             return ids
         ids = nxt[0]
+
+
+def _skip_fill(node: Node, num_classes, ids: Node | None = None) -> bool:
+    """``x.masked_fill(ids == E - 1, c)``: Zaya's skip expert, the router's last class (``E - 1`` of its
+    ``E`` scores), that computes nothing: its choices' ids become a real expert (``c`` in ``[0, E - 1)``) and
+    their weights 0. ``ids``: only when ``node`` fills them (else: any ``x``, the weights with ``c = 0``)."""
+    if num_classes is None or not is_call(node, torch.masked_fill, method=("masked_fill",)) or len(node.args) != 3:
+        return False
+    source, mask, fill = node.args
+    if ids is not None and source is not ids:
+        return False
+    if not (is_call(mask, operator.eq, torch.eq, method=("eq",)) and len(mask.args) == 2):
+        return False
+    chosen, cls = mask.args
+    value = example_value(source)
+    if not isinstance(chosen, Node) or not isinstance(cls, int) or not same_size(num_classes - 1, cls):
+        return False
+    if example_value(chosen) is None or example_value(chosen).is_floating_point():
+        return False
+    if value.is_floating_point():
+        return fill == 0
+    return isinstance(fill, int) and 0 <= fill < cls and source is chosen
 
 
 def _ids_step(user: Node, ids: Node, num_tokens) -> bool:
@@ -429,7 +479,8 @@ _ELEMENTWISE_METHODS = (
 _SOFTMAX = (F.softmax, torch.softmax)
 
 
-def _gate_weights(selection: Node, ids: Node, id_nodes: set[Node], numel, dense_numel) -> tuple[Node, list[Node], bool]:
+def _gate_weights(selection: Node, ids: Node, id_nodes: set[Node], numel, dense_numel,
+                  num_classes=None) -> tuple[Node, list[Node], bool]:
     """The ``numel = T·k`` floats multiplying the expert outputs, the chain of routing math read to them,
     and whether they are dense ``[T, E]`` scores (``dense_numel = T·E`` floats read at the ids).
 
@@ -448,7 +499,7 @@ def _gate_weights(selection: Node, ids: Node, id_nodes: set[Node], numel, dense_
     ends: list[tuple[Node, str, list[Node]]] = []
     stops: list[str] = []
     for start, how in starts:
-        chain = _weights_chain(start, ids)
+        chain = _weights_chain(start, ids, num_classes)
         end = chain[-1]
         dense = _dense_scores(end, _getitem(selection, 1), dense_numel) if how == "values" else None
         if dense is not None:
@@ -499,11 +550,13 @@ def _dense_scores(values: Node, selected: Node | None, dense_numel) -> list[Node
     return chain
 
 
-def _weights_chain(start: Node, ids: Node) -> list[Node]:
+def _weights_chain(start: Node, ids: Node, num_classes=None) -> list[Node]:
     chain = [start]
     while True:
         node = chain[-1]
-        nxt = [u for u in node.users if _weights_step(u, node, chain, ids)]
+        nxt = [u for u in node.users if _weights_step(u, node, chain, ids)
+               or (_skip_fill(u, num_classes) and u.args[0] is node
+                   and u.args[1].args[0] in reachable([ids], forward=False, stop=is_selection))]
         if len(nxt) != 1:
             return chain
         chain.append(nxt[0])

@@ -14,6 +14,7 @@ expert, ``bmm`` on the gathered stacked weights, ``index_add`` back: dropless, a
 | :class:`TwoPickMoE` | two sequential ``max`` picks, the second over the scores without the first, weights a softmax of each, concatenated; no ``topk`` | PhiMoE's sparsemixer (eval form) |
 | :class:`ScoresBeforeMoE` | sigmoid of the top-k logits, multiplied into the sorted tokens *before* the experts, the outputs summed unweighted | torchtitan's ``score_before_experts`` (its Llama 4) |
 | :class:`HashMoE` | hash routing: each token id's experts a fixed row of a ``[V, k]`` table (a buffer), weights the sigmoid scores gathered at them, renormalised, scaled; no selection over scores | DeepSeek-V4's first layers (§2.1) |
+| :class:`SkipExpertMoE` | a router MLP (its gate linear reads no token tensor) over ``[B, S, E + 1]`` scores: the last class a skip expert, its choices sent to expert 0 with weight 0 | Zaya |
 | :class:`DenseScoresMoE` | top-k logits scattered into ``-inf`` ``[T, E]`` scores, ``sigmoid``; every expert runs every token scaled by its score (``einsum`` over ``[E, T, M]``), summed over the experts | Llama 4 as transformers writes it |
 
 :class:`IndexedAttentionBlock` puts an attention whose key selection is a ``topk`` over ``[B, S, S]``
@@ -179,6 +180,25 @@ class HashMoE(_RoutedMoE):
         weights = scores.gather(1, ids)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
         return self.experts(tokens, ids, weights).reshape(x.shape)
+
+
+class SkipExpertMoE(_RoutedMoE):
+    """``forward(x)`` with ``x`` ``[B, S, M]``: scores ``[B, S, E + 1]`` from a 2-layer router MLP; top-k over
+    them; a choice of class E (the skip expert) becomes expert 0 with weight 0."""
+
+    def __init__(self, model_dim, hidden_dim, num_experts=4, top_k=2):
+        super().__init__(model_dim, hidden_dim, num_experts, top_k)
+        self.router = nn.Sequential(nn.Linear(model_dim, 8), nn.GELU(), nn.Linear(8, num_experts + 1, bias=False))
+
+    def forward(self, x):
+        probs = torch.softmax(self.router(x), dim=-1)
+        _, ids = torch.topk(probs.detach(), self.top_k, dim=-1)
+        weights = torch.gather(probs, dim=2, index=ids)
+        skip = ids == self.num_experts
+        weights, ids = weights.masked_fill(skip, 0), ids.masked_fill(skip, 0)
+        tokens = x.reshape(-1, x.shape[-1])
+        out = self.experts(tokens, ids.reshape(-1, self.top_k), weights.reshape(-1, self.top_k))
+        return out.reshape(x.shape)
 
 
 class HashRouted(nn.Module):

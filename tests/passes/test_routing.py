@@ -17,7 +17,7 @@ import moe_compile
 from tests.helpers import CausalLMLogits
 from tests.models.routers import (
     BiasCorrectedMoE, DenseScoresMoE, GroupLimitedMoE, HashRouted, IndexedAttentionBlock, NoisyTopkMoE, ScoresBeforeMoE,
-    SoftmaxAfterTopkMoE, SwitchMaxMoE, TwoPickMoE,
+    SkipExpertMoE, SoftmaxAfterTopkMoE, SwitchMaxMoE, TwoPickMoE,
 )
 
 
@@ -99,6 +99,26 @@ def test_hash_router_is_found_and_rewritten(tmp_path, caplog):
     assert not _messages(caplog, logging.WARNING)
     routing = "hash (a token-id table lookup), weights gathered by the ids, renormalised"
     assert any(f"routing: {routing})" in m for m in _messages(caplog, logging.INFO)), _messages(caplog, logging.INFO)
+    assert _dispatches(tmp_path) == 1
+
+
+def test_skip_expert_router_is_found_and_rewritten(tmp_path, caplog):
+    """Zaya's router: a router MLP over ``[B, S, E + 1]`` scores whose last class is a skip expert (its choices
+    sent to expert 0 with weight 0); found with E real experts, rewritten, equal to eager forward and backward,
+    with the skip expert chosen for some tokens."""
+    caplog.set_level(logging.INFO, logger="moe_compile")
+    torch.manual_seed(0)
+    model, x = SkipExpertMoE(16, 24), torch.randn(2, 9, 16)
+    with torch.no_grad():
+        chosen = torch.topk(torch.softmax(model.router(x), -1), 2, dim=-1).indices
+    assert (chosen == 4).any() and (chosen != 4).any(), "the test needs the skip expert chosen and not"
+    _compare(model, x, train=False, tmp_path=tmp_path)
+    assert moe_compile.counters["regions_rewritten"] == moe_compile.counters["regions_found"] == 1
+    assert not _messages(caplog, logging.WARNING)
+    # the ids are selected from the detached scores, the weights gathered from the scores themselves
+    routing = "top-k, selection-only bias, weights gathered from the unbiased scores, a skip expert (its choices weight 0)"
+    found = [m for m in _messages(caplog, logging.INFO) if "found" in m]
+    assert any("E=4, k=2" in m and f"routing: {routing})" in m for m in found), found
     assert _dispatches(tmp_path) == 1
 
 
