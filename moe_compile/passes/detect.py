@@ -290,7 +290,8 @@ def _match(graph: Graph, router: Router) -> MoERegion:
             experts=experts,
             output=output,
             routing=router.form,
-            routed=routed_output(region, selection, output, experts, (shape_of(tokens), shape_of(hidden))),
+            routed=routed_output(region, selection, output, experts, (shape_of(tokens), shape_of(hidden)),
+                                 router.nodes, router.expert_ids),
             dense_weights=router.dense_weights,
             scaled_before=scaled_before,
         )

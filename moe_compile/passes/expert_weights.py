@@ -545,7 +545,8 @@ def _bias_add(node: Node, num_experts: int | None, out_features) -> tuple[Node, 
     return node, None
 
 
-def routed_output(region: list[Node], topk: Node, output: Node, experts: ExpertMLP, shapes: tuple) -> Node:
+def routed_output(region: list[Node], topk: Node, output: Node, experts: ExpertMLP, shapes: tuple,
+                  router: frozenset[Node] = frozenset(), expert_ids: Node | None = None) -> Node:
     """Where the routed computation of the layer ends: the first node, in graph order, that is computed
     from the router's ``topk`` and the down projection's weights, has one of ``shapes`` (the tokens' or the
     hidden states'), and every other routed node the output depends on is computed before it (a funnel:
@@ -561,6 +562,10 @@ def routed_output(region: list[Node], topk: Node, output: Node, experts: ExpertM
     ``out = shared(x); out.add_(routed.sum(0))`` returns ``out``, its ``add_`` unused in the graph). A
     routed result accumulated in place into a tensor that holds other values (a shared expert's output)
     must funnel through one node before that op, or the layer is not matched.
+
+    A shared expert gated by the router's own weights (Inkling: ``shared(x) * gammas``, the gammas
+    normalised together with the routed weights) is downstream of the ``topk`` too, but reads the expert
+    ids only through the ``router`` nodes (which stay as written): such nodes may join after the funnel.
     """
     members = set(region)
     inside = lambda n: n not in members  # noqa: E731 - stop predicate
@@ -575,7 +580,12 @@ def routed_output(region: list[Node], topk: Node, output: Node, experts: ExpertM
     # a zero-filled accumulator the experts' rows are index_add_-ed into, then read (scaled, a shared expert
     # added): it stands for its value after the last write
     accumulators = {node.args[0] for node in in_place if zeros(node.args[0]) and node.args[0] in members}
-    funnel = _funnel(region, routed, after_down, downstream, members, shapes, inside, accumulators)
+    # routed nodes computed from the router's results only, not from the experts or from the ids otherwise
+    by_ids = set()
+    if expert_ids is not None and router:
+        by_ids = reachable([u for u in expert_ids.users if u not in router and u in members], stop=inside) & members
+    side = {n for n in routed if n not in after_down and n not in by_ids and n not in router} if router else set()
+    funnel = _funnel(region, routed, after_down, downstream, members, shapes, inside, accumulators, side)
     if into_other and (funnel is None or any(n not in reachable(funnel.users, stop=inside) for n in into_other)):
         node = into_other[0]
         raise NoMatch(
@@ -602,7 +612,8 @@ def _ancestors_written(ends: list[Node], members: set[Node]) -> set[Node]:
     return seen
 
 
-def _funnel(region, routed, after_down, downstream, members, shapes, inside, accumulators) -> Node | None:
+def _funnel(region, routed, after_down, downstream, members, shapes, inside, accumulators,
+            side=frozenset()) -> Node | None:
     """:func:`routed_output`'s node, or None. An accumulator (``final = zeros_like(x)``, the experts'
     rows ``final.index_add_``-ed in) is the funnel as its writes leave it: what it is computed from
     includes its writers, what follows it is what its other users read."""
@@ -622,11 +633,12 @@ def _funnel(region, routed, after_down, downstream, members, shapes, inside, acc
         else:   # in-place writes into what it reads (a bias ``out.add_(b)``) are before it too
             before = _ancestors_written([node], members)
             after = reachable(node.users, stop=inside) & members
-        if not after or not all(n in before or n in after for n in routed):
+        if not after or not all(n in before or n in after or n in side for n in routed):
             continue
         # what follows reads the routing only through it (a top-1 layer's rows still in expert order are
         # [T, M] too, but the un-permutation after them reads the order again)
-        if all(i is node or i in after or i not in downstream for n in after for i in n.all_input_nodes):
+        if all(i is node or i in after or i not in downstream or (i in side and i not in before)
+               for n in after for i in n.all_input_nodes):
             return node
     return None
 

@@ -326,23 +326,37 @@ def _is_linear_like(node: Node) -> bool:
 
 def _gate_linear(scores: Node, num_experts) -> Node | None:
     """The linear / matmul on a parameter with ``num_experts`` outputs that the scores are computed from:
-    the nearest one walking back from the scores (through any math, not through another linear)."""
-    frontier, seen = [scores], set()
+    the nearest one walking back from the scores (through any math, not through another linear). Walking
+    back through a slice of the first ``num_experts`` features (Inkling's ``scores[..., :-n_shared]``: one
+    gate linear scores the routed and the shared experts) the linear may have more."""
+    frontier, seen = [(scores, False)], set()
     while frontier:
         nxt = []
-        for node in frontier:
-            if not isinstance(node, Node) or node in seen:
+        for node, sliced in frontier:
+            if not isinstance(node, Node) or (node, sliced) in seen:
                 continue
-            seen.add(node)
+            seen.add((node, sliced))
             if _is_linear_like(node):
                 shape = shape_of(node)
                 if (is_call(node, *LINEAR, *MATMUL) and len(node.args) > 1 and _on_parameter(node.args[1])
-                        and shape and same_size(shape[-1], num_experts)):
+                        and shape and (same_size(shape[-1], num_experts) or sliced)):
                     return node
                 continue
-            nxt.extend(node.all_input_nodes)
+            sliced = sliced or _first_features(node, num_experts)
+            nxt.extend((n, sliced) for n in node.all_input_nodes)
         frontier = nxt
     return None
+
+
+def _first_features(node: Node, count) -> bool:
+    """``x[..., :count]`` (or ``x[..., :-n]`` leaving ``count``): the first ``count`` of x's last-dim features."""
+    if node.op != "call_function" or node.target is not operator.getitem or not isinstance(node.args[1], tuple):
+        return False
+    index = node.args[1]
+    last = index[-1] if index and index[0] is Ellipsis else None
+    shape = shape_of(node)
+    return (isinstance(last, slice) and last.start in (None, 0) and last.step in (None, 1) and shape is not None
+            and same_size(shape[-1], count))
 
 
 def _on_parameter(node: object) -> bool:
@@ -471,10 +485,11 @@ _ELEMENTWISE = (
     operator.truediv, operator.mul, operator.add, operator.sub, operator.neg,
     operator.itruediv, operator.imul, operator.iadd, operator.isub,
     torch.div, torch.mul, torch.add, torch.sub, torch.clamp, torch.neg, torch.sigmoid, F.sigmoid,
+    torch.exp, F.logsigmoid,
 )
 _ELEMENTWISE_METHODS = (
     *_CASTS, "reshape", "view", "flatten", "unsqueeze", "squeeze",
-    "div", "div_", "mul", "mul_", "add", "add_", "sub", "clamp", "clamp_min", "sigmoid",
+    "div", "div_", "mul", "mul_", "add", "add_", "sub", "clamp", "clamp_min", "sigmoid", "exp",
 )
 _SOFTMAX = (F.softmax, torch.softmax)
 
@@ -581,6 +596,11 @@ def _weights_step(user: Node, node: Node, chain: list[Node], ids: Node) -> bool:
     if is_call(user, torch.cat, torch.concat):
         dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0)
         if dim not in (-1, 1) or len(shape_of(user)) != 2:
+            return False
+    elif user.target is operator.getitem and user.args[0] is node and any(n.target is torch.cat for n in chain):
+        # Inkling: the weights normalised together with the shared experts' (cat along the last dim); the
+        # routed ones are the first k of them again
+        if not _first_features(user, shape_of(chain[0])[-1]):
             return False
     elif is_call(user, *_SOFTMAX, method=("softmax",)):
         dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim")

@@ -176,7 +176,7 @@ EXPECTED: dict[tuple[str, str], str] = {
     ('hy_v3', 'grouped_mm'): 'rewritten',
     ('hy_v4', 'grouped_mm'): 'rewritten',
     ('hy_v4_vl', 'grouped_mm'): 'rewritten',
-    ('inkling', 'grouped_mm'): 'left eager: the top-k scores do not come from a gate linear layer',
+    ('inkling', 'grouped_mm'): 'rewritten',
     ('inkling2', 'grouped_mm'): 'rewritten',
     ('inkling2_loop', 'grouped_mm'): 'rewritten',
     ('jamba', 'grouped_mm'): 'rewritten',

@@ -15,6 +15,7 @@ expert, ``bmm`` on the gathered stacked weights, ``index_add`` back: dropless, a
 | :class:`ScoresBeforeMoE` | sigmoid of the top-k logits, multiplied into the sorted tokens *before* the experts, the outputs summed unweighted | torchtitan's ``score_before_experts`` (its Llama 4) |
 | :class:`HashMoE` | hash routing: each token id's experts a fixed row of a ``[V, k]`` table (a buffer), weights the sigmoid scores gathered at them, renormalised, scaled; no selection over scores | DeepSeek-V4's first layers (§2.1) |
 | :class:`SkipExpertMoE` | a router MLP (its gate linear reads no token tensor) over ``[B, S, E + 1]`` scores: the last class a skip expert, its choices sent to expert 0 with weight 0 | Zaya |
+| :class:`SharedGammaMoE` | one gate linear for E routed and 1 shared expert; the k gathered logits and the shared one normalised together (``sigmoid`` / their sum, via ``logsigmoid`` and ``logsumexp``); the shared expert scaled by its share | Inkling |
 | :class:`DenseScoresMoE` | top-k logits scattered into ``-inf`` ``[T, E]`` scores, ``sigmoid``; every expert runs every token scaled by its score (``einsum`` over ``[E, T, M]``), summed over the experts | Llama 4 as transformers writes it |
 
 :class:`IndexedAttentionBlock` puts an attention whose key selection is a ``topk`` over ``[B, S, S]``
@@ -198,6 +199,29 @@ class SkipExpertMoE(_RoutedMoE):
         weights, ids = weights.masked_fill(skip, 0), ids.masked_fill(skip, 0)
         tokens = x.reshape(-1, x.shape[-1])
         out = self.experts(tokens, ids.reshape(-1, self.top_k), weights.reshape(-1, self.top_k))
+        return out.reshape(x.shape)
+
+
+class SharedGammaMoE(_RoutedMoE):
+    """``forward(x)``: routed experts plus a shared SwiGLU expert, all weighted by one normalisation of the
+    gate linear's E + 1 logits (the k chosen routed ones and the shared one)."""
+
+    def __init__(self, model_dim, hidden_dim, num_experts=4, top_k=2):
+        super().__init__(model_dim, hidden_dim, num_experts, top_k)
+        self.router = nn.Linear(model_dim, num_experts + 1, bias=False)
+        self.shared_up = nn.Linear(model_dim, 2 * hidden_dim, bias=False)
+        self.shared_down = nn.Linear(hidden_dim, model_dim, bias=False)
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        logits = self.router(tokens)
+        routed, shared = logits[..., :-1], logits[..., -1:]
+        ids = torch.topk(routed.sigmoid(), self.top_k, dim=-1)[1]
+        log_probs = F.logsigmoid(torch.cat([routed.gather(-1, ids), shared], dim=-1))
+        weights = torch.exp(log_probs - torch.logsumexp(log_probs, dim=-1, keepdim=True)) * 2.0
+        gamma, weights = weights[..., -1:], weights[..., : self.top_k]
+        gate, up = self.shared_up(tokens).chunk(2, dim=-1)
+        out = self.experts(tokens, ids, weights) + self.shared_down(F.silu(gate) * up) * gamma
         return out.reshape(x.shape)
 
 

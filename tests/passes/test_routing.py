@@ -17,7 +17,7 @@ import moe_compile
 from tests.helpers import CausalLMLogits
 from tests.models.routers import (
     BiasCorrectedMoE, DenseScoresMoE, GroupLimitedMoE, HashRouted, IndexedAttentionBlock, NoisyTopkMoE, ScoresBeforeMoE,
-    SkipExpertMoE, SoftmaxAfterTopkMoE, SwitchMaxMoE, TwoPickMoE,
+    SharedGammaMoE, SkipExpertMoE, SoftmaxAfterTopkMoE, SwitchMaxMoE, TwoPickMoE,
 )
 
 
@@ -71,6 +71,10 @@ FORMS = {
     "two-picks": (lambda: TwoPickMoE(16, 24), False, "2 sequential picks by max, weights gathered by the ids"),
     "scores-before": (lambda: ScoresBeforeMoE(16, 24, 6), False, "top-k"),
     "dense-scores": (lambda: DenseScoresMoE(16, 24), False, "top-k, values scattered into dense [T, E] scores"),
+    # Inkling: the gate linear scores the shared expert too; the routed output is the experts' result, the
+    # shared expert (scaled by the router's gamma) added after it stays as written
+    "shared-gamma": (lambda: SharedGammaMoE(16, 24), False,
+                     "top-k, selection-only bias, weights gathered from the unbiased scores"),
 }
 
 
