@@ -93,6 +93,17 @@ class PauseMP:
         for plan in list(state.layers):
             if plan.layout is None:
                 continue
+            if self.cfg.parallelism is not None:
+                if plan.layout.shards > 1 and plan.layout.replicas == 1:
+                    log.info("moe_compile: %s: parallelism=%s (Tutel §3.2 over EP %d x ESP %d)", plan.name,
+                             self.cfg.parallelism, plan.layout.ep.size, plan.layout.shards)
+                    state.replace_plan(dataclasses.replace(
+                        plan, pause="s1", parallelism=str(self.cfg.parallelism),
+                        pause_decision={"choice": "s1", "why": f"options['parallelism']={self.cfg.parallelism!r}: "
+                                        "Tutel's P1 / P2 (moe.switch_exchange)"}))
+                    continue
+                log.warning("moe_compile: %s: options['parallelism'] needs experts sharded over esp_group (size > 1) "
+                            "and no MP group; this layer keeps pause_mp's schedule", plan.name)
             mode, why, extra = self.choose(plan)
             if mode == "s1":
                 blocker = s1_blocker(plan)
