@@ -202,6 +202,7 @@ class MoECompileConfig:
     #: their gradients reduce-scattered back), "p2" (EP + MP: experts sharded, each row sent to every
     #: slice), or "adaptive" (per call, Tutel's O(1) rule on communication sizes picks P1 or P2 from the
     #: call's capacity, no recompile). Needs ``ep_group`` and ``esp_group``; the parameters stay in place.
+    #: With ``emulate_link`` its all-to-alls, all-gathers and reduce-scatters are held on the emulated link.
     parallelism: Any = None
 
     # ------------------------------------------------------------------ validation
@@ -428,10 +429,10 @@ def _check_parallelism_groups(cfg: MoECompileConfig) -> None:
     if cfg.mp_group is not None:
         raise ConfigError(f"{what}: P2 replicates the tokens over the expert-sharding group itself; "
                           f"options['mp_group'] must be None (Parm's MP layouts use pause_mp)")
-    for name, off in (("num_chunks", 1), ("all_to_all", "flat"), ("compressor", "none"), ("emulate_link", None)):
+    for name, off in (("num_chunks", 1), ("all_to_all", "flat"), ("compressor", "none")):
         if getattr(cfg, name) != off:
-            raise ConfigError(f"{what}: the switched exchange is one flat, uncompressed, unchunked exchange on the "
-                              f"real network; options[{name!r}]={getattr(cfg, name)!r} must be {off!r}")
+            raise ConfigError(f"{what}: the switched exchange is one flat, uncompressed, unchunked exchange; "
+                              f"options[{name!r}]={getattr(cfg, name)!r} must be {off!r}")
 
 
 def _field_names() -> list[str]:

@@ -66,35 +66,57 @@ def _group(name: str):
     return _resolve_process_group(name)
 
 
-def _all_to_all(x: Tensor, group) -> Tensor:
-    """Equal-split all-to-all of the rows of ``x`` (a group of one rank: ``x`` itself)."""
-    x = x.contiguous()
-    if dist.get_world_size(group) == 1:
-        return x
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
-    return out
+class _Net:
+    """The op's collectives on the real network, or held until the emulated link's α-β time has passed
+    (``options["emulate_link"]``, :mod:`moe_compile.collectives.emulated`: ``alpha_us < 0`` = no emulation).
+    The op runs its collectives one after another, so a held collective simply blocks."""
 
+    def __init__(self, alpha_us: float, gbps: float):
+        self.alpha_us, self.gbps = alpha_us, gbps
 
-def _gather_slices(w: Tensor, group, dim: int) -> Tensor:
-    """The s slices ``w`` of the ESP group joined along ``dim`` (H) in ESP rank order: whole experts."""
-    s = dist.get_world_size(group)
-    out = w.new_empty(s * w.numel())
-    dist.all_gather_single(out, w.contiguous().view(-1), group=group)
-    return torch.cat(out.view(s, *w.shape).unbind(0), dim)
+    def _hold(self, start: float, nbytes: float) -> None:
+        if self.alpha_us < 0 or nbytes <= 0:
+            return
+        from ..collectives.emulated import link_seconds
 
+        left = link_seconds(nbytes, self.alpha_us, self.gbps) - (time.perf_counter() - start)
+        if left > 0:
+            time.sleep(left)
 
-def _reduce_scatter_slices(grad: Tensor, group, dim: int) -> Tensor:
-    """The whole experts' gradient summed over the ESP group, this rank's H-slice of it."""
-    s, rank = dist.get_world_size(group), dist.get_rank(group)
-    parts = torch.stack(grad.chunk(s, dim))  # [s, *slice]: ESP rank j's slice first
-    out = parts.new_empty(parts.shape[1:])
-    try:
-        dist.reduce_scatter_single(out.view(-1), parts.view(-1), group=group)
-    except (RuntimeError, NotImplementedError):  # a backend without reduce-scatter
-        dist.all_reduce(parts, group=group)
-        out = parts[rank].clone()
-    return out
+    def all_to_all(self, x: Tensor, group) -> Tensor:
+        """Equal-split all-to-all of the rows of ``x`` (a group of one rank: ``x`` itself, nothing sent)."""
+        x = x.contiguous()
+        size = dist.get_world_size(group)
+        if size == 1:
+            return x
+        start = time.perf_counter()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        self._hold(start, x.numel() * x.element_size() * (size - 1) / size)
+        return out
+
+    def gather_slices(self, w: Tensor, group, dim: int) -> Tensor:
+        """The s slices ``w`` of the ESP group joined along ``dim`` (H) in ESP rank order: whole experts."""
+        s = dist.get_world_size(group)
+        start = time.perf_counter()
+        out = w.new_empty(s * w.numel())
+        dist.all_gather_single(out, w.contiguous().view(-1), group=group)
+        self._hold(start, (s - 1) * w.numel() * w.element_size())
+        return torch.cat(out.view(s, *w.shape).unbind(0), dim)
+
+    def reduce_scatter_slices(self, grad: Tensor, group, dim: int) -> Tensor:
+        """The whole experts' gradient summed over the ESP group, this rank's H-slice of it."""
+        s, rank = dist.get_world_size(group), dist.get_rank(group)
+        start = time.perf_counter()
+        parts = torch.stack(grad.chunk(s, dim))  # [s, *slice]: ESP rank j's slice first
+        out = parts.new_empty(parts.shape[1:])
+        try:
+            dist.reduce_scatter_single(out.view(-1), parts.view(-1), group=group)
+        except (RuntimeError, NotImplementedError):  # a backend without reduce-scatter
+            dist.all_reduce(parts, group=group)
+            out = parts[rank].clone()
+        self._hold(start, (s - 1) * out.numel() * out.element_size())
+        return out
 
 
 def _shape(buffer: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, ep_name: str, esp_name: str):
@@ -118,7 +140,7 @@ def _choose(mode: str, rows: int, shape) -> tuple[int, float, float]:
 @torch.library.custom_op("moe::switch_exchange", mutates_args=())
 def switch_exchange(
     buffer: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, activation: str, act_args: list[float], layer: str,
-    ep_name: str, esp_name: str, expert_name: str, owners: list[int], mode: str,
+    ep_name: str, esp_name: str, expert_name: str, owners: list[int], mode: str, alpha_us: float, gbps: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``buffer: [E, R, M]`` and this rank's slices ``w1, w3: [El, H/s, M]``, ``w2: [El, M, H/s]`` →
     ``(expert outputs [E, R, M], local_in [El, G·R, M], h1 [El, p·R, H], h3 (the same, or empty), choice [2])``;
@@ -126,6 +148,7 @@ def switch_exchange(
     from ..schedule.parallelism import SwitchDecision, log_switch
 
     ep, esp, expert = _group(ep_name), _group(esp_name), _group(expert_name)
+    net = _Net(alpha_us, gbps)
     num_experts, rows, model_dim = buffer.shape
     num_local = w1.shape[0]
     p, g = dist.get_world_size(ep), dist.get_world_size(expert)
@@ -136,21 +159,21 @@ def switch_exchange(
     start = time.perf_counter()
     local = buffer.new_empty((num_local, g * rows, model_dim))
     if index == 0:  # P1: whole experts from the slices, plain EP over the ESP replica's EP group
-        whole = (_gather_slices(w1, esp, 1), _gather_slices(w2, esp, 2),
-                 _gather_slices(w3, esp, 1) if w3 is not None else None)
-        recv = _all_to_all(buffer.reshape(-1, model_dim), ep).view(p, num_local, rows, model_dim)
+        whole = (net.gather_slices(w1, esp, 1), net.gather_slices(w2, esp, 2),
+                 net.gather_slices(w3, esp, 1) if w3 is not None else None)
+        recv = net.all_to_all(buffer.reshape(-1, model_dim), ep).view(p, num_local, rows, model_dim)
         local_in = recv.transpose(0, 1).reshape(num_local, p * rows, model_dim)
         local[:, :p * rows] = local_in
         y, h1, h3 = experts_saving(local_in, *whole, activation, None, None, None, act_args)
         back = y.view(num_local, p, rows, model_dim).transpose(0, 1).reshape(-1, model_dim)
-        out = _all_to_all(back, ep).view(num_experts, rows, model_dim)
+        out = net.all_to_all(back, ep).view(num_experts, rows, model_dim)
     else:  # P2: each row to the s holders of its expert's slices over G, the partial outputs summed
         dumped = buffer.view(p, num_local, rows, model_dim).index_select(0, torch.tensor(owners, device=buffer.device))
-        recv = _all_to_all(dumped.reshape(-1, model_dim), expert).view(g, num_local, rows, model_dim)
+        recv = net.all_to_all(dumped.reshape(-1, model_dim), expert).view(g, num_local, rows, model_dim)
         local.copy_(recv.transpose(0, 1).reshape(num_local, g * rows, model_dim))
         y, h1, h3 = experts_saving(local, w1, w2, w3, activation, None, None, None, act_args)
         back = y.view(num_local, g, rows, model_dim).transpose(0, 1).reshape(-1, model_dim)
-        returned = _all_to_all(back, expert).view(g, num_local, rows, model_dim)
+        returned = net.all_to_all(back, expert).view(g, num_local, rows, model_dim)
         out = returned.new_zeros((p, num_local, rows, model_dim))
         out.index_add_(0, torch.tensor(owners, device=buffer.device), returned)
         out = out.view(num_experts, rows, model_dim)
@@ -171,7 +194,7 @@ def switch_exchange(
 
 @switch_exchange.register_fake
 def _switch_exchange_fake(buffer, w1, w2, w3, activation, act_args, layer, ep_name, esp_name, expert_name, owners,
-                          mode):
+                          mode, alpha_us, gbps):
     p, g = dist.get_world_size(_group(ep_name)), dist.get_world_size(_group(expert_name))
     s = dist.get_world_size(_group(esp_name))
     num_experts, rows, model_dim = buffer.shape
@@ -187,11 +210,12 @@ def _switch_exchange_fake(buffer, w1, w2, w3, activation, act_args, layer, ep_na
 def switch_exchange_backward(
     grad_out: Tensor, local_in: Tensor, h1: Tensor, h3: Tensor, choice: Tensor, w1: Tensor, w2: Tensor,
     w3: Tensor | None, activation: str, act_args: list[float], layer: str, ep_name: str, esp_name: str,
-    expert_name: str, owners: list[int], mode: str,
+    expert_name: str, owners: list[int], mode: str, alpha_us: float, gbps: float,
 ) -> list[Tensor]:
     """The adjoint of :func:`switch_exchange` with the parallelism the forward ran: ``[grad of buffer, grad of
     w1, w2 (and w3)]``, the weights' gradients on this rank's slices."""
     ep, esp, expert = _group(ep_name), _group(esp_name), _group(expert_name)
+    net = _Net(alpha_us, gbps)
     index, call = (int(v) for v in choice.tolist())
     num_experts, rows, model_dim = grad_out.shape
     num_local = w1.shape[0]
@@ -201,19 +225,19 @@ def switch_exchange_backward(
     owner_index = torch.tensor(owners, device=grad_out.device)
     with _autograd_inside_op(), torch.enable_grad():
         if index == 0:  # P1: the return all-to-all's adjoint, whole experts' VJP, reduce-scatter to the slices
-            whole = (_gather_slices(w1, esp, 1), _gather_slices(w2, esp, 2),
-                     _gather_slices(w3, esp, 1) if w3 is not None else None)
-            grad_y = _all_to_all(grad_out.reshape(-1, model_dim), ep).view(p, num_local, rows, model_dim)
+            whole = (net.gather_slices(w1, esp, 1), net.gather_slices(w2, esp, 2),
+                     net.gather_slices(w3, esp, 1) if w3 is not None else None)
+            grad_y = net.all_to_all(grad_out.reshape(-1, model_dim), ep).view(p, num_local, rows, model_dim)
             grad_y = grad_y.transpose(0, 1).reshape(num_local, p * rows, model_dim)
             grad_x, grads = experts_vjp(grad_y, local_in[:, :p * rows], h1, h3 if w3 is not None else None,
                                         *whole, activation, None, None, None, act_args)
             dims = (1, 2, 1)
-            param_grads = [_reduce_scatter_slices(gw, esp, d) for gw, d in zip(grads[:3], dims) if gw is not None]
+            param_grads = [net.reduce_scatter_slices(gw, esp, d) for gw, d in zip(grads[:3], dims) if gw is not None]
             back = grad_x.view(num_local, p, rows, model_dim).transpose(0, 1).reshape(-1, model_dim)
-            grad_buffer = _all_to_all(back.to(local_in.dtype), ep).view(num_experts, rows, model_dim)
+            grad_buffer = net.all_to_all(back.to(local_in.dtype), ep).view(num_experts, rows, model_dim)
         else:  # P2: the local combine's adjoint is the dump, and the dump's the combine
             dumped = grad_out.view(p, num_local, rows, model_dim).index_select(0, owner_index)
-            grad_y = _all_to_all(dumped.reshape(-1, model_dim), expert).view(g, num_local, rows, model_dim)
+            grad_y = net.all_to_all(dumped.reshape(-1, model_dim), expert).view(g, num_local, rows, model_dim)
             grad_y = grad_y.transpose(0, 1).reshape(num_local, g * rows, model_dim)
             width = w1.shape[1]
             grad_x, grads = experts_vjp(grad_y, local_in, h1.reshape(num_local, g * rows, width),
@@ -221,7 +245,7 @@ def switch_exchange_backward(
                                         w1, w2, w3, activation, None, None, None, act_args)
             param_grads = [gw for gw in grads[:3] if gw is not None]
             back = grad_x.view(num_local, g, rows, model_dim).transpose(0, 1).reshape(-1, model_dim)
-            returned = _all_to_all(back.to(local_in.dtype), expert).view(g, num_local, rows, model_dim)
+            returned = net.all_to_all(back.to(local_in.dtype), expert).view(g, num_local, rows, model_dim)
             grad_buffer = returned.new_zeros((p, num_local, rows, model_dim)).index_add_(0, owner_index, returned)
             grad_buffer = grad_buffer.view(num_experts, rows, model_dim)
     decision = _CALLS.pop(call, None)
@@ -232,7 +256,7 @@ def switch_exchange_backward(
 
 @switch_exchange_backward.register_fake
 def _switch_exchange_backward_fake(grad_out, local_in, h1, h3, choice, w1, w2, w3, activation, act_args, layer,
-                                   ep_name, esp_name, expert_name, owners, mode):
+                                   ep_name, esp_name, expert_name, owners, mode, alpha_us, gbps):
     return [local_in.new_empty(grad_out.shape), *(torch.empty_like(t) for t in (w1, w2, w3) if t is not None)]
 
 
@@ -250,7 +274,7 @@ def _backward(ctx, grad_out, _grad_local, _grad_h1, _grad_h3, _grad_choice):
     grad_buffer, *param_grads = switch_exchange_backward(grad_out.contiguous(), local_in, h1, h3, choice, w1, w2, w3,
                                                          *ctx.args)
     grad_w3 = param_grads[2] if ctx.gated else None
-    return (grad_buffer, param_grads[0], param_grads[1], grad_w3, *([None] * 8))
+    return (grad_buffer, param_grads[0], param_grads[1], grad_w3, *([None] * 10))
 
 
 switch_exchange.register_autograd(_backward, setup_context=_setup_context)

@@ -197,7 +197,7 @@ def build_layer(gm: GraphModule, plan: ExchangePlan, cfg: MoECompileConfig, loca
     # 3. the exchange, per chunk
     with graph.inserting_before(experts):
         if plan.parallelism is not None:
-            output = _switched(graph, plan, experts, experts_args, meta)
+            output = _switched(graph, plan, cfg, experts, experts_args, meta)
         elif plan.adaptive is not None:
             output = _adaptive(graph, plan, cfg, experts, experts_args, meta)
         elif plan.chunks == 1:
@@ -307,22 +307,24 @@ def _adaptive(graph: Graph, plan: ExchangePlan, cfg, experts: Node, experts_args
     return insert_node(graph, operator.getitem, node, 0, meta=task)
 
 
-def _switched(graph: Graph, plan: ExchangePlan, experts: Node, experts_args: tuple, meta: dict) -> Node:
+def _switched(graph: Graph, plan: ExchangePlan, cfg, experts: Node, experts_args: tuple, meta: dict) -> Node:
     """Tutel §3.2: the whole exchange of a layer with sharded experts as one ``moe.switch_exchange``, which
     runs P1 (slices all-gathered, EP) or P2 (rows to every slice, partials summed) per call
     (:mod:`moe_compile.ops.parallel_switch`)::
 
         y, local_in, h1, h3, choice = moe.switch_exchange(buf, w1j, w2j, w3j, act, act_args, layer,
-                                                          ep, esp, G, owners, parallelism)
+                                                          ep, esp, G, owners, parallelism, alpha, gbps)
     """
     w1, w2, w3, activation = experts_args[:4]
     tail = list(experts_args[4:])  # biases (None: ESP refuses expert biases) and act_args
     act_args = list(tail[3]) if len(tail) > 3 else []
     layout = plan.layout
+    link = Link.from_option(cfg.emulate_link)
+    alpha_us, gbps = (link.alpha_us, link.gbps) if link is not None else (-1.0, 1.0)
     task = {**meta, TASK_META: TaskLabel(plan.name, 0, "E")}
     node = insert_node(graph, torch.ops.moe.switch_exchange.default, plan.layer.buffer, w1, w2, w3, activation,
                        act_args, plan.name, layout.ep.name, layout.esp.name, layout.expert.name,
-                       list(layout.peer_owner), plan.parallelism, meta=task)
+                       list(layout.peer_owner), plan.parallelism, alpha_us, gbps, meta=task)
     for key, value in experts.meta.items():
         if key not in _VALUE_META and key != TASK_META:
             node.meta.setdefault(key, value)
