@@ -207,6 +207,8 @@ def _chunks(entry: dict) -> str:
     adaptive = entry.get("adaptive")
     if adaptive:
         return f"adaptive: r in {adaptive['chunks']} x {', '.join(adaptive['algorithms'])}"
+    if entry.get("parallelism"):  # Tutel §3.2: one moe.switch_exchange, unchunked
+        return f"1, parallelism {entry['parallelism']}"
     return str(entry.get("chunks", "-"))
 
 

@@ -61,6 +61,12 @@ slice's buffer holds its largest expert load rather than at most C rows). When
 values computed from the tokens leave the layer (router logits for an auxiliary
 loss), or T is not a multiple of m, S2 is used and the log says why. ``auto`` is Parm Algorithm 1 (:func:`moe_compile.schedule.parm.choose_pause_mp`)
 on the fitted cost models; the choice and its inputs go to ``schedule.json``.
+
+With ``options["parallelism"]`` (Tutel §3.2) a layer whose experts are sharded over ESP
+(s > 1) with no MP group is not given one of Parm's schedules: its plan gets
+``parallelism`` ("p1", "p2" or "adaptive") and the exchange pass builds one
+``moe.switch_exchange`` (:mod:`moe_compile.ops.parallel_switch`), which runs Tutel's P1 or
+P2 on the same slices per call. A layer the option cannot apply to keeps its schedule (WARNING).
 """
 from __future__ import annotations
 

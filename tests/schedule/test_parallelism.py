@@ -71,6 +71,7 @@ def test_explain_shows_the_choices_per_call(tmp_path):
     assert path.name == "parallelism.json"
     assert "parallelism adaptive (Tutel §3.2), P1 1 calls, P2 2 calls" in text, text
     assert "P2" in text and "120" in text, text
+    assert "1, parallelism adaptive" in text, text  # the plan's row
     reset_switch_decisions()
 
 
