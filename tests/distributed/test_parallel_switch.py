@@ -130,13 +130,53 @@ def _run(rank: int, world: int, mode: str) -> dict:
             "counts": {c: moe_compile.counters[f"parallelism_{c}"] for c in ("p1", "p2")}}
 
 
+def _non_gated(rank: int, world: int) -> list:
+    """A fixed-capacity, non-gated (ReLU, two matrices) layer with GShard's [E, M, H] / [E, H, M] weights: P1 and
+    P2 equal eager; every expert element is owned by one rank, so the compiled gradients summed over the ranks
+    equal the eager gradients summed over the ranks' batches."""
+    from tests.models.gshard import GShardMoE
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moe_compile.schedule.parallelism import reset_switch_decisions, switch_decisions
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("ep", "esp"))
+    ran = []
+    for mode in ("p1", "p2"):
+        torch._dynamo.reset()
+        reset_switch_decisions()
+        torch.manual_seed(0)
+        model = GShardMoE(MODEL_DIM, 16, EXPERTS, top_k=2, capacity_factor=1.0)
+        eager = copy.deepcopy(model)
+        compiled = torch.compile(model, backend="moe", fullgraph=True, options={
+            "ep_group": (mesh, "ep"), "esp_group": (mesh, "esp"), "parallelism": mode, "inner": "eager"})
+        x = torch.randn(2, 16, MODEL_DIM, generator=torch.Generator().manual_seed(rank))
+        x_c, x_e = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_c, out_e = compiled(x_c), eager(x_e)
+        torch.testing.assert_close(out_c, out_e, **TOL, msg=lambda m: f"gshard {mode} rank {rank} output: {m}")
+        (out_c ** 2).sum().backward()
+        (out_e ** 2).sum().backward()
+        torch.testing.assert_close(x_c.grad, x_e.grad, **TOL, msg=lambda m: f"gshard {mode} rank {rank} input grad: {m}")
+        ran.extend(d.choice for d in switch_decisions())  # one call: this layer ran moe.switch_exchange
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            if name in ("w1", "w2"):
+                got, expected = p.grad.clone(), q.grad.clone()
+                dist.all_reduce(got)
+                dist.all_reduce(expected)
+            else:
+                got, expected = p.grad, q.grad
+            torch.testing.assert_close(got, expected, **GRAD_TOL, msg=lambda m: f"gshard {mode} grad {name}: {m}")
+    return ran
+
+
 def _cases(rank: int, world: int) -> dict:
-    return {mode: _run(rank, world, mode) for mode in ("p1", "p2", "adaptive")}
+    return {**{mode: _run(rank, world, mode) for mode in ("p1", "p2", "adaptive")},
+            "non_gated": _non_gated(rank, world)}
 
 
 def _check(results: list) -> None:
     assert all(r == results[0] for r in results)
     result = results[0]
+    assert result["non_gated"] == ["p1", "p2"], result["non_gated"]
     steps = len(SKEWS)
     assert result["p1"]["counts"] == {"p1": steps, "p2": 0}, result["p1"]
     assert result["p2"]["counts"] == {"p1": 0, "p2": steps}, result["p2"]
