@@ -98,6 +98,9 @@ class PauseMP:
         state = moe_state(gm)
         for plan in list(state.layers):
             if plan.layout is None:
+                if self.cfg.parallelism is not None:
+                    log.info("moe_compile: %s: options['parallelism'] has nothing to switch: the experts are not "
+                             "sharded (esp_group of size 1), P1 = P2 = plain EP (Tutel Fig. 13)", plan.name)
                 continue
             if self.cfg.parallelism is not None:
                 if plan.layout.shards > 1 and plan.layout.replicas == 1:
