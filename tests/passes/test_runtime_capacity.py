@@ -100,3 +100,36 @@ def test_runtime_layer_without_a_factor_says_how_to_set_one():
         compiled(torch.randn(TOKENS, MODEL_DIM))
     with moe_compile.capacity_factor(1.0):
         assert compiled(torch.randn(TOKENS, MODEL_DIM)).shape == (TOKENS, MODEL_DIM)
+
+
+def test_symbolic_token_count_dropless_model():
+    """``dynamic=True`` and a dropless (sort) model: one graph for every T and every f; the dropless
+    regimes (f = 0, and a cap above the largest load) equal the eager model, a tight f drops."""
+    from tests.models.sort import SortMoE
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = SortMoE(MODEL_DIM, HIDDEN, EXPERTS, top_k=TOP_K)
+    eager = copy.deepcopy(model)
+    moe_compile.counters.clear()
+    compiled = torch.compile(model, backend="moe", fullgraph=True, dynamic=True,
+                             options={"inner": "eager", "capacity_factor": "runtime"})
+    for step, (tokens, f) in enumerate(((12, 0), (20, -4.0), (16, 0.25), (10, 0), (16, -4.0))):
+        x = torch.randn(tokens, MODEL_DIM, generator=torch.Generator().manual_seed(step))
+        x_c, x_e = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with moe_compile.capacity_factor(f):
+            out_c = compiled(x_c)
+            (out_c ** 2).sum().backward()
+        out_e = eager(x_e)
+        (out_e ** 2).sum().backward()
+        if f == 0.25:  # C = ceil(2·0.25·16/4) = 2 slots per expert for 32 choices: most are dropped
+            assert not torch.allclose(out_c, out_e), "f=0.25 dropped nothing: the factor was not read"
+        else:
+            torch.testing.assert_close(out_c, out_e, **TOL, msg=lambda m: f"T={tokens} f={f} output: {m}")
+            torch.testing.assert_close(x_c.grad, x_e.grad, **TOL, msg=lambda m: f"T={tokens} f={f} input grad: {m}")
+            for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m: f"T={tokens} f={f} grad {name}: {m}")
+        model.zero_grad()
+        eager.zero_grad()
+    assert moe_compile.counters["graphs"] == 1, dict(moe_compile.counters)
+    assert moe_compile.counters["regions_rewritten"] == 1, dict(moe_compile.counters)
