@@ -88,6 +88,10 @@ def test_factor_scope_and_bad_values():
     with pytest.raises(ConfigError, match=r"capacity_factor.*'runtime'"):
         moe_compile.MoECompileConfig().merged({"capacity_factor": "dynamic"})
     assert moe_compile.MoECompileConfig().merged({"capacity_factor": "runtime"}).capacity_factor == "runtime"
+    env = moe_compile.MoECompileConfig.from_env({"MOE_COMPILE_CAPACITY_FACTOR": "runtime"})
+    assert env.capacity_factor == "runtime"
+    with pytest.raises(ConfigError, match="MOE_COMPILE_CAPACITY_FACTOR"):
+        moe_compile.MoECompileConfig.from_env({"MOE_COMPILE_CAPACITY_FACTOR": "dynamic"})
 
 
 def test_runtime_layer_without_a_factor_says_how_to_set_one():
