@@ -137,3 +137,25 @@ def test_symbolic_token_count_dropless_model():
         eager.zero_grad()
     assert moe_compile.counters["graphs"] == 1, dict(moe_compile.counters)
     assert moe_compile.counters["regions_rewritten"] == 1, dict(moe_compile.counters)
+
+
+def test_ops_resolve_the_factor_at_each_call():
+    """``moe.capacity`` / ``moe.dispatch`` with ``RUNTIME_CAPACITY``: Tutel's three regimes, by hand.
+
+    T = 6 tokens, k = 2, E = 4; expert loads 6, 3, 2, 1 (12 choices)."""
+    from moe_compile.capacity import RUNTIME_CAPACITY
+    from moe_compile.ops.dispatch import dropped_tokens
+    from moe_compile.summary import capacity_contract
+
+    ids = torch.tensor([[0, 1], [0, 2], [0, 3], [0, 1], [0, 2], [1, 0]])
+    x = torch.randn(6, MODEL_DIM)
+    #  f: (rows needed, choices dropped)
+    expected = {1.0: (3, 3), 0: (6, 0), -0.5: (2, 5), -4.0: (6, 0), 0.1: (1, 8), 2.0: (6, 0)}
+    for f, (rows, dropped) in expected.items():
+        with moe_compile.capacity_factor(f):
+            need = torch.ops.moe.capacity(ids, EXPERTS, RUNTIME_CAPACITY)
+            buffer, locations = torch.ops.moe.dispatch(x, ids, EXPERTS, RUNTIME_CAPACITY)
+        assert int(need) == rows, (f, int(need))
+        assert int(dropped_tokens(locations)) == dropped, (f, locations)
+        assert buffer.shape == (EXPERTS, max(rows, 2), MODEL_DIM), (f, buffer.shape)  # >= MIN_DYNAMIC_CAPACITY
+    assert capacity_contract(RUNTIME_CAPACITY).startswith("runtime")
