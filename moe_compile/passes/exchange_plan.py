@@ -100,6 +100,7 @@ class ExchangePlan:
     schedule_plan: LayerPlan | None = None  # the chunk pass's plan: r, why, predicted timelines
     output: Node | None = None     # the [E, R, M] node moe.combine reads, once the exchange is built
     adaptive: AdaptiveChoices | None = None  # chosen per call at runtime (Tutel §3.3) instead of chunks / algorithm
+    parallelism: str | None = None  # Tutel §3.2's P1 / P2 for sharded experts: "p1", "p2", "adaptive" (per call)
 
     def __post_init__(self):
         if self.pause not in PAUSE_MODES:
@@ -159,4 +160,5 @@ class ExchangePlan:
             "chunks": self.chunks,
             **({"adaptive": {"chunks": list(self.adaptive.chunks), "algorithms": list(self.adaptive.algorithms)}}
                if self.adaptive is not None else {}),
+            **({"parallelism": self.parallelism} if self.parallelism is not None else {}),
         }
