@@ -50,7 +50,7 @@ from .manager import PassResult
 from .checkpoint_bodies import checkpoint_bodies
 from .regions import MoERegion, NoMatch, Skip
 from .routing import (
-    NotARouter, Router, expert_tokens, is_selection, read_router, router_part, same_size, scales_expert_input,
+    NotARouter, Router, capacity_argmax, expert_tokens, is_selection, read_router, router_part, same_size, scales_expert_input,
     selection_of,
 )
 from .state import moe_state
@@ -170,6 +170,17 @@ def find_moe_regions(graph: Graph) -> tuple[list[MoERegion], list[Skip]]:
             continue
         claimed.update(region.nodes)
         regions.append(region)
+    # token-dropping argmax routers (Switch, NLLB-MoE): named, never read (routing.capacity_argmax)
+    named = {s.name for s in skips} | {r.name for r in regions}
+    for node in graph.nodes:
+        layer = _module_name(node).rpartition(".")[0] or "<root>"   # the router's parent: the MoE layer
+        if node not in claimed and capacity_argmax(node) and layer not in named:
+            named.add(layer)
+            skips.append(Skip(layer, (
+                f"its router picks experts by argmax ({node.name}) and drops the tokens past an expert capacity by "
+                "their position in the batch (one-hot, cumsum: Switch Transformer's / NLLB-MoE's routers); not "
+                "rewritten: only top-k / max routers are read, whose layer is dropless or drops by the canonical "
+                "dispatch's capacity. The layer trains as written (equal to eager, not expert-parallel)")))
     return regions, skips
 
 

@@ -76,7 +76,7 @@ from .graph_utils import example_value, is_call, is_inplace, reachable, shape_of
 from .regions import NoMatch
 
 __all__ = [
-    "NotARouter", "Router", "expert_tokens", "is_selection", "is_table_lookup", "read_router", "router_part", "same_size",
+    "NotARouter", "Router", "capacity_argmax", "expert_tokens", "is_selection", "is_table_lookup", "read_router", "router_part", "same_size",
     "scales_expert_input", "selection_of",
 ]
 
@@ -131,6 +131,23 @@ def is_table_lookup(node: Node) -> bool:
     integer = lambda v: not v.is_floating_point() and not v.is_complex() and v.dtype is not torch.bool  # noqa: E731
     return (strip(table, methods=_CASTS).op in ("placeholder", "get_attr") and table_value.dim() == 2
             and integer(table_value) and integer(index_value) and value.dim() == 2)
+
+
+def capacity_argmax(node: Node) -> bool:
+    """A token-dropping top-1 router's ``argmax`` (Switch Transformer's, NLLB-MoE's top-2 as two argmaxes):
+    over the last dim of gate-linear ``[.., E]`` scores, its ids one-hot encoded over the E experts (then
+    positions by ``cumsum`` against an expert capacity). Not read as a router (:mod:`.detect` names the layer):
+    which tokens such a router drops depends on their order in the batch, a contract the canonical dispatch's
+    capacity does not share."""
+    if not is_call(node, torch.argmax, method=("argmax",)):
+        return False
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    shape = shape_of(node.args[0])
+    if shape is None or dim not in (-1, len(shape) - 1) or _gate_linear(node.args[0], shape[-1]) is None:
+        return False
+    one_hot = (F.one_hot, torch._C._nn.one_hot)
+    return any(is_call(u, *one_hot) for u in reachable([node], stop=lambda n: n is not node and not is_call(
+        n, method=_CASTS)))
 
 
 def selection_of(ids: Node) -> Node | None:
