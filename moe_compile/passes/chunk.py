@@ -80,14 +80,38 @@ class Chunk:
                 log.info("moe_compile: %s not chunked (r = 1: %s)", plan.name, why)
             else:
                 log.info("moe_compile: %s split into r = %d chunks along capacity (%s)", plan.name, chunks, why)
-            state.replace_plan(dataclasses.replace(plan, chunks=chunks, schedule_plan=schedule_plan))
+            backward = schedule_plan.backward_chunks
+            if backward is not None:
+                log.info("moe_compile: %s: backward exchange in r_b = %d chunks (forward r_f = %d; %s)", plan.name,
+                         backward, chunks, schedule_plan.backward_why)
+            state.replace_plan(dataclasses.replace(plan, chunks=chunks, schedule_plan=schedule_plan,
+                                                   backward_chunks=backward))
         return PassResult(gm, False)
+
+    def separate_degrees(self, plan: ExchangePlan):
+        """r_b as ``num_chunks["backward"]`` asks, or None with the reason logged when the layer cannot have
+        its own backward degree (:mod:`moe_compile.ops.backward_degree` builds plain EP with the flat or
+        emulated all-to-all)."""
+        rb = self.cfg.backward_chunks
+        if rb is None:
+            return None
+        why = ("Parm's ESP / MP exchange" if plan.pause != "ep" else
+               f"the {plan.algorithm!r} all-to-all" if plan.algorithm != "flat" else None)
+        if why is not None:
+            log.warning("moe_compile: %s: num_chunks['backward'] ignored, the backward keeps the forward's r "
+                        "(separate degrees are built for plain EP with the flat all-to-all, not %s)", plan.name, why)
+            return None
+        if self.cfg.schedule == "sequential" and rb == "auto":
+            return 1
+        if self.cfg.schedule == "fastermoe" and rb == "auto":
+            return 2
+        return rb
 
     def adaptive(self, plan: ExchangePlan) -> ExchangePlan:
         """Tutel §3.3: the r the runtime op chooses among (``ADAPTIVE_CHUNKS``, or the one fixed r), no
         prediction here: the op measures (:mod:`moe_compile.ops.adaptive_exchange`)."""
         choices = plan.adaptive or AdaptiveChoices(algorithms=(plan.algorithm,))
-        r = self.cfg.num_chunks
+        r = self.cfg.forward_chunks
         chunks = ADAPTIVE_CHUNKS if r == "adaptive" else (r,)
         log.info("moe_compile: %s: r and the all-to-all chosen per call among r in %s x %s (Tutel §3.3)",
                  plan.name, list(chunks), list(choices.algorithms))
@@ -96,18 +120,18 @@ class Chunk:
     def chunks_for(self, plan: ExchangePlan):
         """r for ``plan``'s layer, why, and the schedule plan (predictions): the option, or the solver's
         choice on the fitted models."""
-        r = self.cfg.num_chunks
+        r = self.cfg.forward_chunks
         if r == "auto" and self.cfg.schedule == "sequential":
             r, why = 1, "the sequential schedule overlaps nothing"
         elif r == "auto" and self.cfg.schedule == "fastermoe":
             r, why = 2, "FasterMoE's pipeline degree"
         else:
             why = "options['num_chunks']"
-        schedule_plan = self.schedule_plan(plan, r)
+        schedule_plan = self.schedule_plan(plan, r, self.separate_degrees(plan))
         schedule_plan.pause_mp = plan.pause_decision
         return (schedule_plan.chunks, schedule_plan.why, schedule_plan) if r == "auto" else (r, why, schedule_plan)
 
-    def schedule_plan(self, plan: ExchangePlan, chunks):
+    def schedule_plan(self, plan: ExchangePlan, chunks, backward_chunks=None):
         """The layer's :class:`moe_compile.schedule.plan.LayerPlan` (r and its predicted timelines)."""
         from ..collectives.compressors import payload_ratio
         from ..schedule.cost_model import LayerShape
@@ -125,5 +149,5 @@ class Chunk:
         return plan_layer(
             plan.name, shape, schedule=self.cfg.schedule, compressor=self.cfg.compressor,
             algorithm=self.cfg.all_to_all, models=models, models_source=source, chunks=chunks,
-            max_chunks=MAX_AUTO_CHUNKS,
+            max_chunks=MAX_AUTO_CHUNKS, backward_chunks=backward_chunks,
         )
