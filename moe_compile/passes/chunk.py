@@ -48,6 +48,8 @@ import dataclasses
 
 from torch.fx import GraphModule
 
+import torch
+
 from ..config import ADAPTIVE_CHUNKS, MoECompileConfig
 from ..debug import log
 from .exchange_plan import AdaptiveChoices, ExchangePlan
@@ -86,7 +88,66 @@ class Chunk:
                          backward, chunks, schedule_plan.backward_why)
             state.replace_plan(dataclasses.replace(plan, chunks=chunks, schedule_plan=schedule_plan,
                                                    backward_chunks=backward))
+        if self.cfg.backward_chunks == "auto" and self.cfg.dp_group is not None and self.cfg.dp_placement == "fsmoe":
+            self.fsmoe_backward_degrees(gm)
         return PassResult(gm, False)
+
+    def fsmoe_backward_degrees(self, gm: GraphModule) -> None:
+        """FSMoE's co-design (``dp_group``, ``dp_placement="fsmoe"``, ``num_chunks["backward"]="auto"``): each
+        layer's r_b re-solved with the gradient all-reduce time its backward pipeline is assigned (Steps 1-2,
+        eqs 3-5, :func:`moe_compile.schedule.grad_assign.assign_gradients`), from the gradients this graph's
+        replicated parameters will have: a parameter first read at node position p has its gradient once the
+        backward has passed every layer after p, so it is ready for the last layer that ends before p (the
+        stage-2 ``grad_sync`` pass places the real buckets by the same assignment)."""
+        from ..collectives.group import resolve_group
+        from ..schedule.grad_assign import all_reduce_model, assign_gradients, layer_gap
+        from ..schedule.plan import replan_backward
+        from ..shard_record import expert_shard
+
+        state = moe_state(gm)
+        plans = [p for p in state.layers if p.backward_chunks is not None and p.schedule_plan is not None
+                 and p.schedule_plan.shape is not None]
+        models, source = self._models or (None, None)
+        why = None
+        if not plans:
+            why = "no layer with its own backward degree"
+        elif models is None:
+            why = "no fitted cost models (python -m moe_compile.profile)"
+        if why is None:
+            world = resolve_group(self.cfg.dp_group, "dp_group").size
+            try:
+                ar = all_reduce_model(models, world)
+            except KeyError as e:
+                why = f"the cost models lack {e}"
+        if why is not None:
+            log.info("moe_compile: r_b not co-designed with the gradient all-reduce (%s); each r_b solved alone", why)
+            return
+        position = {n: i for i, n in enumerate(gm.graph.nodes)}
+        plans.sort(key=lambda p: position[p.layer.dispatch])
+        ends = [position[p.layer.combine] for p in plans]
+        ready, tail = [0.0] * len(plans), 0.0
+        for node in gm.graph.find_nodes(op="placeholder"):
+            value = getattr(node.meta.get("grapharg"), "example", None)
+            if not (isinstance(value, torch.nn.Parameter) and value.requires_grad and node.users) \
+                    or expert_shard(value) is not None:
+                continue
+            first = min(position[u] for u in node.users)
+            before = sum(1 for end in ends if end < first)   # layers wholly before the first read
+            nbytes = float(value.numel() * value.element_size())
+            if before:
+                ready[before - 1] += nbytes
+            else:
+                tail += nbytes
+        backward = plans[::-1]
+        gaps = [layer_gap(p.name, p.schedule_plan.shape, models, ready=ready[len(plans) - 1 - i],
+                          compressor=self.cfg.compressor, schedule=str(self.cfg.schedule)) for i, p in enumerate(backward)]
+        assignment = assign_gradients(gaps, ar, tail=tail)
+        for plan, r, nbytes in zip(backward, assignment.chunks, assignment.per_layer):
+            reason = (f"FSMoE co-design (eqs 3-5) on {source}: {nbytes / 2**10:.1f} KiB of the gradient all-reduce "
+                      f"in its backward pipeline, r_b re-solved with that time on the link")
+            replan_backward(plan.schedule_plan, r, reason, models, str(self.cfg.all_to_all))
+            log.info("moe_compile: %s: r_b = %d (%s)", plan.name, r, reason)
+            state.replace_plan(dataclasses.replace(plan, backward_chunks=r))
 
     def separate_degrees(self, plan: ExchangePlan):
         """r_b as ``num_chunks["backward"]`` asks, or None with the reason logged when the layer cannot have

@@ -25,7 +25,7 @@ from ..debug import log
 from .cost_model import CostModels, LayerShape, chunk_times
 from .simulator import Simulation, simulate
 
-__all__ = ["LayerPlan", "load_models", "plan_layer", "write_plans"]
+__all__ = ["LayerPlan", "load_models", "plan_layer", "replan_backward", "write_plans"]
 
 
 #: r used by "auto" when no fitted cost models exist (ScheMoE §4: "we use r = 2").
@@ -127,6 +127,16 @@ def plan_layer(
         except (KeyError, ValueError) as e:   # a model the file lacks (e.g. this compressor was not profiled)
             log.warning("moe_compile: no prediction for %s: %s", name, e)
     return plan
+
+
+def replan_backward(plan: LayerPlan, chunks: int, why: str, models: CostModels | None, algorithm: str) -> None:
+    """Set ``plan``'s backward degree (FSMoE's co-design re-solves it with the gradient all-reduce) and its
+    predicted backward timeline."""
+    plan.backward_chunks, plan.backward_why = chunks, why
+    if models is None or plan.shape is None or "backward" not in plan.timelines:
+        return
+    plan.timelines["backward"] = _simulate(plan.shape, models, chunks, plan.schedule, plan.compressor, algorithm, True)
+    plan.predicted.setdefault("backward", {})[plan.schedule] = plan.timelines["backward"].makespan
 
 
 def _degree(value, phase: str, *, shape, schedule, compressor, algorithm, models, models_source,

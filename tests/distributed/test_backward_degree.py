@@ -8,8 +8,9 @@ backward as DDP averages them (a replicated stacked expert weight holds this ran
 so the sum over ranks is the whole gradient); with ``dp_group`` the compiled backward averages them
 itself. Cases (one spawn): r_f=1/r_b=2, r_f=2/r_b=1, r_f=2/r_b=4 on dropless routing with unequal
 batches, the gated per-expert ``LoopMoE`` with r_f=3/r_b=2, ``shard_experts``, the bf16 compressor (within
-its bound), ``dp_group``; and each compiled graph pair really holds 2·r_f forward and 2·r_b backward
-all-to-alls.
+its bound), ``dp_group``, and ``dp_group`` with ``dp_placement="fsmoe"`` and r_b "auto" (FSMoE's co-design
+re-solves r_b with the dense head's all-reduce on the layer's link: 1 where alone it is 6); and each
+compiled graph pair really holds 2·r_f forward and 2·r_b backward all-to-alls.
 """
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ CASES = [  # (name, model, r_f, r_b, more options, sharded, tolerance)
     ("sort sharded rf=1 rb=3", "sort", 1, 3, {}, True, TOL),
     ("gshard rf=2 rb=4 bf16 compressor", "gshard", 2, 4, {"compressor": "bf16"}, False, BF16),
     ("gshard rf=1 rb=2 dp_group", "gshard", 1, 2, {"dp_group": "world"}, False, TOL),
+    # FSMoE's co-design: r_b re-solved with the all-reduce assigned to the layer (cost models: see the test)
+    ("head rf=2 rb=auto dp_group fsmoe", "head", 2, "auto", {"dp_group": "world", "dp_placement": "fsmoe"}, False,
+     TOL),
 ]
 
 
@@ -47,27 +51,37 @@ def _model(name: str):
         from tests.models.sort import SortMoE
 
         return SortMoE(8, 16, 4, top_k=2)
+    if name == "head":   # a dense head after the layer: its gradient's all-reduce goes into the layer's backward
+        from tests.passes.test_backward_degree import _HeadAfterMoE
+
+        return _HeadAfterMoE()
     from tests.models.loop import LoopMoE
 
     return LoopMoE(8, 16, 4, top_k=2)
 
 
-def _batch(rank: int, step: int) -> torch.Tensor:
-    return torch.randn(2, 6 + 3 * rank, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+def _batch(rank: int, step: int, equal: bool = False) -> torch.Tensor:
+    # "auto" degrees are solved from each rank's own shapes: equal batches, so that the ranks agree on r
+    tokens = 8 if equal else 6 + 3 * rank
+    return torch.randn(2, tokens, 8, generator=torch.Generator().manual_seed(100 * step + rank))
 
 
 class _Counter:
-    """A user pass last in stage 2: the all-to-alls of each forward and backward graph."""
+    """A user pass last in stage 2: the all-to-alls of each forward and backward graph (or, ``stage1``, right
+    after ``chunk``: each layer's planned r_b)."""
 
-    name = "count_all_to_alls"
-
-    def __init__(self):
-        self.forward, self.backward = [], []
+    def __init__(self, name: str = "count_all_to_alls", stage1: bool = False):
+        self.name, self.stage1 = name, stage1
+        self.forward, self.backward, self.planned = [], [], []
 
     def __call__(self, gm):
         from moe_compile.collectives.nodes import is_all_to_all
         from moe_compile.passes.manager import PassResult
+        from moe_compile.passes.state import moe_state
 
+        if self.stage1:   # after chunk: the planned r_b
+            self.planned.extend(p.backward_chunks for p in moe_state(gm).layers)
+            return PassResult(gm, False)
         count = sum(1 for n in gm.graph.nodes if is_all_to_all(n))
         backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
         (self.backward if backward else self.forward).append(count)
@@ -78,7 +92,7 @@ def _full(grad):
     return grad.full_tensor() if isinstance(grad, torch.distributed.tensor.DTensor) else grad
 
 
-def _case(rank: int, world: int, name, model_name, rf, rb, more, sharded, tol) -> None:
+def _case(rank: int, world: int, name, model_name, rf, rb, more, sharded, tol, models=None) -> None:
     import moe_compile
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -87,10 +101,14 @@ def _case(rank: int, world: int, name, model_name, rf, rb, more, sharded, tol) -
     model = _model(model_name)
     eager = DDP(copy.deepcopy(model))
     options = {"ep_group": "world", "num_chunks": {"forward": rf, "backward": rb}, **more}
+    equal = rb == "auto"
+    if equal:
+        options["cost_models"] = models
     if sharded:
         assert moe_compile.shard_experts(model, "world", _batch(rank, 0), options=options)
-    counter = _Counter()
+    counter, planned = _Counter(), _Counter("planned_degrees", stage1=True)
     moe_compile.register_pass(counter, after="grad_sync")
+    moe_compile.register_pass(planned, after="chunk")
     try:
         compiled = torch.compile(model, backend="moe", fullgraph=True, options={"inner": "eager", **options})
         opt_c, opt_e = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
@@ -98,7 +116,7 @@ def _case(rank: int, world: int, name, model_name, rf, rb, more, sharded, tol) -
         for step in range(3):
             losses, inputs = [], []
             for net, opt in ((eager, opt_e), (compiled, opt_c)):
-                x = _batch(rank, step).requires_grad_()   # so that the backward also runs A1's adjoint
+                x = _batch(rank, step, equal).requires_grad_()   # so that the backward also runs A1's adjoint
                 opt.zero_grad()
                 loss = net(x).pow(2).mean()
                 loss.backward()
@@ -122,21 +140,27 @@ def _case(rank: int, world: int, name, model_name, rf, rb, more, sharded, tol) -
             opt_c.step()
     finally:
         moe_compile.unregister_pass(counter.name)
+        moe_compile.unregister_pass(planned.name)
     full = moe_compile.full_expert_state_dict(model) if sharded else model.state_dict()
     for key, value in eager.module.state_dict().items():
         torch.testing.assert_close(full[key], value, **tol, msg=lambda m: f"{what} weight {key}: {m}")
+    if rb == "auto":
+        (rb,) = planned.planned
+        assert rb == 1, (name, rb)    # the co-design's r_b (6 without the all-reduce: tests/passes/test_backward_degree)
     assert counter.forward == [2 * rf] and counter.backward == [2 * rb], (name, counter.forward, counter.backward)
     assert moe_compile.counters["regions_backward_degree"] == 1, (name, dict(moe_compile.counters))
 
 
-def _run(rank: int, world: int) -> int:
+def _run(rank: int, world: int, models: str) -> int:
     for case in CASES:
         try:
-            _case(rank, world, *case)
+            _case(rank, world, *case, models=models)
         except Exception as e:
             raise AssertionError(f"case {case[0]!r} on rank {rank}") from e
     return len(CASES)
 
 
-def test_separate_degrees_equal_ddp_eager_2_ranks():
-    assert spawn(_run, 2) == [len(CASES)] * 2
+def test_separate_degrees_equal_ddp_eager_2_ranks(tmp_path):
+    from tests.passes.test_backward_degree import codesign_models
+
+    assert spawn(_run, 2, str(codesign_models(tmp_path / "models.json"))) == [len(CASES)] * 2

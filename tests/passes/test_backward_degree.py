@@ -179,3 +179,56 @@ def test_environment_variable_takes_json():
     cfg = MoECompileConfig.from_env({"MOE_COMPILE_NUM_CHUNKS": '{"forward": 2, "backward": "auto"}'})
     assert cfg.num_chunks == {"forward": 2, "backward": "auto"}
     assert (cfg.forward_chunks, cfg.backward_chunks) == (2, "auto")
+
+
+def codesign_models(path):
+    """Cost models of a compute-heavy layer (r_b = 6 alone) with a slow all-reduce on 2 ranks."""
+    return CostModels({
+        task_key("all_to_all", "flat", 2): AlphaBeta(1e-4, 1e-6),
+        task_key("experts"): AlphaBeta(1e-6, 3e-7),
+        task_key("all_reduce", world=2): AlphaBeta(1e-4, 1e-7),
+    }, machine={"hostname": "test"}).save(path)
+
+
+class _HeadAfterMoE(torch.nn.Module):
+    """A GShard layer and a dense head after it: the head's gradient (64 KiB) exists before the layer's backward,
+    so FSMoE assigns its all-reduce to the layer's backward pipeline."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe = GShardMoE(8, 16, 4, top_k=2)
+        self.head = torch.nn.Linear(8, 2048, bias=False)
+
+    def forward(self, x):
+        return self.head(self.moe(x))
+
+
+def test_fsmoe_codesign_re_solves_rb_with_the_assigned_all_reduce(fake_group, aot_graphs, tmp_path):
+    """With a compute-heavy layer r_b = 6 alone; with 64 KiB of all-reduce on its link fewer chunks win
+    (each chunk pays the link's α; eq (5)'s f_moe(t_gar) = min_r max(M(r), L(r) + t_gar)): r_b = 1."""
+    from moe_compile.schedule.grad_assign import all_reduce_model, assign_gradients, layer_gap
+
+    fake_group(2)
+    models_path = codesign_models(tmp_path / "models.json")
+    models = CostModels.load(models_path)
+    degrees = {"forward": 2, "backward": "auto"}
+    base = {"inner": "eager", "ep_group": "world", "num_chunks": degrees, "cost_models": str(models_path)}
+    x = torch.randn(12, 8, requires_grad=True)
+    plans = {}
+    for name, extra in (("alone", {}), ("codesign", {"dp_group": "world", "dp_placement": "fsmoe"})):
+        torch._dynamo.reset()
+        aot_graphs.clear()
+        with record_after("chunk") as recorded:
+            model = _HeadAfterMoE()
+            torch.compile(model, backend="moe", fullgraph=True, options={**base, **extra})(x).pow(2).sum().backward()
+        (plan,) = moe_state(recorded.graphs[0]).layers
+        plans[name] = plan
+        assert len(calls(aot_graphs[1], A2A)) == 2 * plan.backward_chunks, name
+    alone, codesign = plans["alone"], plans["codesign"]
+    assert alone.backward_chunks == 6 and "backward alone" in alone.schedule_plan.backward_why
+    assert codesign.backward_chunks == 1 and "FSMoE co-design" in codesign.schedule_plan.backward_why
+    assert codesign.schedule_plan.timelines["backward"].chunks == 1
+    # the same as the assignment itself on the layer's gap with the head's gradient ready before it
+    gap = layer_gap("moe", codesign.schedule_plan.shape, models, ready=8 * 2048 * 4)
+    assignment = assign_gradients([gap], all_reduce_model(models, 2))
+    assert assignment.chunks == (1,) and assignment.per_layer == (8 * 2048 * 4,)
