@@ -37,6 +37,14 @@ r is ``config.num_chunks``, or with ``"auto"`` the r solver (FSMoE Algorithm 1,
 "sequential" schedule has nothing to overlap, so "auto" gives it r = 1, and
 "fastermoe" has pipeline degree 2.
 
+With ``num_chunks={"forward": r_f, "backward": r_b}`` (FSMoE, "Optimizing Forward and Backward
+Separately") the plan also gets ``backward_chunks`` = r_b: each "auto" is the solver's choice for its
+own phase, and with ``dp_group`` + ``dp_placement="fsmoe"`` an "auto" r_b is re-solved with the
+gradient all-reduce FSMoE assigns to the layer (:meth:`Chunk.fsmoe_backward_degrees`); the exchange
+pass then builds the backward's own chunks (:mod:`moe_compile.ops.backward_degree`). A layer that
+cannot have them (Parm's ESP / MP exchange, a non-flat all-to-all) keeps r in its backward, with a
+WARNING saying why.
+
 With ``num_chunks="adaptive"`` (or ``all_to_all="adaptive"``) the layer's r is chosen per call at
 runtime (Tutel §3.3): this pass writes the alternatives (``ExchangePlan.adaptive``: r in
 ``config.ADAPTIVE_CHUNKS`` x the algorithms) and the exchange pass emits one

@@ -30,6 +30,9 @@ DeepSpeed-MoE baseline (``pause="off"``), or the fused EP&ESP-AlltoAll of S1 / S
 (:mod:`.mp_split`). A ``compressor`` wraps every all-to-all as C → A → D; an
 algorithm other than flat is one call of :mod:`moe_compile.collectives.all_to_all_registry`;
 ``emulate_link`` issues the emulated exchange of :mod:`moe_compile.collectives.emulated`.
+A plan with its own backward degree (``backward_chunks`` ≠ ``chunks``, FSMoE) gets
+:func:`emit_backward_degree`: the forward's chunks on detached inputs and ``moe.backward_degree``
+carrying the gradient in r_b chunks (:mod:`moe_compile.ops.backward_degree`).
 A plan with ``adaptive`` alternatives (``num_chunks`` / ``all_to_all`` "adaptive", Tutel §3.3)
 gets one ``moe.adaptive_exchange`` in place of steps 3's chunks (:func:`_adaptive`): the r and
 the algorithm are chosen per call at runtime (:mod:`moe_compile.ops.adaptive_exchange`).
