@@ -9,11 +9,15 @@ group of every rank's tokens routed to those experts (:class:`~moe_compile.shard
 would broadcast rank 0's experts at construction and average experts that differ),
 and it averages every other gradient over its group. So:
 
-- ``shard_experts`` lists the expert parameters in ``_ddp_params_and_buffers_to_ignore``
-  under every name DDP may give them (:func:`ddp_ignore_names`: the model's own
-  names, with ``_orig_mod.`` where ``torch.compile`` wraps the model or a submodule,
-  and DDP's ``.name`` for parameters of the root module), so both orders work:
-  ``DDP(torch.compile(model))`` and ``model.compile(); DDP(model)``.
+- ``shard_experts`` sets the model's ``_ddp_params_and_buffers_to_ignore`` to an
+  :class:`ExpertIgnoreNames`: the expert parameters under every name DDP may give
+  them (:func:`ddp_ignore_names`: the model's own names, with a wrapper's
+  ``_orig_mod.`` (``torch.compile``) or ``_checkpoint_wrapped_module.``
+  (``checkpoint_wrapper``) before any one component, and DDP's ``.name`` for
+  parameters of the root module). The names are read from the model when DDP is
+  built, not when ``shard_experts`` ran, so wrappers added in between (activation
+  checkpointing of each block, as torchtitan applies it) are named too. Both orders
+  work: ``DDP(torch.compile(model))`` and ``model.compile(); DDP(model)``.
 - When the ``moe`` backend compiles a graph inside a DDP forward (the first call
   of either order), :func:`check_data_parallel` checks that DDP ignores every expert
   parameter and that DDP's group is the EP group, and then divides the expert
@@ -30,7 +34,8 @@ summed over the EP group.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+import weakref
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -39,9 +44,11 @@ from torch.distributed.tensor import DTensor
 from .errors import ConfigError
 from .shard_record import expert_param
 
-__all__ = ["average_expert_grad", "check_data_parallel", "clip_grad_norm_", "ddp_ignore_names"]
+__all__ = ["ExpertIgnoreNames", "average_expert_grad", "check_data_parallel", "clip_grad_norm_", "ddp_ignore_names"]
 
-_COMPILE_WRAPPER = "_orig_mod"        # the submodule torch.compile's OptimizedModule wraps
+#: the attribute under which a wrapper module holds the module it wraps: torch.compile's
+#: OptimizedModule, and torch.distributed's checkpoint_wrapper / offload_wrapper
+_WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module")
 _DDP_AVERAGED = "_moe_ddp_averaged"   # on an expert parameter whose gradient hook divides by DDP's group size
 
 SUPPORTED_ORDER = (
@@ -51,17 +58,56 @@ SUPPORTED_ORDER = (
 
 
 def ddp_ignore_names(fqns: Iterable[str]) -> list[str]:
-    """Every name DDP may give the parameters ``fqns`` of the model: the names themselves, with
-    ``_orig_mod`` inserted before any one component (``torch.compile`` of the model or of a
-    submodule), and ``.name`` for a parameter of the root module (DDP's reducer names those so)."""
+    """Every name DDP may give the parameters ``fqns`` of the model: the names themselves, with a
+    wrapper's attribute (``_orig_mod``: ``torch.compile`` of the model or of a submodule;
+    ``_checkpoint_wrapped_module``: ``checkpoint_wrapper``) inserted before any one component, and
+    ``.name`` for a parameter of the root module (DDP's reducer names those so)."""
     names: list[str] = []
     for fqn in fqns:
         parts = fqn.split(".")
-        variants = [fqn] + [".".join([*parts[:i], _COMPILE_WRAPPER, *parts[i:]]) for i in range(len(parts))]
+        variants = [fqn] + [".".join([*parts[:i], wrapper, *parts[i:]]) for wrapper in _WRAPPERS
+                            for i in range(len(parts))]
         if len(parts) == 1:
             variants.append(f".{fqn}")
         names.extend(v for v in variants if v not in names)
     return names
+
+
+class ExpertIgnoreNames:
+    """``model._ddp_params_and_buffers_to_ignore`` after ``shard_experts``: the names DDP must
+    leave alone, read from the model's current structure each time DDP iterates it.
+
+    DDP's constructor turns the attribute into a set of names and compares them with
+    ``named_parameters()`` of the module it wraps. A wrapper added after
+    ``shard_experts`` (``checkpoint_wrapper`` around each block) renames the experts
+    (``blocks.0._checkpoint_wrapped_module.moe.w1``); a list made by ``shard_experts``
+    would miss them, DDP would broadcast the ``DTensor`` experts and fail (or average
+    experts that differ). So the expert parameters are found again at iteration, by
+    identity (:func:`~moe_compile.shard_record.expert_param`), under the names the model
+    gives them now, with :func:`ddp_ignore_names`' wrapper variants. ``given`` are names
+    the model listed before (kept first, in order).
+    """
+
+    def __init__(self, model: torch.nn.Module, given: Iterable[str] = ()):
+        self._model = weakref.ref(model)
+        self._given = list(given)
+
+    def __iter__(self) -> Iterator[str]:
+        model = self._model()
+        live = [] if model is None else [
+            n for n, p in model.named_parameters(remove_duplicate=False) if expert_param(p) is not None]
+        names = list(self._given)
+        names.extend(n for n in ddp_ignore_names(live) if n not in names)
+        return iter(names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in set(self)
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
+    def __repr__(self) -> str:
+        return f"ExpertIgnoreNames({list(self)!r})"
 
 
 def _managed_by(ddp: torch.nn.Module, param: torch.Tensor) -> list[str]:
@@ -88,7 +134,7 @@ def check_data_parallel() -> None:
         raise ConfigError(
             f"DistributedDataParallel manages the sharded expert parameters {leaked}: it broadcasts rank 0's "
             f"experts and averages experts that differ between ranks. {SUPPORTED_ORDER}; a wrapper other than "
-            f"torch.compile between DDP and the model needs those names in "
+            f"torch.compile and checkpoint_wrapper between DDP and the model needs those names in "
             f"DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names) before DDP"
         )
     ddp_ranks = dist.get_process_group_ranks(ddp.process_group)

@@ -21,6 +21,14 @@ world); otherwise the copies of an expert in other EP groups would never be
 averaged, and a :class:`~moe_compile.ConfigError` says so. Replicated experts (no
 ``shard_experts``) need nothing: torch's ``fully_shard`` is the right call, and so
 is this one (it then adds nothing).
+
+FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` casts only the parameters FSDP
+manages: the experts it leaves alone would stay in their own dtype while their inputs
+arrive in ``param_dtype``, and the forward fails inside Dynamo ("expected scalar type
+BFloat16 but found Float"). With sharded experts whose dtype differs from
+``param_dtype``, :func:`fully_shard` raises a :class:`~moe_compile.ConfigError` that
+says what works: mixed precision by ``torch.autocast`` (checked in
+``tests/distributed/test_training_stack.py``), or replicated experts, which FSDP casts.
 """
 from __future__ import annotations
 
@@ -43,6 +51,14 @@ def fully_shard(module: torch.nn.Module, *, mesh=None, ignored_params: Iterable[
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     experts = [p for p in module.parameters() if expert_param(p) is not None]
+    param_dtype = getattr(kwargs.get("mp_policy"), "param_dtype", None)
+    cast = sorted({str(p.dtype) for p in experts if param_dtype is not None and p.dtype != param_dtype})
+    if cast:
+        raise ConfigError(
+            f"moe_compile.fully_shard: mp_policy casts parameters to {param_dtype}, but FSDP leaves the sharded "
+            f"experts ({', '.join(cast)}) to the EP mesh and would not cast them: their inputs would arrive in "
+            f"{param_dtype} and the forward fail. Use torch.autocast for mixed precision with sharded experts "
+            f"(and no param_dtype), or keep the experts replicated (no shard_experts)")
     if experts:
         fsdp_ranks = (dist.get_process_group_ranks(mesh.get_group()) if mesh is not None
                       else list(range(dist.get_world_size())))

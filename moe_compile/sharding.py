@@ -86,7 +86,7 @@ from .collectives.group import resolve_group
 from .config import ConfigError, MoECompileConfig, config
 from .debug import log
 from .expert_checkpoint import load_full_experts
-from .expert_grads import ddp_ignore_names
+from .expert_grads import ExpertIgnoreNames, ddp_ignore_names
 from .shard_record import EXPERT_PARAM_ATTR, SHARD_ATTR, ExpertParam, ExpertShard, expert_shard
 
 __all__ = ["ExpertShard", "expert_shard", "shard_experts"]  # the first two re-exported from .shard_record
@@ -201,7 +201,8 @@ def shard_experts(
         if id(module) not in hooked:
             module.register_load_state_dict_pre_hook(load_full_experts)
             hooked.add(id(module))
-    ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", [])) + ddp_ignore_names(kept)
+    given = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+    ignored = ExpertIgnoreNames(model, given + [n for n in ddp_ignore_names(kept) if n not in given])
     torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     return kept
 

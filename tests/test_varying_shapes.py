@@ -171,3 +171,56 @@ def test_expert_parallel_on_every_length(fake_world, pattern, dynamic, per_graph
     assert per_graph["dispatch"] == [2] * graphs, dict(moe_compile.counters)
     assert per_graph["all_to_all"] == [4] * graphs, per_graph
     assert moe_compile.counters["regions_expert_parallel"] == 2 * graphs, dict(moe_compile.counters)
+
+
+# --------------------------------------------------------------------------- 2 gloo ranks
+
+
+def _ep_varying_lengths(rank: int, world_size: int) -> dict:
+    """4 layers of each pattern, expert-parallel on 2 real ranks, a new sequence length every step (each
+    rank its own): outputs and input gradients equal eager on each rank, and every gradient summed over the
+    ranks equals eager's sum (a rank holds the gradient of its experts for every rank's tokens)."""
+    import torch.distributed as dist
+
+    out = {}
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        for pattern in ("transformer", "gshard", "sort", "loop"):
+            torch._dynamo.reset()
+            moe_compile.counters.clear()
+            model = _model(pattern, 4)
+            eager = copy.deepcopy(model)
+            compiled = torch.compile(model, backend="moe", fullgraph=True, options={"ep_group": "world"})
+            gen = torch.Generator().manual_seed(11 + rank)
+            for step, seq in enumerate((5, 7 + 2 * rank, 9, 6 + rank)):
+                what = f"{pattern} rank {rank} step {step} length {seq}"
+                x = _input(pattern, seq, gen)
+                x_c, x_e = (x.clone().requires_grad_(x.is_floating_point()) for _ in range(2))
+                for m in (model, eager):
+                    m.zero_grad(set_to_none=True)
+                out_c, out_e = compiled(x_c), eager(x_e)
+                torch.testing.assert_close(out_c, out_e, msg=lambda m: f"{what} output: {m}")
+                out_c.float().pow(2).sum().backward()
+                out_e.float().pow(2).sum().backward()
+                if x_e.grad is not None:
+                    torch.testing.assert_close(x_c.grad, x_e.grad, rtol=1e-4, atol=1e-5,
+                                               msg=lambda m: f"{what} input grad: {m}")
+                for (name, p_c), (_, p_e) in zip(model.named_parameters(), eager.named_parameters()):
+                    g_c = torch.zeros_like(p_c) if p_c.grad is None else p_c.grad.clone()
+                    g_e = p_e.grad.clone()
+                    dist.all_reduce(g_c)
+                    dist.all_reduce(g_e)
+                    torch.testing.assert_close(g_c, g_e, rtol=1e-4, atol=1e-5,
+                                               msg=lambda m: f"{what} grad of {name} summed over ranks: {m}")
+            out[pattern] = {k: moe_compile.counters[k] for k in ("graphs", "regions_expert_parallel", "regions_skipped")}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_four_layers_expert_parallel_on_every_length_on_two_ranks():
+    """The fake-group test above checks graph shape; this one runs 4 layers of each pattern on 2 gloo ranks."""
+    from moe_compile.testing import spawn
+
+    for rank, counts in enumerate(spawn(_ep_varying_lengths, 2, timeout=600)):
+        for pattern, c in counts.items():
+            assert c["regions_skipped"] == 0 and c["regions_expert_parallel"] == 4 * c["graphs"] > 0, (rank, pattern, c)

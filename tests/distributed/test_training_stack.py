@@ -47,6 +47,8 @@ class Case:
     seq_lengths: tuple[int, ...] = (9, 9, 9)
     #: ``shard_experts`` before wrapping, ``moe_compile.fully_shard`` in place of torch's
     sharded: bool = False
+    #: FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, torchtitan's default
+    mixed_precision: bool = False
 
 
 CASES = [
@@ -57,6 +59,7 @@ CASES = [
     Case("fsdp2+ac+varying_length", checkpoint=True, seq_lengths=(9, 13, 17)),
     Case("fsdp2+sharded", sharded=True),
     Case("fsdp2+sharded+ac+accumulation", sharded=True, checkpoint=True, micro_batches=2),
+    Case("fsdp2+mixed_precision+ac+varying_length", mixed_precision=True, checkpoint=True, seq_lengths=(9, 13, 17)),
 ]
 
 
@@ -70,9 +73,13 @@ def _example_module():
 
 def _wrap(model, case: Case, compiled: bool):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import moe_compile
+
+    kwargs = {}
+    if case.mixed_precision:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
     if compiled and case.sharded:
         example = _example_module()
@@ -85,9 +92,9 @@ def _wrap(model, case: Case, compiled: bool):
         if compiled:
             block = torch.compile(block, backend="moe", fullgraph=True,
                                   options={"ep_group": "world", "inner": "eager"})
-        fully_shard(block)
+        fully_shard(block, **kwargs)
         model.blocks[i] = block
-    fully_shard(model)
+    fully_shard(model, **kwargs)
     return model
 
 
@@ -129,7 +136,7 @@ def _run(rank: int, world_size: int) -> list[str]:
         counts = dict(moe_compile.counters)  # the blocks share their code: one graph per shape serves both
         assert counts.get("regions_expert_parallel", 0) == counts["regions_found"] >= 1, f"{case.name}: {counts}"
         expected = _train(eager, case, rank)
-        tol = BF16 if case.autocast else FP32
+        tol = BF16 if case.autocast or case.mixed_precision else FP32
         torch.testing.assert_close(torch.stack(got), torch.stack(expected), **tol,
                                    msg=lambda m: f"{case.name} rank {rank} losses: {m}")
         reference = {n.replace("_orig_mod.", ""): q for n, q in eager.named_parameters()}
@@ -138,6 +145,13 @@ def _run(rank: int, world_size: int) -> list[str]:
                                        msg=lambda m: f"{case.name} rank {rank} {name}: {m}")
         dist.barrier()
         done.append(case.name)
+    # FSDP2's mixed precision would not cast the experts it leaves to the EP mesh: a ConfigError says what works
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = example.MoETransformer(vocab=64, dim=16, hidden=32, num_experts=4, num_layers=2, num_heads=2)
+    with pytest.raises(moe_compile.ConfigError, match=r"mp_policy casts parameters to torch.bfloat16.*torch.autocast"):
+        _wrap(model, Case("fsdp2+sharded+mixed_precision", sharded=True, mixed_precision=True), compiled=True)
+    done.append("sharded+mixed_precision refused")
     return done
 
 
@@ -145,4 +159,4 @@ def _run(rank: int, world_size: int) -> list[str]:
 @pytest.mark.distributed
 def test_training_stack_on_two_ranks():
     results = spawn(_run, 2, timeout=280)
-    assert results[0] == results[1] == [c.name for c in CASES]
+    assert results[0] == results[1] == [c.name for c in CASES] + ["sharded+mixed_precision refused"]
