@@ -8,7 +8,7 @@ backward as DDP averages them (a replicated stacked expert weight holds this ran
 so the sum over ranks is the whole gradient); with ``dp_group`` the compiled backward averages them
 itself. Cases (one spawn): r_f=1/r_b=2, r_f=2/r_b=1, r_f=2/r_b=4 on dropless routing with unequal
 batches, the gated per-expert ``LoopMoE`` with r_f=3/r_b=2, ``shard_experts``, the bf16 compressor (within
-its bound), ``dp_group``, and ``dp_group`` with ``dp_placement="fsmoe"`` and r_b "auto" (FSMoE's co-design
+its bound), the layer inside activation checkpointing, ``dp_group``, and ``dp_group`` with ``dp_placement="fsmoe"`` and r_b "auto" (FSMoE's co-design
 re-solves r_b with the dense head's all-reduce on the layer's link: 1 where alone it is 6); and each
 compiled graph pair really holds 2·r_f forward and 2·r_b backward all-to-alls.
 """
@@ -35,6 +35,7 @@ CASES = [  # (name, model, r_f, r_b, more options, sharded, tolerance)
     ("sort sharded rf=1 rb=3", "sort", 1, 3, {}, True, TOL),
     ("gshard rf=2 rb=4 bf16 compressor", "gshard", 2, 4, {"compressor": "bf16"}, False, BF16),
     ("gshard rf=1 rb=2 dp_group", "gshard", 1, 2, {"dp_group": "world"}, False, TOL),
+    ("checkpointed gshard rf=2 rb=3", "checkpointed", 2, 3, {}, False, TOL),
     # FSMoE's co-design: r_b re-solved with the all-reduce assigned to the layer (cost models: see the test)
     ("head rf=2 rb=auto dp_group fsmoe", "head", 2, "auto", {"dp_group": "world", "dp_placement": "fsmoe"}, False,
      TOL),
@@ -51,6 +52,10 @@ def _model(name: str):
         from tests.models.sort import SortMoE
 
         return SortMoE(8, 16, 4, top_k=2)
+    if name == "checkpointed":   # the layer inside torch.utils.checkpoint: its backward recomputes the forward
+        from tests.passes.test_checkpoint_bodies import Checkpointed
+
+        return Checkpointed("gshard", "function")
     if name == "head":   # a dense head after the layer: its gradient's all-reduce goes into the layer's backward
         from tests.passes.test_backward_degree import _HeadAfterMoE
 
@@ -147,7 +152,9 @@ def _case(rank: int, world: int, name, model_name, rf, rb, more, sharded, tol, m
     if rb == "auto":
         (rb,) = planned.planned
         assert rb == 1, (name, rb)    # the co-design's r_b (6 without the all-reduce: tests/passes/test_backward_degree)
-    assert counter.forward == [2 * rf] and counter.backward == [2 * rb], (name, counter.forward, counter.backward)
+    recomputed = 2 * rf if model_name == "checkpointed" else 0   # full checkpointing re-issues the forward's
+    assert counter.forward == [2 * rf] and counter.backward == [recomputed + 2 * rb], (name, counter.forward,
+                                                                                      counter.backward)
     assert moe_compile.counters["regions_backward_degree"] == 1, (name, dict(moe_compile.counters))
 
 
