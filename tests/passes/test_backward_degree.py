@@ -232,3 +232,22 @@ def test_fsmoe_codesign_re_solves_rb_with_the_assigned_all_reduce(fake_group, ao
     gap = layer_gap("moe", codesign.schedule_plan.shape, models, ready=8 * 2048 * 4)
     assignment = assign_gradients([gap], all_reduce_model(models, 2))
     assert assignment.chunks == (1,) and assignment.per_layer == (8 * 2048 * 4,)
+
+
+def test_two_layers_each_get_their_backward_degree(fake_group, aot_graphs):
+    """The examples' transformer (2 MoE layers in one graph): each layer's backward in r_b chains."""
+    from tests.helpers import example_transformer
+
+    fake_group(2)
+    module = example_transformer()
+    torch.manual_seed(0)
+    model = module.MoETransformer(vocab=32, dim=8, hidden=16, num_experts=4, num_layers=2, num_heads=2)
+    compiled = torch.compile(model, backend="moe", fullgraph=True, options={
+        "inner": "eager", "ep_group": "world", "num_chunks": {"forward": 1, "backward": 3}})
+    compiled(module.synthetic_batch(2, 9, 32, torch.Generator().manual_seed(0))).backward()
+    forward, backward = aot_graphs
+    assert len(calls(forward, A2A)) == 2 * 2 and len(calls(forward, BACKWARD_DEGREE)) == 2
+    assert len(calls(backward, A2A)) == 2 * 2 * 3
+    chains = find_chains(backward)
+    assert len(chains) == 6 and len({c.layer for c in chains}) == 2
+    assert moe_compile.counters["regions_backward_degree"] == 2
