@@ -251,3 +251,37 @@ def test_two_layers_each_get_their_backward_degree(fake_group, aot_graphs):
     chains = find_chains(backward)
     assert len(chains) == 6 and len({c.layer for c in chains}) == 2
     assert moe_compile.counters["regions_backward_degree"] == 2
+
+
+def test_one_rank_outputs_bitwise_gradients_equal_the_single_degree_path():
+    """One gloo rank on the emulated link (the exchange pass builds it with P = 1): the output of r_f / r_b
+    is bit for bit r_f's (the forward runs the same ops), the input gradient too (each row's gradient is
+    computed alike), the weights' up to the order of the sum over chunks; gated per-expert LoopMoE."""
+    import torch.distributed as dist
+
+    from tests.models.loop import LoopMoE
+
+    def step(num_chunks):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = LoopMoE(8, 16, 4, top_k=2)
+        x = torch.randn(2, 9, 8, requires_grad=True)
+        options = {"inner": "eager", "ep_group": "world", "num_chunks": num_chunks,
+                   "emulate_link": {"alpha_us": 0, "gbps": 1000}}
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+            out = torch.compile(model, backend="moe", fullgraph=True, options=options)(x)
+            out.pow(2).sum().backward()
+        return out.detach(), x.grad, {n: p.grad for n, p in model.named_parameters()}
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        single = step(2)
+        moe_compile.counters.clear()
+        separate = step({"forward": 2, "backward": 3})
+        assert moe_compile.counters["regions_backward_degree"] == 1
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(separate[0], single[0], rtol=0, atol=0)
+    torch.testing.assert_close(separate[1], single[1], rtol=0, atol=0)
+    for name, grad in single[2].items():
+        torch.testing.assert_close(separate[2][name], grad, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
