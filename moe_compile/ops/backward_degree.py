@@ -145,10 +145,12 @@ def _backward(ctx, grad_out):
     grad_parts = split_rows(grad_out.to(w1.dtype).contiguous(), sizes)
     x_parts, h1_parts = split_rows(local_in, sizes), split_rows(h1_all, sizes)
     h3_parts = split_rows(h3_all, sizes) if w3 is not None else [h3_all] * chunks
+    # every piece's rows per peer before any piece's work: each piece's first exchange then depends on its
+    # piece alone, and the schedule pass issues them all up front (Theorem 1), as in a chunked backward
+    per_peers = [num_local * n for n in sizes]
     grads: list[Tensor | None] = [None] * 6
     returned = []
-    for part, x, h1, h3, n in zip(grad_parts, x_parts, h1_parts, h3_parts, sizes):
-        per_peer = num_local * n
+    for part, x, h1, h3, n, per_peer in zip(grad_parts, x_parts, h1_parts, h3_parts, sizes, per_peers):
         recv = _exchange(part.reshape(-1, model_dim), per_peer, group_name, compressor, model_dim, w1.dtype,
                          alpha_us, gbps, size)                                        # A2's adjoint
         grad_y = recv.view(size, num_local, n, model_dim).transpose(0, 1).reshape(num_local, size * n, model_dim)
