@@ -73,6 +73,10 @@ def test_forward_holds_rf_and_backward_rb_pieces(fake_group, aot_graphs, rf, rb,
     if rb > 1:
         assert {c.layer for c in chains} <= set(pieces) and len({c.layer for c in chains}) == 1
         assert sorted(c.chunk for c in chains) == list(range(1, rb + 1))
+    # Theorem 1's order: every piece's first exchange issued before the first is waited on
+    position = {n: i for i, n in enumerate(backward.graph.nodes)}
+    first_wait = min(position[c.waits[0]] for c in chains)
+    assert all(position[c.first] < first_wait for c in chains)
     # the schedule pass labelled them: r_b chunks in the backward, r_f in the forward
     assert {task_label(n).chunk for n in calls(backward, A2A)} == set(range(1, rb + 1))
     assert {task_label(n).chunk for n in calls(forward, A2A)} == set(range(1, rf + 1))
@@ -253,10 +257,12 @@ def test_two_layers_each_get_their_backward_degree(fake_group, aot_graphs):
     assert moe_compile.counters["regions_backward_degree"] == 2
 
 
-def test_one_rank_outputs_bitwise_gradients_equal_the_single_degree_path():
+def test_one_rank_outputs_bitwise_gradients_equal_the_single_degree_path(aot_graphs):
     """One gloo rank on the emulated link (the exchange pass builds it with P = 1): the output of r_f / r_b
     is bit for bit r_f's (the forward runs the same ops), the input gradient too (each row's gradient is
-    computed alike), the weights' up to the order of the sum over chunks; gated per-expert LoopMoE."""
+    computed alike), the weights' up to the order of the sum over chunks; gated per-expert LoopMoE. The
+    backward holds only its own 2·r_b emulated all-to-alls (the partitioner's copies of the forward's
+    are dropped)."""
     import torch.distributed as dist
 
     from tests.models.loop import LoopMoE
@@ -277,8 +283,11 @@ def test_one_rank_outputs_bitwise_gradients_equal_the_single_degree_path():
     try:
         single = step(2)
         moe_compile.counters.clear()
+        aot_graphs.clear()
         separate = step({"forward": 2, "backward": 3})
         assert moe_compile.counters["regions_backward_degree"] == 1
+        emulated = {torch.ops.moe.emulated_all_to_all.default}
+        assert [len(calls(g, emulated)) for g in aot_graphs] == [2 * 2, 2 * 3]
     finally:
         dist.destroy_process_group()
     torch.testing.assert_close(separate[0], single[0], rtol=0, atol=0)
