@@ -1,12 +1,15 @@
-"""A training stack around backend="moe" on 2 ranks: DDP, bf16 autocast, varying sequence lengths, gradient
-clipping, and a DCP checkpoint saved with sharded experts and resumed at another EP size.
+"""A training stack around backend="moe" on 2 ranks: DDP, activation checkpointing, bf16 autocast, varying
+sequence lengths, gradient clipping, and a DCP checkpoint saved with sharded experts and resumed at another EP size.
 
     torchrun --nproc-per-node 2 examples/train_stack.py --steps 4 --resume-at 2
 
 Phase 1 (steps 0 .. resume_at-1): ``moe_compile.shard_experts`` keeps each rank's
 E/P experts (a ``DTensor`` parameter per stacked expert weight), the model is
-compiled with ``backend="moe"`` and ``ep_group`` and wrapped in DDP (the order the
-README's "Training stack" table gives), the forward runs under bf16 autocast, the sequence
+each block is wrapped in ``checkpoint_wrapper`` (activation checkpointing, as
+torchtitan applies it; the MoE layer inside is rewritten and expert-parallel, and
+backward recomputes it), the model is compiled with ``backend="moe"`` and ``ep_group``
+and wrapped in DDP (the order the README's "Training stack" table gives), the forward
+runs under bf16 autocast, the sequence
 length changes every step, and the gradients are clipped with
 ``moe_compile.clip_grad_norm_``. At ``resume_at`` the model and AdamW state are
 saved with ``torch.distributed.checkpoint`` (the experts as one global tensor), and
@@ -15,9 +18,8 @@ everything is thrown away, as a killed job.
 Phase 2 (the remaining steps): a new job with another expert-parallel layout, EP =
 1 (every rank holds all experts, plain DDP), loads the checkpoint and trains on.
 
-Activation checkpointing is not part of this run; it composes with sharded experts
-(``tests/passes/test_checkpoint_bodies.py``) and, replicated, with FSDP2 and DDP
-(``tests/distributed/test_training_stack.py``).
+FSDP2 in torchtitan's order (``moe_compile.fully_shard`` with sharded experts) is
+checked in ``tests/distributed/test_training_stack.py``.
 
 The reference is the same stack run eagerly and uninterrupted with all experts on
 every rank. Every step's loss (mean over the ranks) must match it within bf16's
@@ -38,6 +40,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -54,6 +57,13 @@ def build(seed: int = 0) -> MoETransformer:
     torch.manual_seed(seed)
     return MoETransformer(vocab=VOCAB, dim=16, hidden=32, num_experts=4, num_layers=2, num_heads=2,
                           checkpoint_attention=False)
+
+
+def checkpoint_blocks(model: MoETransformer) -> MoETransformer:
+    """Activation checkpointing of every block (recomputed in backward), applied in place."""
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = checkpoint_wrapper(block)
+    return model
 
 
 def batch(step: int, rank: int) -> torch.Tensor:
@@ -89,7 +99,7 @@ def main() -> None:
     log = print if rank == 0 else (lambda *a, **k: None)
 
     # the reference: eager, all experts on every rank, DDP, uninterrupted
-    eager_model = build()
+    eager_model = checkpoint_blocks(build())
     eager_net, eager_opt = DDP(eager_model), optimizer_for(eager_model)
     expected = [train_step(eager_net, eager_model, eager_opt, step, rank) for step in range(args.steps)]
 
@@ -103,6 +113,7 @@ def main() -> None:
     options = {"ep_group": "world"}
     model = build()
     moe_compile.shard_experts(model, "world", batch(0, rank), options=options)
+    checkpoint_blocks(model)
     net = DDP(torch.compile(model, backend="moe", fullgraph=True, options=options))
     optimizer = optimizer_for(model)
     moe_compile.counters.clear()
@@ -117,7 +128,7 @@ def main() -> None:
     torch._dynamo.reset()
 
     # phase 2: a new job at EP = 1 (all experts on every rank), loads the checkpoint, trains on
-    model = build(seed=1)                                # other initial weights: the checkpoint must replace them
+    model = checkpoint_blocks(build(seed=1))             # other initial weights: the checkpoint must replace them
     net = DDP(torch.compile(model, backend="moe", fullgraph=True))
     optimizer = optimizer_for(model)
     model_sd, optim_sd = get_state_dict(model, optimizer)

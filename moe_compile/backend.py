@@ -25,7 +25,7 @@ from .config import ConfigError, MoECompileConfig, config
 from .counters import counters
 from .faults import name_collective_faults
 from .passes import pipeline
-from .passes.checkpoint_bodies import checkpoint_bodies, mark_sharded_operands
+from .passes.checkpoint_bodies import checkpoint_bodies, mark_sharded_operands, mark_traced_operands
 from .passes.saved_order import inductor_partitioner, partition
 from .passes.grad_sync import plan_grad_sync
 from .passes.local_weights import SHARD_INPUTS, sharded_placeholders
@@ -61,6 +61,7 @@ def _run_stage1(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.Gra
     (:mod:`moe_compile.passes.checkpoint_bodies`); the bodies' layers join the graph's state."""
     bodies = checkpoint_bodies(gm)
     mark_sharded_operands(gm)  # the bodies' inputs that read sharded expert weights
+    mark_traced_operands(gm)   # and the traced values of the graph inputs they read, for the region check
     for name, body in bodies:
         manager = PassManager(stage1_passes(cfg, body=True), context.dumper, prefix=f"{name}_")
         if manager(body) is not body:
@@ -153,7 +154,9 @@ def _warn_if_split_by_ddp(gm: torch.fx.GraphModule, cfg: MoECompileConfig) -> No
     if _DDP_SPLIT_WARNED or not _under_ddp_optimizer():
         return
     state = gm.meta.get("moe")
-    if state is None or not state.skips:  # a layer cut apart leaves its router's piece with a skip
+    # a layer cut apart leaves its router's piece with a skip of detect's (a layer that canonicalize
+    # refused was whole: its WARNING names its own reason)
+    if state is None or not any(skip.stage == "detect" for skip in state.skips):
         return
     _DDP_SPLIT_WARNED = True
     from .debug import log

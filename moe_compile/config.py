@@ -200,6 +200,13 @@ class MoECompileConfig:
     #: last gradient exists, like DDP), "end" (all at the end of the backward), "fsmoe" (in
     #: the MoE layers' backward pipelines by FSMoE's assignment, eqs 3-5; "asap" without layers).
     dp_placement: DPPlacement = DPPlacement.ASAP
+    #: Tutel's parallelism for layers whose experts are sharded over ``esp_group`` (Tutel §3.2): None
+    #: (Parm's schedules, ``pause_mp``), "p1" (EP + DP: the H-slices all-gathered into whole experts,
+    #: their gradients reduce-scattered back), "p2" (EP + MP: experts sharded, each row sent to every
+    #: slice), or "adaptive" (per call, Tutel's O(1) rule on communication sizes picks P1 or P2 from the
+    #: call's capacity, no recompile). Needs ``ep_group`` and ``esp_group``; the parameters stay in place.
+    #: With ``emulate_link`` its all-to-alls, all-gathers and reduce-scatters are held on the emulated link.
+    parallelism: Any = None
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> MoECompileConfig:
@@ -239,6 +246,7 @@ class MoECompileConfig:
             raise ConfigError(f"options['num_chunks']={r!r}: expected an integer >= 1 or 'auto', or 'adaptive', or "
                               f"{{'forward': r_f, 'backward': r_b}} (each an integer >= 1 or 'auto')")
         _check_adaptive(self)
+        _check_parallelism(self)
         _check_optional_str(self, "cost_models")
         if self.emulate_link is not None:
             from .collectives.emulated import Link
@@ -376,6 +384,7 @@ def _check_dependencies(cfg: MoECompileConfig) -> MoECompileConfig:
             f"options['dp_placement']={cfg.dp_placement.value!r} places the data-parallel gradient all-reduce, "
             f"but options['dp_group'] is None: set options['dp_group'] (e.g. 'world') or leave dp_placement at 'asap'"
         )
+    _check_parallelism_groups(cfg)
     if cfg.nan_check and cfg.compressor == "none":
         raise ConfigError(
             "options['nan_check']=True checks what a compressor is given, but options['compressor'] is "
@@ -425,6 +434,38 @@ def _check_adaptive(cfg: MoECompileConfig) -> None:
     if cfg.num_chunks == "auto":
         raise ConfigError(f"{what}: options['num_chunks'] must be an integer or 'adaptive' (not 'auto': the "
                           f"adaptive exchange measures r at runtime instead of predicting it)")
+
+
+#: options["parallelism"]'s values besides None (Tutel §3.2; moe_compile.schedule.parallelism)
+PARALLELISMS = ("p1", "p2", "adaptive")
+
+
+def _check_parallelism(cfg: MoECompileConfig) -> None:
+    """``parallelism``: Tutel's P1 / P2 run inside one runtime op (moe_compile.ops.parallel_switch) over
+    ``ep_group`` and ``esp_group``, flat and uncompressed, with no MP group."""
+    value = cfg.parallelism
+    if value is None:
+        return
+    if not isinstance(value, str) or value not in PARALLELISMS:
+        raise ConfigError(f"options['parallelism']={value!r}: choose one of None, {', '.join(PARALLELISMS)}")
+
+
+def _check_parallelism_groups(cfg: MoECompileConfig) -> None:
+    """Per compile (``merged``): what ``parallelism`` needs of the other options."""
+    if cfg.parallelism is None:
+        return
+    what = f"options['parallelism']={cfg.parallelism!r}"
+    if cfg.ep_group is None or cfg.esp_group is None:
+        raise ConfigError(f"{what} switches between Tutel's P1 and P2 over the expert-parallel and expert-sharding "
+                          f"groups: it needs options['ep_group'] and options['esp_group'] (the ranks holding the "
+                          f"H-slices of the same experts)")
+    if cfg.mp_group is not None:
+        raise ConfigError(f"{what}: P2 replicates the tokens over the expert-sharding group itself; "
+                          f"options['mp_group'] must be None (Parm's MP layouts use pause_mp)")
+    for name, off in (("num_chunks", 1), ("all_to_all", "flat"), ("compressor", "none")):
+        if getattr(cfg, name) != off:
+            raise ConfigError(f"{what}: the switched exchange is one flat, uncompressed, unchunked exchange; "
+                              f"options[{name!r}]={getattr(cfg, name)!r} must be {off!r}")
 
 
 def _field_names() -> list[str]:

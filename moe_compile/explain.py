@@ -7,6 +7,8 @@ Reads the debug dumps (``options={"debug_dir": dir}`` or ``MOE_COMPILE_DEBUG_DIR
     <dir>/rank<r>/measured.json             measured seconds (moe_compile.debug.record_measured)
     <dir>/rank<r>/adaptive.json             per-call choices of the adaptive exchange (Tutel §3.3;
                                             moe_compile.schedule.adaptive.write_decisions)
+    <dir>/rank<r>/parallelism.json          per-call P1 / P2 choices (Tutel §3.2;
+                                            moe_compile.schedule.parallelism.write_switch_decisions)
 
 and the measured timelines that ``moe_compile.measure_tasks().write(dir)`` adds to
 schedule.json (their makespan, and its error against the predicted one).
@@ -49,6 +51,7 @@ class GraphDump:
         self.schedule = _load(directory / "schedule.json") or {"layers": []}
         self.measured = _load(directory.parent / "measured.json") or {}
         self.adaptive = _load(directory.parent / "adaptive.json") or {}
+        self.parallelism = _load(directory.parent / "parallelism.json") or {}
 
 
 def _load(path: Path) -> dict | None:
@@ -195,6 +198,7 @@ def _explain_graph(dump: GraphDump, console, png: bool) -> list[Path]:
                           _predicted(entry), _measured(dump, name, entry))
         console.print(table)
     _explain_adaptive(dump, set(layers), console)
+    _explain_parallelism(dump, set(layers), console)
     return _write_pngs(dump, console) if png else []
 
 
@@ -211,6 +215,8 @@ def _chunks(entry: dict) -> str:
     adaptive = entry.get("adaptive")
     if adaptive:
         return f"adaptive: r in {adaptive['chunks']} x {', '.join(adaptive['algorithms'])}"
+    if entry.get("parallelism"):  # Tutel §3.2: one moe.switch_exchange, unchunked
+        return f"1, parallelism {entry['parallelism']}"
     forward, backward = entry.get("chunks", "-"), entry.get("backward_chunks")
     if backward is not None and backward != forward:   # FSMoE's separate degrees (num_chunks forward / backward)
         return f"r_f={forward} r_b={backward}"
@@ -245,6 +251,25 @@ def _explain_adaptive(dump: GraphDump, layers: set, console) -> None:
             table.add_column(column)
         for d in calls:
             table.add_row(str(d["rows"]), str(d["chunks"]), d["algorithm"], d["phase"], _ms(d["predicted_s"]),
+                          _ms(d["forward_s"]), _ms(d["backward_s"]), _us(d["decision_s"]))
+        console.print(table)
+
+
+def _explain_parallelism(dump: GraphDump, layers: set, console) -> None:
+    """The P1 / P2 choice of each call of a layer with ``options["parallelism"]`` (Tutel §3.2): the bytes
+    the O(1) rule compared and the measured times."""
+    from rich.table import Table
+
+    calls = dump.parallelism.get("decisions") or []
+    for name in sorted({d["layer"] for d in calls} & layers):
+        mine = [d for d in calls if d["layer"] == name]
+        counts = {c: sum(d["choice"] == c for d in mine) for c in ("p1", "p2")}
+        table = Table(title=f"{name}: parallelism {mine[-1]['mode']} (Tutel §3.2), P1 {counts['p1']} calls, "
+                            f"P2 {counts['p2']} calls; the last {min(len(mine), ADAPTIVE_ROWS)}", title_justify="left")
+        for column in ("R", "ran", "P1 bytes", "P2 bytes", "measured fw", "measured bw", "decision"):
+            table.add_column(column)
+        for d in mine[-ADAPTIVE_ROWS:]:
+            table.add_row(str(d["rows"]), d["choice"].upper(), f"{d['p1_bytes']:.0f}", f"{d['p2_bytes']:.0f}",
                           _ms(d["forward_s"]), _ms(d["backward_s"]), _us(d["decision_s"]))
         console.print(table)
 

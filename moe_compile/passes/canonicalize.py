@@ -75,6 +75,7 @@ from .. import ops  # noqa: F401  (registers torch.ops.moe.*)
 from ..config import MoECompileConfig
 from ..counters import counters
 from ..debug import log
+from .checkpoint_bodies import traced_example
 from .detect import RUNS_LOCALLY, find_moe_regions, rematch
 from .graph_utils import example_value, is_inplace, reachable, region_boundary, shape_of
 from .fake_values import propagate
@@ -508,13 +509,10 @@ def _scalar_input(node: Node) -> torch.Tensor:
 
 
 def _traced_input(node: Node, what: str) -> torch.Tensor:
-    """The value the graph input ``node`` had when Dynamo traced (``GraphArg.example``)."""
-    grapharg = node.meta.get("grapharg") if node.op == "placeholder" else None
-    try:
-        real = getattr(grapharg, "example", None)
-    except Exception:  # noqa: BLE001 - a freed weak reference: treat as unknown
-        real = None
-    if not isinstance(real, torch.Tensor) or isinstance(real, torch._subclasses.FakeTensor):
+    """The value the graph input ``node`` had when Dynamo traced (``GraphArg.example``; for a checkpoint
+    body's input, that of the graph input its calls pass: :func:`~.checkpoint_bodies.traced_example`)."""
+    real = traced_example(node)
+    if real is None:
         raise _CannotProbe(f"input {node.name} is {what} whose traced value is unknown")
     return real.detach().clone()
 

@@ -39,16 +39,26 @@ pass passes it the ``DTensor``'s ``to_local()``
 The ``to_local()`` stays outside the checkpoint, so AOTAutograd sees plain tensors
 inside it, and the gradient reaches the ``DTensor`` parameter as without
 checkpointing.
+
+The region check (canonicalize's ``verify``) probes a layer with random hidden
+states but with the values Dynamo traced for scalar and integer inputs (a capacity
+factor that ``dynamic=True`` made a graph input, token ids); a body's inputs are not
+graph inputs, so :func:`mark_traced_operands` records on each body input the traced
+value of the graph input its calls pass there (``meta[TRACED_OPERAND]``), when every
+call passes the same value.
 """
 from __future__ import annotations
 
 import torch
 from torch.fx import GraphModule
 
-__all__ = ["CHECKPOINT_OP", "checkpoint_bodies", "mark_sharded_operands"]
+__all__ = ["CHECKPOINT_OP", "TRACED_OPERAND", "checkpoint_bodies", "mark_sharded_operands", "mark_traced_operands",
+           "traced_example"]
 
 #: the higher-order op Dynamo emits for a non-reentrant activation checkpoint
 CHECKPOINT_OP = torch.ops.higher_order.tag_activation_checkpoint
+#: meta key of a body input: the value Dynamo traced for the graph input every call passes there
+TRACED_OPERAND = "moe_traced_operand"
 
 
 def checkpoint_bodies(gm: GraphModule, prefix: str = "") -> list[tuple[str, GraphModule]]:
@@ -69,6 +79,46 @@ def checkpoint_bodies(gm: GraphModule, prefix: str = "") -> list[tuple[str, Grap
         seen.update(id(b) for _, b in bodies)
         bodies.append((name, body))
     return bodies
+
+
+def traced_example(node: torch.fx.Node) -> torch.Tensor | None:
+    """The value Dynamo traced for ``node``: a graph input's ``GraphArg.example``, or a body input's
+    :data:`TRACED_OPERAND`; None when unknown."""
+    if node.op != "placeholder":
+        return None
+    value = node.meta.get(TRACED_OPERAND)
+    if value is None:
+        grapharg = node.meta.get("grapharg")
+        try:
+            value = getattr(grapharg, "example", None)
+        except Exception:  # noqa: BLE001 - a freed weak reference: unknown
+            value = None
+    if not isinstance(value, torch.Tensor) or isinstance(value, torch._subclasses.FakeTensor):
+        return None
+    return value
+
+
+def mark_traced_operands(gm: GraphModule) -> None:
+    """Record on each checkpoint body's input (outer bodies first, so nested ones see them) the traced
+    value of what its calls pass there (see the module docstring); left unknown when calls differ."""
+    calls: dict[int, tuple[GraphModule, list[list[torch.Tensor | None]]]] = {}
+    for node in gm.graph.find_nodes(op="call_function", target=CHECKPOINT_OP):
+        body = getattr(gm, node.args[0].target, None) if node.args[0].op == "get_attr" else None
+        if not isinstance(body, GraphModule):
+            continue
+        inputs = list(body.graph.find_nodes(op="placeholder"))
+        _, values = calls.setdefault(id(body), (body, [[] for _ in inputs]))
+        for seen, operand in zip(values, node.args[1:]):
+            seen.append(traced_example(operand) if isinstance(operand, torch.fx.Node) else None)
+    for body, values in calls.values():
+        for placeholder, seen in zip(body.graph.find_nodes(op="placeholder"), values):
+            first = seen[0] if seen else None
+            if first is not None and all(v is not None and v.shape == first.shape and v.dtype == first.dtype
+                                         and torch.equal(v, first) for v in seen[1:]):
+                placeholder.meta[TRACED_OPERAND] = first
+            else:
+                placeholder.meta.pop(TRACED_OPERAND, None)
+        mark_traced_operands(body)
 
 
 def mark_sharded_operands(gm: GraphModule) -> None:

@@ -36,6 +36,9 @@ carrying the gradient in r_b chunks (:mod:`moe_compile.ops.backward_degree`).
 A plan with ``adaptive`` alternatives (``num_chunks`` / ``all_to_all`` "adaptive", Tutel §3.3)
 gets one ``moe.adaptive_exchange`` in place of steps 3's chunks (:func:`_adaptive`): the r and
 the algorithm are chosen per call at runtime (:mod:`moe_compile.ops.adaptive_exchange`).
+A plan with ``parallelism`` (sharded experts, Tutel §3.2) gets one ``moe.switch_exchange``
+(:func:`_switched`): Tutel's P1 or P2 on the same slices, chosen per call
+(:mod:`moe_compile.ops.parallel_switch`).
 
 Contract: every row is computed by the expert the model routed it to, with the
 same weights (the local slice or shard); chunks split rows, which an expert's MLP
@@ -61,6 +64,7 @@ from torch.fx import Graph, GraphModule, Node
 from .. import ops  # noqa: F401  (registers torch.ops.moe.*)
 from ..ops import adaptive_exchange  # noqa: F401  (registers torch.ops.moe.adaptive_exchange)
 from ..ops import backward_degree  # noqa: F401  (registers torch.ops.moe.backward_degree)
+from ..ops import parallel_switch  # noqa: F401  (registers torch.ops.moe.switch_exchange)
 from ..collectives import all_to_all_registry, compressors  # noqa: F401  (registers moe.compress / decompress)
 from ..collectives import model_parallel  # noqa: F401  (registers torch.ops.moe.mp_*)
 from ..collectives.emulated import Link, emit_emulated_all_to_all
@@ -98,7 +102,8 @@ class Exchange:
         self.cfg, self.group = cfg, group
 
     def __call__(self, gm: GraphModule) -> PassResult:
-        if self.group is None or (self.group.size == 1 and self.cfg.emulate_link is None):
+        if self.group is None or (self.group.size == 1 and self.cfg.emulate_link is None
+                                  and self.cfg.parallelism is None):
             return PassResult(gm, False)
         state = moe_state(gm)
         shards = sharded_placeholders(gm)
@@ -195,7 +200,9 @@ def build_layer(gm: GraphModule, plan: ExchangePlan, cfg: MoECompileConfig, loca
 
     # 3. the exchange, per chunk
     with graph.inserting_before(experts):
-        if plan.adaptive is not None:
+        if plan.parallelism is not None:
+            output = _switched(graph, plan, cfg, experts, experts_args, meta)
+        elif plan.adaptive is not None:
             output = _adaptive(graph, plan, cfg, experts, experts_args, meta)
         elif plan.backward_chunks is not None and plan.backward_chunks != plan.chunks:
             output = emit_backward_degree(graph, plan, cfg, experts, experts_args, meta)
@@ -361,6 +368,31 @@ def emit_backward_degree(graph: Graph, plan: ExchangePlan, cfg, experts: Node, e
     return insert_node(graph, torch.ops.moe.backward_degree.default, y, buffer, *saved, w1, w2, w3, activation,
                        b1, b2, b3, act_args, plan.backward_chunks, plan.group.name, size, cfg.compressor, alpha_us, gbps,
                        meta=joined)
+
+
+def _switched(graph: Graph, plan: ExchangePlan, cfg, experts: Node, experts_args: tuple, meta: dict) -> Node:
+    """Tutel §3.2: the whole exchange of a layer with sharded experts as one ``moe.switch_exchange``, which
+    runs P1 (slices all-gathered, EP) or P2 (rows to every slice, partials summed) per call
+    (:mod:`moe_compile.ops.parallel_switch`)::
+
+        y, local_in, h1, h3, choice = moe.switch_exchange(buf, w1j, w2j, w3j, act, act_args, layer,
+                                                          ep, esp, G, owners, parallelism, alpha, gbps)
+    """
+    w1, w2, w3, activation = experts_args[:4]
+    tail = list(experts_args[4:])  # biases (None: ESP refuses expert biases) and act_args
+    act_args = list(tail[3]) if len(tail) > 3 else []
+    layout = plan.layout
+    link = Link.from_option(cfg.emulate_link)
+    alpha_us, gbps = (link.alpha_us, link.gbps) if link is not None else (-1.0, 1.0)
+    task = {**meta, TASK_META: TaskLabel(plan.name, 0, "E")}
+    node = insert_node(graph, torch.ops.moe.switch_exchange.default, plan.layer.buffer, w1, w2, w3, activation,
+                       act_args, plan.name, layout.ep.name, layout.esp.name, layout.expert.name,
+                       list(layout.peer_owner), plan.parallelism, alpha_us, gbps, meta=task)
+    for key, value in experts.meta.items():
+        if key not in _VALUE_META and key != TASK_META:
+            node.meta.setdefault(key, value)
+    counters["regions_parallel_switch"] += 1
+    return insert_node(graph, operator.getitem, node, 0, meta=task)
 
 
 class Emitter:

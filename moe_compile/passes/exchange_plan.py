@@ -101,6 +101,7 @@ class ExchangePlan:
     output: Node | None = None     # the [E, R, M] node moe.combine reads, once the exchange is built
     adaptive: AdaptiveChoices | None = None  # chosen per call at runtime (Tutel §3.3) instead of chunks / algorithm
     backward_chunks: int | None = None  # r_b: the backward's own degree (FSMoE); None = the forward's r
+    parallelism: str | None = None  # Tutel §3.2's P1 / P2 for sharded experts: "p1", "p2", "adaptive" (per call)
 
     def __post_init__(self):
         if self.pause not in PAUSE_MODES:
@@ -163,4 +164,5 @@ class ExchangePlan:
             "chunks": self.chunks, "backward_chunks": self.backward_chunks or self.chunks,
             **({"adaptive": {"chunks": list(self.adaptive.chunks), "algorithms": list(self.adaptive.algorithms)}}
                if self.adaptive is not None else {}),
+            **({"parallelism": self.parallelism} if self.parallelism is not None else {}),
         }

@@ -122,7 +122,8 @@ class ExpertParallel:
                 )
         if shards:  # compiled inside a DDP forward: DDP must ignore the experts, whose gradients become its average
             check_data_parallel()
-        if self.group.size == 1 and self.cfg.emulate_link is None:
+        switched = self.layout is not None and self.cfg.parallelism is not None  # ESP alone: P1 / P2 (Tutel §3.2)
+        if self.group.size == 1 and self.cfg.emulate_link is None and not switched:
             log.info("moe_compile: expert-parallel group of size 1; no collectives inserted")
             return PassResult(gm, False)
         # 2. the canonical layers

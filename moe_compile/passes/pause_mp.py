@@ -61,6 +61,12 @@ slice's buffer holds its largest expert load rather than at most C rows). When
 values computed from the tokens leave the layer (router logits for an auxiliary
 loss), or T is not a multiple of m, S2 is used and the log says why. ``auto`` is Parm Algorithm 1 (:func:`moe_compile.schedule.parm.choose_pause_mp`)
 on the fitted cost models; the choice and its inputs go to ``schedule.json``.
+
+With ``options["parallelism"]`` (Tutel §3.2) a layer whose experts are sharded over ESP
+(s > 1) with no MP group is not given one of Parm's schedules: its plan gets
+``parallelism`` ("p1", "p2" or "adaptive") and the exchange pass builds one
+``moe.switch_exchange`` (:mod:`moe_compile.ops.parallel_switch`), which runs Tutel's P1 or
+P2 on the same slices per call. A layer the option cannot apply to keeps its schedule (WARNING).
 """
 from __future__ import annotations
 
@@ -92,7 +98,21 @@ class PauseMP:
         state = moe_state(gm)
         for plan in list(state.layers):
             if plan.layout is None:
+                if self.cfg.parallelism is not None:
+                    log.info("moe_compile: %s: options['parallelism'] has nothing to switch: the experts are not "
+                             "sharded (esp_group of size 1), P1 = P2 = plain EP (Tutel Fig. 13)", plan.name)
                 continue
+            if self.cfg.parallelism is not None:
+                if plan.layout.shards > 1 and plan.layout.replicas == 1:
+                    log.info("moe_compile: %s: parallelism=%s (Tutel §3.2 over EP %d x ESP %d)", plan.name,
+                             self.cfg.parallelism, plan.layout.ep.size, plan.layout.shards)
+                    state.replace_plan(dataclasses.replace(
+                        plan, pause="s1", parallelism=str(self.cfg.parallelism),
+                        pause_decision={"choice": "s1", "why": f"options['parallelism']={self.cfg.parallelism!r}: "
+                                        "Tutel's P1 / P2 (moe.switch_exchange)"}))
+                    continue
+                log.warning("moe_compile: %s: options['parallelism'] needs experts sharded over esp_group (size > 1) "
+                            "and no MP group; this layer keeps pause_mp's schedule", plan.name)
             mode, why, extra = self.choose(plan)
             if mode == "s1":
                 blocker = s1_blocker(plan)

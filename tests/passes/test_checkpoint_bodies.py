@@ -280,3 +280,40 @@ def test_sharded_experts_beside_a_checkpointed_attention(fake_group, inner):
     compiled(tokens).backward()
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None for g in grads)
+
+
+class _TwoCheckpointedBlocks(torch.nn.Module):
+    def __init__(self, capacity_factors):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            checkpoint_wrapper(GShardMoE(8, 16, 4, top_k=2, capacity_factor=f)) for f in capacity_factors)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+@pytest.mark.parametrize("factors, rewritten", [((1.25, 1.25), 2), ((1.0, 1.5), 0)], ids=["same", "different"])
+def test_dynamic_scalar_inputs_of_a_checkpoint_body_are_probed_with_their_traced_value(factors, rewritten):
+    """``dynamic=True`` makes each layer's float capacity factor a graph input, which a checkpoint body reads as
+    one of its inputs: the region check probes it with the value Dynamo traced for the graph input the calls
+    pass (it was "a scalar whose traced value is unknown", and every checkpointed layer stayed eager). Two
+    blocks sharing one body with different factors leave the value unknown: left unchanged, still eager's."""
+    torch.manual_seed(0)
+    model = _TwoCheckpointedBlocks(factors)
+    eager = copy.deepcopy(model)
+    moe_compile.counters.clear()
+    compiled = torch.compile(model, backend="moe", fullgraph=True, dynamic=True, options={"inner": "eager"})
+    x = torch.randn(2, 6, 8)
+    x_c, x_e = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_c, out_e = compiled(x_c), eager(x_e)
+    torch.testing.assert_close(out_c, out_e)
+    out_c.pow(2).sum().backward()
+    out_e.pow(2).sum().backward()
+    torch.testing.assert_close(x_c.grad, x_e.grad)
+    for (name, p_c), (_, p_e) in zip(model.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(p_c.grad, p_e.grad, msg=lambda m: f"{name}: {m}")
+    graphs = moe_compile.counters["graphs"]   # Dynamo calls its backend twice here, aot_eager's too
+    assert moe_compile.counters["regions_rewritten"] == rewritten * graphs > 0 or rewritten == 0, dict(moe_compile.counters)
+    assert moe_compile.counters["regions_found"] == 2 * graphs, dict(moe_compile.counters)
