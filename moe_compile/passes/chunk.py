@@ -166,7 +166,7 @@ class Chunk:
             return None
         why = ("Parm's ESP / MP exchange" if plan.pause != "ep" else
                f"the {plan.algorithm!r} all-to-all" if plan.algorithm != "flat" else
-               "Tutel's P1 / P2 switch exchange" if getattr(plan, "parallelism", None) is not None else None)
+               "Tutel's P1 / P2 switch exchange" if plan.parallelism is not None else None)
         if why is not None:
             log.warning("moe_compile: %s: num_chunks['backward'] ignored, the backward keeps the forward's r "
                         "(separate degrees are built for plain EP with the flat all-to-all, not %s)", plan.name, why)
