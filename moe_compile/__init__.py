@@ -6,6 +6,7 @@ No import is needed for that line (the backend is an entry point); import the
 package for its configuration and counters.
 """
 from . import hf, ops
+from .capacity import capacity_factor
 from .collectives import Compressor, register_compressor
 from .collectives.algorithms import AllToAll
 from .collectives.all_to_all_registry import register_all_to_all
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AllToAll",
+    "capacity_factor",
     "clip_grad_norm_",
     "Compressor",
     "ConfigError",

@@ -112,8 +112,10 @@ class MoECompileConfig:
     rewrite: bool = True
     #: Capacity override (Tutel §4.1 contract). None keeps the matched model's own
     #: capacity; > 0: C = ceil(k·f·T/E), tokens beyond dropped; 0: no drop;
-    #: < 0: no drop up to C = ceil(k·|f|·T/E), dropped beyond.
-    capacity_factor: float | None = None
+    #: < 0: no drop up to C = ceil(k·|f|·T/E), dropped beyond. "runtime": the
+    #: factor ``moe_compile.capacity_factor(f)`` holds at each call (Tutel §5), never
+    #: recompiled (moe_compile/capacity.py).
+    capacity_factor: float | str | None = None
     #: Before a region is rewritten, run the matched layer and its canonical form on
     #: random inputs whose leading tokens are all equal (they overflow the capacity) and
     #: keep the rewrite only if they agree. A mismatch leaves the layer untouched, logged.
@@ -264,10 +266,13 @@ class MoECompileConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"options[{name!r}]={getattr(self, name)!r}: expected True or False")
         cf = self.capacity_factor
-        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf)):
+        if cf is not None and cf != "runtime" and (
+            isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf)
+        ):
             raise ConfigError(
                 f"options['capacity_factor']={cf!r}: expected a number (> 0 fixed capacity, "
-                f"0 no drop, < 0 adaptive up to -f) or None to keep the model's capacity"
+                f"0 no drop, < 0 adaptive up to -f), 'runtime' (moe_compile.capacity_factor(f) read at "
+                f"each call) or None to keep the model's capacity"
             )
         _check_ep_group(self.ep_group)
         for name in ("mp_group", "esp_group"):
@@ -565,6 +570,8 @@ def _parse_env(name: str, raw: str, default: Any) -> Any:
     if name == "capacity_factor" or isinstance(default, float):
         if raw == "" and name == "capacity_factor":
             return None
+        if raw == "runtime" and name == "capacity_factor":
+            return raw
         try:
             return float(raw)
         except ValueError:

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
+from .capacity import RUNTIME_CAPACITY
+
 __all__ = ["capacity_contract", "options_summary", "stage1_summary", "write_summary"]
 
 #: the options that change what the backend does to an MoE layer
@@ -39,6 +41,8 @@ _OPTIONS = ("rewrite", "inner", "compressor", "all_to_all", "schedule", "num_chu
 
 def capacity_contract(capacity: int) -> str:
     """Tutel §4.1's contract of ``moe.dispatch``'s integer capacity, in words."""
+    if capacity == RUNTIME_CAPACITY:
+        return "runtime: the factor moe_compile.capacity_factor(f) holds at each call (Tutel §5)"
     if capacity > 0:
         return f"fixed C={capacity}: choices beyond it are dropped"
     if capacity == 0:

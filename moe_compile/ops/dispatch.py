@@ -17,7 +17,9 @@ location is ≥ capacity is dropped: its location is -1, it is not written to th
 buffer and contributes nothing to the output. The integer ``capacity`` follows
 Tutel's contract (§4.1, Fig. 16): ``> 0`` fixed; ``0`` dropless, the capacity is
 the largest expert load of this batch (a data-dependent size); ``< 0`` adaptive,
-the largest load but at most ``-capacity``.
+the largest load but at most ``-capacity``; ``RUNTIME_CAPACITY`` (``options=
+{"capacity_factor": "runtime"}``): the capacity of the factor ``moe_compile.capacity_factor``
+holds at the call (Tutel §5 "Dynamic Capacity Factor"; ``moe_compile/capacity.py``).
 
 Each op is a ``torch.library.custom_op`` with ``register_fake`` (so shapes trace)
 and ``register_autograd``: the adjoint of dispatch is a weight-1 combine
@@ -39,6 +41,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from ..capacity import RUNTIME_CAPACITY, resolve_capacity
 
 __all__ = [
     "capacity",
@@ -65,7 +69,11 @@ def _capacity_limit(counts: Tensor, capacity: int) -> int:
 
 
 def needed_capacity(expert_ids: Tensor, num_experts: int, capacity: int) -> int:
-    """Buffer rows per expert that this batch needs: ``capacity`` if > 0, else the (capped) largest load."""
+    """Buffer rows per expert that this batch needs: ``capacity`` if > 0, else the (capped) largest load.
+
+    ``RUNTIME_CAPACITY``: the capacity of the factor set now (``moe_compile.capacity_factor``).
+    """
+    capacity = resolve_capacity(capacity, expert_ids.shape[0], num_experts, expert_ids.shape[1])
     counts = torch.bincount(expert_ids.reshape(-1).long(), minlength=num_experts)
     return _capacity_limit(counts, capacity)
 
@@ -79,10 +87,14 @@ def expert_locations(
     ``capacity``: > 0 fixed, 0 the largest expert load (nothing dropped), < 0 the
     largest load capped at ``-capacity``. ``rows`` (expert parallelism: the capacity
     agreed over the EP group, >= this batch's need) pads the buffer to that many rows
-    per expert without changing which choices are dropped.
+    per expert without changing which choices are dropped. ``RUNTIME_CAPACITY``: the
+    capacity of the factor set now (``moe_compile.capacity_factor``), in a buffer of
+    data-dependent size (as the fake kernel declares it).
     Stable sort instead of a ``[T·k, E]`` cumsum: O(T·k log T·k) time, O(T·k) memory.
     """
     num_tokens, top_k = expert_ids.shape
+    runtime = capacity == RUNTIME_CAPACITY
+    capacity = resolve_capacity(capacity, num_tokens, num_experts, top_k)
     flat = expert_ids.t().reshape(-1)  # k-major: choice j of every token before choice j+1
     counts = torch.bincount(flat, minlength=num_experts)
     order = torch.argsort(flat, stable=True)
@@ -94,7 +106,7 @@ def expert_locations(
         if rows < limit:
             raise ValueError(f"moe.dispatch: rows={rows} is less than the {limit} slots this batch needs")
         capacity = max(rows, MIN_DYNAMIC_CAPACITY)
-    elif capacity <= 0:
+    elif capacity <= 0 or runtime:
         # A data-dependent capacity is at least MIN_DYNAMIC_CAPACITY rows (zero padding), so
         # compilers never have to guard on it being 0 or 1 (a broadcast decision).
         capacity = max(limit, MIN_DYNAMIC_CAPACITY)

@@ -40,7 +40,9 @@ dispatch all-to-all's issue and its wait (:func:`.emit_exchange.overlap_independ
 Contract: the router (everything the gate weights and ids are computed from)
 stays as the model wrote it; the capacity semantics are the model's (a dropless
 model stays dropless, a capacity-C model keeps C and GShard's k-major priority)
-unless ``config.capacity_factor`` overrides them. The rewrite is built on a copy
+unless ``config.capacity_factor`` overrides them (``"runtime"``: the dispatch gets
+``RUNTIME_CAPACITY`` and reads ``moe_compile.capacity_factor(f)`` at each call, see
+``moe_compile/capacity.py``). The rewrite is built on a copy
 of the layer's subgraph, checked against the original on random inputs
 (``config.verify_regions``), and only then spliced into the graph. A layer that
 fails any step is left untouched and logged once.
@@ -72,6 +74,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import ops  # noqa: F401  (registers torch.ops.moe.*)
+from ..capacity import RUNTIME_CAPACITY, capacity_from_factor  # noqa: F401  (capacity_from_factor: re-exported)
 from ..config import MoECompileConfig
 from ..counters import counters
 from ..debug import log
@@ -84,14 +87,6 @@ from .regions import ExpertLinear, MoERegion, NoMatch, Skip
 from .state import moe_state
 
 __all__ = ["Canonicalize", "capacity_from_factor", "stale_reason"]
-
-
-def capacity_from_factor(capacity_factor: float, num_tokens: int, num_experts: int, top_k: int) -> int:
-    """Tutel's contract (§2.1 eq. 1, §4.1) as ``moe.dispatch``'s integer capacity."""
-    if capacity_factor == 0:
-        return 0
-    capacity = max(1, math.ceil(top_k * abs(capacity_factor) * num_tokens / num_experts))
-    return capacity if capacity_factor > 0 else -capacity
 
 
 class Canonicalize:
@@ -145,7 +140,10 @@ class Canonicalize:
         except Exception as e:  # noqa: BLE001 - any failure leaves the layer as written
             log.debug("moe_compile: canonicalizing %s raised", region.name, exc_info=True)
             return f"building or checking its canonical form raised {type(e).__name__}: {e}"
-        if self.cfg.capacity_factor is not None:
+        if self.cfg.capacity_factor == "runtime":  # read at each call (moe_compile/capacity.py)
+            dispatch.update_arg(3, RUNTIME_CAPACITY)
+            canonical.recompile()
+        elif self.cfg.capacity_factor is not None:
             num_tokens = shape_of(region.tokens)[0]
             if not isinstance(num_tokens, int):
                 return "capacity_factor needs a static token count"

@@ -71,6 +71,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
+from ..capacity import RUNTIME_CAPACITY
 from ..config import MoECompileConfig
 from ..counters import counters
 from ..ops import netmoe as netmoe_ops
@@ -133,7 +134,8 @@ def _match(dispatch: Node, group_size: int) -> tuple[_Layer | None, str]:
         return None, "its experts do not flow moe.experts → moe.combine"
     combine = combines[0]
     if dispatch.args[3] != 0 or len(dispatch.args) > 4:
-        return None, f"capacity {dispatch.args[3]} drops tokens; NetMoE's placed layer is count-exact (dropless)"
+        capacity = "read at each call" if dispatch.args[3] == RUNTIME_CAPACITY else dispatch.args[3]
+        return None, f"capacity {capacity} drops tokens; NetMoE's placed layer is count-exact (dropless)"
     w1 = _val(experts.args[1])
     if type(w1) is not torch.Tensor and not isinstance(w1, torch._subclasses.FakeTensor):
         return None, "its expert weights are not plain [E, ...] tensors (sharded experts are not supported)"
