@@ -25,7 +25,10 @@ compiled from the same seeded ``GShardMoE`` layer:
    as the step); rank 0's file is used by every rank.
 3. the variants on that link: ``sequential`` (r = 1), ``tutel`` and ``optimal``
    (r = auto from the solver, read back from the compiled plan's ``schedule.json``),
-   and ``optimal`` at the fixed r of ``--fixed-chunks``; timed in rounds (order
+   ``optimal`` at the fixed r of ``--fixed-chunks``, and ``optimal r_f/r_b auto``
+   (``num_chunks={"forward": "auto", "backward": "auto"}``: FSMoE's separate degrees, each
+   phase's r from its own model; the ``r`` column shows ``r_f/r_b`` when they differ) and
+   ``optimal`` at the fixed degrees of ``--separate-chunks``; timed in rounds (order
    rotated, a barrier before each step, each phase the slowest rank's); then three
    steps each under :func:`moe_compile.measure_tasks` for the measured per-chunk
    timeline (the one with the median layer makespan is reported; rank 0's view).
@@ -195,13 +198,18 @@ def _fit_exchange(world_size: int, payload_bytes: float, link: dict, chunk_count
             task_key("issue", "flat", world_size): AlphaBeta.fit(sizes, issue_seconds)}
 
 
-def _plan_chunks(debug_dir: Path, rank: int) -> int:
-    """r the chunk pass chose, read from the compiled variant's ``schedule.json`` dump."""
+def _plan_chunks(debug_dir: Path, rank: int) -> tuple[int, int]:
+    """(r_f, r_b) the chunk pass chose, read from the compiled variant's ``schedule.json`` dump."""
     plans = sorted(debug_dir.glob(f"rank{rank}/graph*/schedule.json"))
     if not plans:
         raise RuntimeError(f"no schedule.json under {debug_dir}/rank{rank}: was the layer rewritten?")
-    layers = json.loads(plans[-1].read_text())["layers"]
-    return int(layers[0]["chunks"])
+    layer = json.loads(plans[-1].read_text())["layers"][0]
+    return int(layer["chunks"]), int(layer.get("backward_chunks", layer["chunks"]))
+
+
+def _r_text(degrees: tuple[int, int]) -> int | str:
+    """r, or ``"r_f/r_b"`` when the two phases differ."""
+    return degrees[0] if degrees[0] == degrees[1] else f"{degrees[0]}/{degrees[1]}"
 
 
 def _run_rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
@@ -277,6 +285,11 @@ def _run_rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict
                            hidden_dim=args.hidden_dim, num_matrices=2, payload_ratio=min(1.0, ratio))
         variants = [("sequential", "sequential", 1), ("tutel", "tutel", "auto"), ("optimal", "optimal", "auto")]
         variants += [(f"optimal r={r}", "optimal", r) for r in args.fixed_chunks]
+        # FSMoE "Optimizing Forward and Backward Separately": each phase's r from its own cost model
+        variants.append(("optimal r_f/r_b auto", "optimal", {"forward": "auto", "backward": "auto"}))
+        if args.separate_chunks:
+            rf, rb = args.separate_chunks
+            variants.append((f"optimal r_f={rf} r_b={rb}", "optimal", {"forward": rf, "backward": rb}))
         layers, chunks = {}, {}
         for i, (label, schedule, r) in enumerate(variants):
             layer = compile_variant(schedule, r, link, path, tag=f"v{i}")
@@ -310,9 +323,11 @@ def _run_rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict
                 for png in (work / compressor / f"v{i}").glob("rank0/graph*/timeline_layer0_*.png"):
                     shutil.copy(png, args.timelines / f"P{world_size}_{compressor}_{png.name}")
         for label, schedule, _ in variants:
-            r = chunks[label]
+            degrees = chunks[label]   # (r_f, r_b)
             predicted = {phase: simulate(chunk_times(shape, fitted_models, r, compressor=compressor, backward=b),
-                                         schedule).makespan for phase, b in (("forward", False), ("backward", True))}
+                                         schedule).makespan
+                         for phase, b, r in (("forward", False, degrees[0]), ("backward", True, degrees[1]))}
+            r = _r_text(degrees)
             med = _median(times[label])
             results.append({
                 "P": world_size, "compressor": compressor, "variant": label, "schedule": schedule, "r": r,
@@ -393,6 +408,8 @@ def parse_args(argv=None):
     parser.add_argument("--comm-ratio", type=float, default=1.0, help="Σ comm / Σ compute the link is set to")
     parser.add_argument("--fixed-chunks", type=int, nargs="*", default=[4, 8],
                         help="extra 'optimal' variants with this r (to compare the solver's r with measured ones)")
+    parser.add_argument("--separate-chunks", type=int, nargs=2, default=[2, 4], metavar=("R_F", "R_B"),
+                        help="an extra 'optimal' variant with these forward / backward degrees (FSMoE)")
     parser.add_argument("--overhead-chunks", type=int, default=8,
                         help="r of the free-link 'optimal' step that measures what chunking alone costs")
     parser.add_argument("--steps", type=int, default=10)
@@ -410,7 +427,7 @@ def parse_args(argv=None):
     if args.quick:
         args.model_dim, args.hidden_dim, args.tokens, args.steps, args.warmup = 64, 128, 128, 3, 1
         args.fixed_chunks = [4]
-    if args.overhead_chunks < 1 or any(r < 1 for r in args.fixed_chunks):
+    if args.overhead_chunks < 1 or any(r < 1 for r in [*args.fixed_chunks, *args.separate_chunks]):
         parser.error(f"--overhead-chunks {args.overhead_chunks} / --fixed-chunks {args.fixed_chunks}: r must be >= 1")
     if args.world_sizes is None:
         args.world_sizes = [2] if args.quick else [2, 4]

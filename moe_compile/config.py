@@ -158,7 +158,10 @@ class MoECompileConfig:
     #: Chunks r of each expert-parallel layer's capacity dimension: an integer >= 1, or
     #: "auto" = the r solver (FSMoE Algorithm 1) on the fitted cost models (``cost_models``), or
     #: "adaptive" = chosen at every call among r in ADAPTIVE_CHUNKS by Tutel's online search per
-    #: capacity bucket (Tutel §3.3; moe_compile.ops.adaptive_exchange), no recompile.
+    #: capacity bucket (Tutel §3.3; moe_compile.ops.adaptive_exchange), no recompile; or
+    #: {"forward": r_f, "backward": r_b} (each an integer >= 1 or "auto"): the backward's exchange
+    #: chunked by its own degree (FSMoE "Optimizing Forward and Backward Separately";
+    #: moe_compile.ops.backward_degree).
     num_chunks: Any = 1
     #: Fitted cost models (JSON written by ``python -m moe_compile.profile``); None = that
     #: command's default file for this machine, if it exists.
@@ -239,8 +242,11 @@ class MoECompileConfig:
             raise ConfigError(f"options['schedule']={self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
         self.schedule = ScheduleName(self.schedule)
         r = self.num_chunks
-        if not (r in ("auto", "adaptive") or (isinstance(r, int) and not isinstance(r, bool) and r >= 1)):
-            raise ConfigError(f"options['num_chunks']={r!r}: expected an integer >= 1 or 'auto', or 'adaptive'")
+        if isinstance(r, dict):
+            _check_degrees(r)
+        elif not (r in ("auto", "adaptive") or _is_degree(r)):
+            raise ConfigError(f"options['num_chunks']={r!r}: expected an integer >= 1 or 'auto', or 'adaptive', or "
+                              f"{{'forward': r_f, 'backward': r_b}} (each an integer >= 1 or 'auto')")
         _check_adaptive(self)
         _check_parallelism(self)
         _check_optional_str(self, "cost_models")
@@ -343,6 +349,16 @@ class MoECompileConfig:
             env, raw = given[named[0]] if named else ("", "")
             raise ConfigError(f"{env}={raw!r}: {e}" if env else str(e)) from None
 
+    @property
+    def forward_chunks(self) -> Any:
+        """r_f: ``num_chunks``, or its ``"forward"`` entry."""
+        return self.num_chunks["forward"] if isinstance(self.num_chunks, dict) else self.num_chunks
+
+    @property
+    def backward_chunks(self) -> Any:
+        """r_b when ``num_chunks`` gives the two degrees separately, else None (the backward keeps r_f)."""
+        return self.num_chunks["backward"] if isinstance(self.num_chunks, dict) else None
+
     def as_dict(self) -> dict[str, Any]:
         """Field values by name (shallow: a process group stays the same object)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -386,12 +402,29 @@ def _check_dependencies(cfg: MoECompileConfig) -> MoECompileConfig:
 ADAPTIVE_CHUNKS = (1, 2, 4, 8)
 
 
+def _is_degree(r: Any) -> bool:
+    return isinstance(r, int) and not isinstance(r, bool) and r >= 1
+
+
+def _check_degrees(r: dict) -> None:
+    """``num_chunks={"forward": r_f, "backward": r_b}``: exactly those keys, each an integer >= 1 or "auto"."""
+    if set(r) != {"forward", "backward"}:
+        raise ConfigError(f"options['num_chunks']={r!r}: a dict must have exactly the keys 'forward' and 'backward' "
+                          f"(r_f and r_b, each an integer >= 1 or 'auto')")
+    for key in ("forward", "backward"):
+        if not (r[key] == "auto" or _is_degree(r[key])):
+            raise ConfigError(f"options['num_chunks'][{key!r}]={r[key]!r}: expected an integer >= 1 or 'auto'")
+
+
 def _check_adaptive(cfg: MoECompileConfig) -> None:
     """``num_chunks`` / ``all_to_all`` "adaptive" run the exchange inside one runtime op
     (moe_compile.ops.adaptive_exchange): plain expert parallelism, uncompressed."""
     adaptive = [name for name in ("num_chunks", "all_to_all") if getattr(cfg, name) == "adaptive"]
     if not adaptive:
         return
+    if isinstance(cfg.num_chunks, dict):
+        raise ConfigError(f"options['all_to_all']='adaptive' chooses r per call for both directions; options["
+                          f"'num_chunks']={cfg.num_chunks!r} (separate degrees) needs all_to_all 'flat' or 'auto'")
     what = " and ".join(f"options[{name!r}]='adaptive'" for name in adaptive)
     if cfg.all_to_all == "adaptive" and cfg.ranks_per_node is None:
         raise ConfigError(f"{what} chooses among the hierarchical all-to-alls too, which need "
@@ -516,6 +549,13 @@ def _parse_env(name: str, raw: str, default: Any) -> Any:
     if name == "num_chunks":
         if raw in ("auto", "adaptive"):
             return raw
+        if raw.startswith("{"):
+            import json
+
+            try:
+                return json.loads(raw)
+            except ValueError:
+                raise ConfigError(f'{env}={raw!r}: expected JSON such as {{"forward": 2, "backward": 4}}') from None
         try:
             return int(raw)
         except ValueError:

@@ -194,12 +194,20 @@ def _explain_graph(dump: GraphDump, console, png: bool) -> list[Path]:
             table.add_column(column)
         for name, entry in layers.items():
             table.add_row(name, str(entry.get("ep_size", "-")), str(entry.get("all_to_all", "-")),
-                          _chunks(entry), str(entry.get("schedule", "-")), str(entry.get("why", "-")),
+                          _chunks(entry), str(entry.get("schedule", "-")), _why(entry),
                           _predicted(entry), _measured(dump, name, entry))
         console.print(table)
     _explain_adaptive(dump, set(layers), console)
     _explain_parallelism(dump, set(layers), console)
     return _write_pngs(dump, console) if png else []
+
+
+def _why(entry: dict) -> str:
+    """Why r; with separate degrees also why r_b."""
+    why = str(entry.get("why", "-"))
+    if entry.get("backward_chunks") not in (None, entry.get("chunks")) and entry.get("backward_why"):
+        why += f"; r_b: {entry['backward_why']}"
+    return why
 
 
 def _chunks(entry: dict) -> str:
@@ -209,7 +217,10 @@ def _chunks(entry: dict) -> str:
         return f"adaptive: r in {adaptive['chunks']} x {', '.join(adaptive['algorithms'])}"
     if entry.get("parallelism"):  # Tutel §3.2: one moe.switch_exchange, unchunked
         return f"1, parallelism {entry['parallelism']}"
-    return str(entry.get("chunks", "-"))
+    forward, backward = entry.get("chunks", "-"), entry.get("backward_chunks")
+    if backward is not None and backward != forward:   # FSMoE's separate degrees (num_chunks forward / backward)
+        return f"r_f={forward} r_b={backward}"
+    return str(forward)
 
 
 #: the last this many calls of each adaptive layer are listed
@@ -284,7 +295,8 @@ def _write_pngs(dump: GraphDump, console) -> list[Path]:
             measured = [Event.from_dict(e) for e in measured_events] if measured_events else None
             path = dump.directory / f"timeline_layer{i}_{phase}.png"
             write_gantt_png(path, simulation, measured,
-                            title=f"{plan['layer']} {phase}: {plan['schedule']}, r = {plan['chunks']}")
+                            title=f"{plan['layer']} {phase}: {plan['schedule']}, r = "
+                                  f"{plan.get('backward_chunks', plan['chunks']) if phase == 'backward' else plan['chunks']}")
             written.append(path)
             console.print(f"timeline: {path}")
     return written

@@ -115,6 +115,8 @@ def stage1_summary(gm: GraphModule, cfg: Any) -> dict:
                 "schedule": plan.schedule, "why": plan.why, "compressor": plan.compressor,
                 "cost_models": plan.models, "predicted_seconds": plan.predicted, "measured": plan.measured,
             })
+            if plan.backward_why:
+                entry["backward_why"] = plan.backward_why
         layers.append(entry)
     ep_size = state.layers[0].group.size if state.layers else None
     return {

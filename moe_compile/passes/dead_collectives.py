@@ -20,6 +20,8 @@ After::
     ...
     g = wait_tensor(_c10d_functional.all_to_all_single(grad, splits, splits, ep))
 
+With ``emulate_link`` the all-to-alls are ``moe.emulated_all_to_all``: their copies are removed the same way.
+
 Contract: only a copy of a forward collective is removed: in a backward graph
 (it has ``tangents_*`` inputs), a collective with no user at all (not even a
 ``wait_tensor``, or a ``wait_tensor`` with no user) whose inputs do not depend
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 from torch.fx import GraphModule
 
-from ..collectives.nodes import is_collective, is_wait
+from ..collectives.nodes import is_all_to_all, is_collective, is_wait
 from ..debug import log
 from .graph_utils import reachable
 from .manager import PassResult
@@ -62,7 +64,7 @@ class DropDeadCollectives:
             for node in reversed(list(gm.graph.nodes)):
                 if node.users or node in from_gradients:
                     continue
-                if (is_wait(node) and is_collective(node.args[0])) or is_collective(node):
+                if (is_wait(node) and _issues(node.args[0])) or _issues(node):
                     dropped.append(node.name)
                     gm.graph.erase_node(node)
             if len(dropped) == before:
@@ -71,3 +73,8 @@ class DropDeadCollectives:
             log.info("moe_compile: dropped %d unused copies of forward collectives: %s", len(dropped), ", ".join(dropped))
         return PassResult(gm, len(gm.graph.nodes) != nodes_before)
 
+
+def _issues(node) -> bool:
+    """A functional collective, or an all-to-all of the graph's own ops (the emulated link's
+    ``moe.emulated_all_to_all``, whose copies the partitioner makes as it does of the functional ones)."""
+    return is_collective(node) or is_all_to_all(node)

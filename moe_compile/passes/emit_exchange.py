@@ -30,6 +30,9 @@ DeepSpeed-MoE baseline (``pause="off"``), or the fused EP&ESP-AlltoAll of S1 / S
 (:mod:`.mp_split`). A ``compressor`` wraps every all-to-all as C → A → D; an
 algorithm other than flat is one call of :mod:`moe_compile.collectives.all_to_all_registry`;
 ``emulate_link`` issues the emulated exchange of :mod:`moe_compile.collectives.emulated`.
+A plan with its own backward degree (``backward_chunks`` ≠ ``chunks``, FSMoE) gets
+:func:`emit_backward_degree`: the forward's chunks on detached inputs and ``moe.backward_degree``
+carrying the gradient in r_b chunks (:mod:`moe_compile.ops.backward_degree`).
 A plan with ``adaptive`` alternatives (``num_chunks`` / ``all_to_all`` "adaptive", Tutel §3.3)
 gets one ``moe.adaptive_exchange`` in place of steps 3's chunks (:func:`_adaptive`): the r and
 the algorithm are chosen per call at runtime (:mod:`moe_compile.ops.adaptive_exchange`).
@@ -60,6 +63,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from .. import ops  # noqa: F401  (registers torch.ops.moe.*)
 from ..ops import adaptive_exchange  # noqa: F401  (registers torch.ops.moe.adaptive_exchange)
+from ..ops import backward_degree  # noqa: F401  (registers torch.ops.moe.backward_degree)
 from ..ops import parallel_switch  # noqa: F401  (registers torch.ops.moe.switch_exchange)
 from ..collectives import all_to_all_registry, compressors  # noqa: F401  (registers moe.compress / decompress)
 from ..collectives import model_parallel  # noqa: F401  (registers torch.ops.moe.mp_*)
@@ -79,7 +83,7 @@ from .manager import PassResult
 from .mp_split import batch_kept, mask_dropped, split_tokens
 from .state import moe_state
 
-__all__ = ["SAA_PIECES", "Emitter", "Exchange", "build_layer"]
+__all__ = ["SAA_PIECES", "Emitter", "Exchange", "build_layer", "emit_backward_degree"]
 
 #: S2 without chunks returns in this many pieces of rows, so that the MP-AllGather of one piece
 #: runs while the next piece's all-to-all does (Parm §III-D, SAA; Parm splits by peer, Fig. 5).
@@ -200,6 +204,8 @@ def build_layer(gm: GraphModule, plan: ExchangePlan, cfg: MoECompileConfig, loca
             output = _switched(graph, plan, cfg, experts, experts_args, meta)
         elif plan.adaptive is not None:
             output = _adaptive(graph, plan, cfg, experts, experts_args, meta)
+        elif plan.backward_chunks is not None and plan.backward_chunks != plan.chunks:
+            output = emit_backward_degree(graph, plan, cfg, experts, experts_args, meta)
         elif plan.chunks == 1:
             output = Emitter(graph, plan, cfg, experts, experts_args, chunk=1).exchange(layer.buffer)
         else:
@@ -305,6 +311,63 @@ def _adaptive(graph: Graph, plan: ExchangePlan, cfg, experts: Node, experts_args
             node.meta.setdefault(key, value)
     counters["regions_adaptive"] += 1
     return insert_node(graph, operator.getitem, node, 0, meta=task)
+
+
+def emit_backward_degree(graph: Graph, plan: ExchangePlan, cfg, experts: Node, experts_args: tuple,
+                         meta: dict) -> Node:
+    """FSMoE's separate degrees (r_f = ``plan.chunks``, r_b = ``plan.backward_chunks``, plain EP, flat): the
+    forward chunked r_f times on detached inputs, each chunk's expert inputs and pre-activations kept in
+    the ``[El·P, R, ·]`` layout, and ``moe.backward_degree`` carrying the gradient in r_b pieces (the
+    before / after graphs: :mod:`moe_compile.ops.backward_degree`)."""
+    buffer, name = plan.layer.buffer, plan.name
+    w1, w2, w3, activation = experts_args[:4]
+    tail = list(experts_args[4:])
+    b1, b2, b3 = (tail[:3] + [None] * 3)[:3]
+    act_args = list(tail[3]) if len(tail) > 3 else list(experts.kwargs.get("act_args", []))
+    whole = {**meta, TASK_META: TaskLabel(name, 0, "C1")}
+
+    def detached(node):
+        return insert_node(graph, torch.ops.aten.detach.default, node, meta=whole) if isinstance(node, Node) else node
+
+    total = insert_node(graph, torch.ops.aten.sym_size.int, buffer, 1, meta=meta)
+    parts = insert_node(graph, torch.ops.moe.chunk_rows.default, detached(buffer), plan.chunks, meta=whole)
+    weights = [detached(t) for t in (w1, w2, w3, b1, b2, b3)]
+    size, local, model_dim = plan.group.size, plan.num_local, plan.model_dim
+    outputs, inputs, pre1, pre3 = [], [], [], []
+    for i in range(1, plan.chunks + 1):
+        emit = Emitter(graph, plan, cfg, experts, experts_args, chunk=i)
+        call = emit.call
+        part = insert_node(graph, operator.getitem, parts, i - 1, meta={**meta, TASK_META: TaskLabel(name, i, "C1")})
+        rows = call(torch.ops.aten.sym_size.int, part, 1, task="C1")
+        per_peer = call(operator.mul, rows, local, task="C1")
+        send = call("reshape", part, (-1, model_dim), method=True, task="C1")
+        recv = emit.exchange_rows(send, per_peer, plan.token_dtype, first=True)
+        recv = call("transpose", call("view", recv, (size, local, rows, model_dim), method=True, task="D1"), 0, 1,
+                    method=True, task="D1")                                           # [El, P, R_i, M]
+        inputs.append(call("reshape", recv, (local * size, rows, model_dim), method=True, task="D1"))
+        local_in = call("reshape", recv, (local, -1, model_dim), method=True, task="D1")
+        saving = call(torch.ops.moe.experts_saving.default, local_in, *weights[:3], activation, *weights[3:],
+                      act_args, task="E")
+        y, h1, h3 = (call(operator.getitem, saving, k, task="E") for k in range(3))
+        hidden = call(torch.ops.aten.sym_size.int, h1, 2, task="E")
+        pre1.append(call("reshape", h1, (local * size, rows, hidden), method=True, task="E"))
+        pre3.append(call("reshape", h3, (local * size, rows, hidden), method=True, task="E") if w3 is not None else h3)
+        back = call("view", y, (local, size, rows, model_dim), method=True, task="C2")
+        send_back = call("reshape", call("transpose", back, 0, 1, method=True, task="C2"), (-1, model_dim),
+                         method=True, task="C2")
+        returned = emit.exchange_rows(send_back, per_peer, plan.expert_dtype, first=False)
+        outputs.append(call("view", returned, (plan.num_experts, rows, model_dim), method=True, task="D2"))
+    joined = {**meta, TASK_META: TaskLabel(name, 0, "D2")}
+    y = insert_node(graph, torch.ops.moe.cat_rows.default, outputs, total, meta=joined)
+    cat = torch.ops.moe.cat_rows.default   # the experts' inputs and pre-activations, [El·P, R, ·] (peer-major rows)
+    saved = [insert_node(graph, cat, xs, total, meta=joined) for xs in (inputs, pre1)]
+    saved.append(insert_node(graph, cat, pre3, total, meta=joined) if w3 is not None else pre3[0])
+    link = Link.from_option(cfg.emulate_link)
+    alpha_us, gbps = (link.alpha_us, link.gbps) if link is not None else (-1.0, 1.0)
+    counters["regions_backward_degree"] += 1
+    return insert_node(graph, torch.ops.moe.backward_degree.default, y, buffer, *saved, w1, w2, w3, activation,
+                       b1, b2, b3, act_args, plan.backward_chunks, plan.group.name, size, cfg.compressor, alpha_us, gbps,
+                       meta=joined)
 
 
 def _switched(graph: Graph, plan: ExchangePlan, cfg, experts: Node, experts_args: tuple, meta: dict) -> Node:

@@ -100,6 +100,7 @@ class ExchangePlan:
     schedule_plan: LayerPlan | None = None  # the chunk pass's plan: r, why, predicted timelines
     output: Node | None = None     # the [E, R, M] node moe.combine reads, once the exchange is built
     adaptive: AdaptiveChoices | None = None  # chosen per call at runtime (Tutel §3.3) instead of chunks / algorithm
+    backward_chunks: int | None = None  # r_b: the backward's own degree (FSMoE); None = the forward's r
     parallelism: str | None = None  # Tutel §3.2's P1 / P2 for sharded experts: "p1", "p2", "adaptive" (per call)
 
     def __post_init__(self):
@@ -109,6 +110,9 @@ class ExchangePlan:
             raise ValueError(f"ExchangePlan.pause={self.pause!r} needs a layout (ESP / MP groups)")
         if not isinstance(self.chunks, int) or self.chunks < 1:
             raise ValueError(f"ExchangePlan.chunks={self.chunks!r}: an int >= 1")
+        rb = self.backward_chunks
+        if rb is not None and (not isinstance(rb, int) or rb < 1):
+            raise ValueError(f"ExchangePlan.backward_chunks={rb!r}: an int >= 1 or None")
 
     @property
     def name(self) -> str:
@@ -157,7 +161,7 @@ class ExchangePlan:
         return {
             "layer": self.name, "ep_size": self.group.size, "num_local_experts": self.num_local,
             "all_to_all": self.algorithm, "pause_mp": self.pause if self.layout is not None else None,
-            "chunks": self.chunks,
+            "chunks": self.chunks, "backward_chunks": self.backward_chunks or self.chunks,
             **({"adaptive": {"chunks": list(self.adaptive.chunks), "algorithms": list(self.adaptive.algorithms)}}
                if self.adaptive is not None else {}),
             **({"parallelism": self.parallelism} if self.parallelism is not None else {}),

@@ -329,6 +329,13 @@ def _order(gm: GraphModule, layers: dict, schedule: str, backward: bool) -> list
     # a node outside every chain runs no later than the chain tasks that need it (e.g. the
     # transposed saved weight an expert-backward matmul reads)
     in_chain = {n for chains in layers.values() for c in chains for n in (*c.pre, *c.mid, *c.side, *c.post)}
+    # ... and so does what only an issue reads besides its task's nodes (the rows per peer, a SymInt the
+    # partitioner computes right before its first use): the issue takes the key of the task it ends
+    for chains in layers.values():
+        for c in chains:
+            for issue, task in ((c.first, c.pre), (c.second, c.mid)):
+                if task and issue not in in_chain:
+                    key[issue] = min(key[issue], max(key[n] for n in task))
     for n in reversed(nodes):
         if n not in in_chain and n.users:
             key[n] = min([key[n], *(key[u] for u in n.users)])

@@ -25,8 +25,11 @@ assignment into issue points: a bucket assigned to layer ``i`` is issued inside 
 backward pipeline, right after a wait of its dispatch-side exchange (when the experts' gradient
 computation starts and the link is idle), but never before the bucket's last gradient exists.
 
-What is not FSMoE's: the layers' backward degree in the graph stays the forward's (AOTAutograd
-derives the backward chunking); the re-solved ``r`` is reported in the plan only.
+The re-solved ``r`` becomes each layer's backward degree in the graph when the degrees are separate
+(``num_chunks={"forward": r_f, "backward": "auto"}``): the stage-1 ``chunk`` pass runs the same assignment
+on the gradient sizes of the graph's parameters (``Chunk.fsmoe_backward_degrees``) and
+:mod:`moe_compile.ops.backward_degree` chunks the backward by it. Otherwise the backward degree stays the
+forward's (AOTAutograd derives the backward chunking) and the re-solved ``r`` is reported in the plan only.
 """
 from __future__ import annotations
 

@@ -167,13 +167,13 @@ class TaskMeasurement:
                     sim = self.timelines.get((plan.layer, phase))
                     if sim is None:
                         continue
-                    predicted = plan.timelines.get(phase) or Simulation(0.0, [], plan.schedule, plan.chunks)
+                    predicted = plan.timelines.get(phase) or Simulation(0.0, [], plan.schedule, plan.degree(phase))
                     stem = directory / f"timeline_layer{i}_{phase}"
                     written.append(write_chrome_trace(stem.with_suffix(".json"), predicted, sim.events))
                     what = "predicted and measured" if plan.timelines.get(phase) else "measured; no prediction"
                     written.append(write_gantt_png(
                         stem.with_suffix(".png"), predicted, sim.events,
-                        title=f"{plan.layer} {phase}: {plan.schedule}, r = {plan.chunks} ({what}, measured makespan "
+                        title=f"{plan.layer} {phase}: {plan.schedule}, r = {plan.degree(phase)} ({what}, measured makespan "
                               f"{sim.makespan * 1e3:.3f} ms)"))
         return written
 
