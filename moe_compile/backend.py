@@ -246,9 +246,6 @@ def _compile(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.GraphM
         graph = _run_stage(stage2_passes(cfg, grad_sync), context, graph, prefix)
         # torch's meta strides can differ from its CPU kernels' (softplus / batch-norm backward): a traced view
         # the real tensor cannot take becomes reshape (passes/safe_views.py; Inductor computes its own layouts)
-        # on a copy: a user pass may keep the graph it saw (a recorder registered after grad_sync)
-        if any(n.target is torch.ops.aten.view.default for n in graph.graph.nodes):
-            graph = _copy(graph)
         reshaped = reshape_unsafe_views(graph, backward=prefix == "bw_")
         if reshaped:
             counters["views_reshaped"] += reshaped
