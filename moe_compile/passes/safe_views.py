@@ -29,6 +29,10 @@ After::
     g   = aten.softplus_backward(transpose(dg, 1, 2), x, 1, 20)
     g2  = aten.reshape(g, [16, 2])                                 # a view when it can be one
 
+It runs after stage 2, in place: a user pass that keeps the graph it was given (a recorder registered
+after ``grad_sync``) sees these views as ``reshape`` afterwards. (A copy of the graph instead broke the
+streams pass's checked-streams test: the graph that runs must be the one stage 2 built.)
+
 Contract: in a backward graph every ``aten.view`` becomes ``reshape`` (its outputs are
 gradients; AOTAutograd regenerates no alias from them). In a forward graph a view that reaches a
 graph output through views only is kept: AOTAutograd may regenerate that output as an alias of an

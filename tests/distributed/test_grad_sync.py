@@ -139,7 +139,9 @@ def _check_order(gm, placement: str) -> int:
     issues, waits = _bucket_nodes(gm)
     assert issues and sorted(issues) == sorted(waits) == list(range(len(issues))), (issues, waits)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    flatten = {torch.ops.aten.view.default, torch.ops.aten.clone.default, torch.ops.aten.cat.default}
+    # (the eager inner compiler's safe views turn the recorded graph's views into reshape: passes/safe_views.py)
+    flatten = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.clone.default,
+               torch.ops.aten.cat.default}
     output = gm.graph.output_node()
     first_wait = min(order[w] for ws in waits.values() for w in ws)
     owned, last_grad = {}, {}
