@@ -26,3 +26,17 @@ def test_stage2_runs_on_every_compile_even_with_the_autograd_cache_warm(tmp_path
             compiled(torch.randn(12, 8, requires_grad=True)).sum().backward()
         assert list((tmp_path / run).glob("rank0/graph*/*_fw_lower_after.py")), run
         assert list((tmp_path / run).glob("rank0/graph*/*_bw_lower_after.py")), run
+
+
+def test_the_inductor_partitioner_pickles():
+    """Inductor's FX graph cache pickles ``custom_partitioner_fn``: a class local to a function logged
+    "Can't pickle local object" at every compile and kept the graph out of the cache."""
+    import pickle
+
+    from moe_compile.passes.saved_order import inductor_partitioner
+
+    partitioner = inductor_partitioner()
+    if partitioner is None:
+        pytest.skip("this torch has no custom_partitioner_fn")
+    again = pickle.loads(pickle.dumps(partitioner))
+    assert type(again) is type(partitioner) and again.uuid() == partitioner.uuid()

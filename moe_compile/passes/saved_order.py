@@ -46,22 +46,32 @@ def partition(joint_module: GraphModule, joint_inputs, **kwargs) -> tuple[GraphM
 
 def inductor_partitioner():
     """Inductor's partition (min-cut rematerialization) followed by :func:`order_saved_rng_states`, as
-    ``torch._inductor.config.custom_partitioner_fn``; None where this torch has no such setting."""
+    ``torch._inductor.config.custom_partitioner_fn``; None where this torch has no such setting.
+
+    The class is built on first use (importing Inductor is slow) but lives at module level as
+    ``InOrderPartitioner``: Inductor's FX graph cache pickles the setting, and a class local to
+    this function cannot be pickled (it logged "Can't pickle local object" at every compile)."""
+    global InOrderPartitioner
     try:
         from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
     except ImportError:
         return None
+    if InOrderPartitioner is None:
+        class InOrderPartitioner(CustomPartitionerFn):  # noqa: F811 - the module-level name, set once
+            def __call__(self, gm, joint_inputs, **kwargs):
+                from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    class _InOrder(CustomPartitionerFn):
-        def __call__(self, gm, joint_inputs, **kwargs):
-            from torch._functorch.partitioners import min_cut_rematerialization_partition
+                return _in_order(*min_cut_rematerialization_partition(gm, joint_inputs, **kwargs))
 
-            return _in_order(*min_cut_rematerialization_partition(gm, joint_inputs, **kwargs))
+            def uuid(self):
+                return get_hash_for_files((__file__,))
 
-        def uuid(self):
-            return get_hash_for_files((__file__,))
+        InOrderPartitioner.__qualname__ = "InOrderPartitioner"
+    return InOrderPartitioner()
 
-    return _InOrder()
+
+#: the partitioner class of :func:`inductor_partitioner`, once built
+InOrderPartitioner = None
 
 
 def _in_order(forward: GraphModule, backward: GraphModule) -> tuple[GraphModule, GraphModule]:
