@@ -101,12 +101,23 @@ def _run(rank: int, world: int, args, variants) -> dict:
         options = {"ep_group": "world", "inner": args.inner, "num_chunks": variant, "capacity_bucket": 8,
                    "emulate_link": {"alpha_us": args.alpha_us, "gbps": args.gbps}}
         compiled[variant] = torch.compile(layers[variant], backend="moe", fullgraph=True, options=options)
-    trace = _trace(args)
+    def decision():
+        d = decisions()[-1]
+        return d.rows, d.chunks, d.phase, d.decision_s, d.predicted_s, d.forward_s
+
+    return replay(args, rank, layer, layers, compiled, variants, decision)
+
+
+def replay(args, rank: int, layer: Layer, layers: dict, compiled: dict, variants, decision) -> dict:
+    """The trace twice (the first pass compiles and warms up, the second is timed), every variant on every
+    step's batch in an order rotated per step; per variant a barrier, forward + backward, the slowest rank's
+    time. ``decision()`` is the adaptive variant's last choice, recorded after each of its timed steps."""
+    variants = list(variants)
     times = {v: [] for v in variants}
     firsts = {v: [] for v in variants}
     chosen = []
     for timed in (False, True):
-        for step, skew in enumerate(trace):
+        for step, skew in enumerate(_trace(args)):
             x = _batch(layer, args, rank, step, skew)
             shift = step % len(variants)
             for variant in variants[shift:] + variants[:shift]:
@@ -123,29 +134,49 @@ def _run(rank: int, world: int, args, variants) -> dict:
                     if step % args.segment_steps == 0:
                         firsts[variant].append(out.detach()[:4].tolist())  # plain lists: tensors do not cross the queue
                     if variant == "adaptive":
-                        d = decisions()[-1]
-                        chosen.append((d.rows, d.chunks, d.phase, d.decision_s, d.predicted_s, d.forward_s))
+                        chosen.append(decision())
     return {"times": times, "firsts": firsts, "decisions": chosen}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-size", type=int, default=2)
+def add_trace_arguments(parser: argparse.ArgumentParser, skews: list[float]) -> None:
+    """The layer, trace, link and run arguments both trace benchmarks take (adaptive.py, parallel_switch.py)."""
     parser.add_argument("--model-dim", type=int, default=128)
     parser.add_argument("--hidden-dim", type=int, default=256)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=512, help="tokens per rank")
-    parser.add_argument("--skews", type=float, nargs="+", default=[0.0, 4.0, 1.5, 8.0, 0.0],
+    parser.add_argument("--skews", type=float, nargs="+", default=skews,
                         help="per segment: how strongly its tokens lean towards expert 0 (capacity regimes)")
     parser.add_argument("--segment-steps", type=int, default=12)
-    parser.add_argument("--fixed-chunks", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--alpha-us", type=float, default=3000.0, help="emulated link latency α (µs)")
     parser.add_argument("--gbps", type=float, default=0.05, help="emulated link bandwidth (GB/s)")
     parser.add_argument("--inner", default="eager")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="3 segments of 10 steps")
     parser.add_argument("--timeout", type=float, default=1800.0)
+
+
+def finish(args, summary: dict, decision_s: list[float], title: str, header: list[str], body: list[list[str]]) -> None:
+    """Add the config, machine and decision cost to ``summary``, print the table and the decision cost, write
+    the JSON."""
+    summary.update({
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "machine": platform.platform(), "torch": torch.__version__,
+        "decision_us": {"median": statistics.median(decision_s) * 1e6, "max": max(decision_s) * 1e6},
+    })
+    print_table(title, header, body, left={"segment"})
+    print(f"decision cost per call: median {summary['decision_us']['median']:.1f} µs, "
+          f"max {summary['decision_us']['max']:.1f} µs")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(summary, indent=1))
+    print(f"wrote {args.json}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    add_trace_arguments(parser, skews=[0.0, 4.0, 1.5, 8.0, 0.0])
+    parser.add_argument("--fixed-chunks", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--quick", action="store_true", help="3 segments of 10 steps")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/adaptive.json"))
     args = parser.parse_args()
     if args.quick:
@@ -173,12 +204,8 @@ def main() -> None:
         seg["adaptive_vs_best"] = seg["ms"]["adaptive"] / fixed[seg["best_fixed"]]
         segments.append(seg)
     totals = {str(v): sum(results[v]["times"]) * 1e3 for v in variants}
-    decision_s = [d[3] for d in decisions]
     summary = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": platform.platform(), "torch": torch.__version__,
         "segments": segments, "total_ms": totals,
-        "decision_us": {"median": statistics.median(decision_s) * 1e6, "max": max(decision_s) * 1e6},
         "adaptive_calls": [{"rows": d[0], "r": d[1], "phase": d[2], "predicted_ms": None if d[4] is None else
                             d[4] * 1e3, "forward_ms": d[5] * 1e3} for d in decisions],
     }
@@ -190,14 +217,9 @@ def main() -> None:
     body.append(["trace", "", "", "", *[f"{totals[str(v)]:.0f}" for v in args.fixed_chunks],
                  f"{totals['adaptive']:.0f}", f"r={min(args.fixed_chunks, key=lambda v: totals[str(v)])}",
                  f"{totals['adaptive'] / min(totals[str(v)] for v in args.fixed_chunks):.3f}"])
-    print_table(f"P={args.world_size}, link α={args.alpha_us:g} µs, {args.gbps:g} GB/s: median ms per step "
-                f"(fwd+bwd) per segment; trace = sum over all steps", header, body, left={"segment"})
-    print(f"decision cost per call: median {summary['decision_us']['median']:.1f} µs, "
-          f"max {summary['decision_us']['max']:.1f} µs")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(summary, indent=1))
-    print(f"wrote {args.json}")
-
+    finish(args, summary, [d[3] for d in decisions],
+           f"P={args.world_size}, link α={args.alpha_us:g} µs, {args.gbps:g} GB/s: median ms per step "
+           f"(fwd+bwd) per segment; trace = sum over all steps", header, body)
 
 if __name__ == "__main__":
     main()

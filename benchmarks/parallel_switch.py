@@ -21,21 +21,16 @@ call. Outputs of the three are checked equal on the first step of every segment.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from adaptive import Layer, _batch, _trace  # noqa: E402
-from tables import print_table  # noqa: E402
+from adaptive import Layer, add_trace_arguments, finish, replay  # noqa: E402
 from moe_compile.testing import spawn  # noqa: E402
 
 VARIANTS = ("p1", "p2", "adaptive")
@@ -61,50 +56,19 @@ def _run(rank: int, world: int, args) -> dict:
                    "inner": args.inner, "capacity_bucket": 8,
                    "emulate_link": {"alpha_us": args.alpha_us, "gbps": args.gbps}}
         compiled[variant] = torch.compile(layers[variant], backend="moe", fullgraph=True, options=options)
-    trace = _trace(args)
-    times = {v: [] for v in VARIANTS}
-    firsts = {v: [] for v in VARIANTS}
-    chosen = []
-    for timed in (False, True):
-        for step, skew in enumerate(trace):
-            x = _batch(layer, args, rank, step, skew)
-            shift = step % len(VARIANTS)
-            for variant in VARIANTS[shift:] + VARIANTS[:shift]:
-                x_v = x.clone().requires_grad_()
-                dist.barrier()
-                start = time.perf_counter()
-                out = compiled[variant](x_v)
-                out.square().mean().backward()
-                elapsed = torch.tensor([time.perf_counter() - start])
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                layers[variant].zero_grad(set_to_none=True)
-                if timed:
-                    times[variant].append(float(elapsed))
-                    if step % args.segment_steps == 0:
-                        firsts[variant].append(out.detach()[:4].tolist())
-                    if variant == "adaptive":
-                        d = switch_decisions()[-1]
-                        chosen.append((d.rows, d.choice, d.decision_s, d.p1_bytes, d.p2_bytes))
-    return {"times": times, "firsts": firsts, "decisions": chosen}
+
+    def decision():
+        d = switch_decisions()[-1]
+        return d.rows, d.choice, d.decision_s, d.p1_bytes, d.p2_bytes
+
+    return replay(args, rank, layer, layers, compiled, VARIANTS, decision)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2, help="EP = world / 2 x ESP = 2")
-    parser.add_argument("--model-dim", type=int, default=128)
-    parser.add_argument("--hidden-dim", type=int, default=256)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=1)
-    parser.add_argument("--tokens", type=int, default=512, help="tokens per rank")
-    parser.add_argument("--skews", type=float, nargs="+", default=[0.0, 8.0, 1.5, 8.0, 0.0],
-                        help="per segment: how strongly its tokens lean towards expert 0 (capacity regimes)")
-    parser.add_argument("--segment-steps", type=int, default=12)
-    parser.add_argument("--alpha-us", type=float, default=3000.0, help="emulated link latency α (µs)")
-    parser.add_argument("--gbps", type=float, default=0.05, help="emulated link bandwidth (GB/s)")
-    parser.add_argument("--inner", default="eager")
-    parser.add_argument("--seed", type=int, default=0)
+    add_trace_arguments(parser, skews=[0.0, 8.0, 1.5, 8.0, 0.0])
     parser.add_argument("--quick", action="store_true", help="3 segments of 6 steps")
-    parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/parallel_switch.json"))
     args = parser.parse_args()
     if args.quick:
@@ -126,12 +90,8 @@ def main() -> None:
         seg["best_fixed"], seg["adaptive_vs_best"] = best, seg["ms"]["adaptive"] / seg["ms"][best]
         segments.append(seg)
     totals = {v: sum(run["times"][v]) * 1e3 for v in VARIANTS}
-    decision_s = [d[2] for d in decisions]
     summary = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": platform.platform(), "torch": torch.__version__,
         "segments": segments, "total_ms": totals,
-        "decision_us": {"median": statistics.median(decision_s) * 1e6, "max": max(decision_s) * 1e6},
         "adaptive_calls": [{"rows": d[0], "choice": d[1], "p1_bytes": d[3], "p2_bytes": d[4]} for d in decisions],
     }
     header = ["segment", "skew", "R", "adaptive ran", "P1 ms", "P2 ms", "adaptive ms", "best fixed",
@@ -142,15 +102,9 @@ def main() -> None:
     best_total = min(("p1", "p2"), key=totals.get)
     body.append(["trace", "", "", "", f"{totals['p1']:.0f}", f"{totals['p2']:.0f}", f"{totals['adaptive']:.0f}",
                  best_total, f"{totals['adaptive'] / totals[best_total]:.3f}"])
-    print_table(f"P={args.world_size} (EP {args.world_size // 2} x ESP 2), link α={args.alpha_us:g} µs, "
-                f"{args.gbps:g} GB/s: median ms per step (fwd+bwd) per segment; trace = sum over all steps",
-                header, body, left={"segment"})
-    print(f"decision cost per call: median {summary['decision_us']['median']:.1f} µs, "
-          f"max {summary['decision_us']['max']:.1f} µs")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(summary, indent=1))
-    print(f"wrote {args.json}")
-
+    finish(args, summary, [d[2] for d in decisions],
+           f"P={args.world_size} (EP {args.world_size // 2} x ESP 2), link α={args.alpha_us:g} µs, "
+           f"{args.gbps:g} GB/s: median ms per step (fwd+bwd) per segment; trace = sum over all steps", header, body)
 
 if __name__ == "__main__":
     main()
