@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 
 from .chunk import cat_rows, chunk_bounds, split_rows
-from .expert_vjp import _glu, experts_saving as _experts_saving
+from .expert_vjp import _glu, experts_saving as _experts_saving, linear_grads
 
 __all__ = ["backward_degree", "experts_saving"]
 
@@ -159,17 +159,7 @@ def _backward(ctx, grad_out):
         h3 = h3.view(num_local, size * n, hidden) if w3 is not None else h3
         grad_h = torch.bmm(grad_y, w2)
         h, grad_h1, grad_h3 = _activation_vjp(grad_h, h1, h3 if w3 is not None else None, activation, act_args)
-        grad_x = torch.bmm(grad_h1, w1)
-        if w3 is not None:
-            grad_x = grad_x + torch.bmm(grad_h3, w3)
-        piece = [
-            torch.bmm(grad_h1.transpose(1, 2), x),
-            torch.bmm(grad_y.transpose(1, 2), h),
-            torch.bmm(grad_h3.transpose(1, 2), x) if w3 is not None else None,
-            grad_h1.sum(1).to(b1.dtype) if b1 is not None else None,
-            grad_y.sum(1).to(b2.dtype) if b2 is not None else None,
-            grad_h3.sum(1).to(b3.dtype) if b3 is not None and w3 is not None else None,
-        ]
+        grad_x, piece = linear_grads(grad_y, x, h, grad_h1, grad_h3, w1, w3, b1, b2, b3)
         grads = [g if p is None else (p if g is None else g + p) for g, p in zip(grads, piece)]
         back = grad_x.view(num_local, size, n, model_dim).transpose(0, 1).reshape(-1, model_dim)
         back = _exchange(back.to(local_in.dtype).contiguous(), per_peer, group_name, compressor, model_dim,

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .experts import ACTIVATIONS, GATED, check_activation
 
-__all__ = ["experts_saving", "experts_vjp"]
+__all__ = ["experts_saving", "experts_vjp", "linear_grads"]
 
 
 def _add_bias(h: Tensor, bias: Tensor | None) -> Tensor:
@@ -62,9 +62,16 @@ def experts_vjp(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor | None, w1: Te
     h = _glu(leaves[0], leaves[1] if h3 is not None else None, activation, act_args)
     grad_h = torch.bmm(grad_y, w2)
     grad_pre = torch.autograd.grad(h, leaves, grad_h)
-    h = h.detach()
-    grad_h1 = grad_pre[0]
-    grad_h3 = grad_pre[1] if h3 is not None else None
+    return linear_grads(grad_y, x, h.detach(), grad_pre[0], grad_pre[1] if h3 is not None else None, w1, w3,
+                        b1, b2, b3)
+
+
+def linear_grads(grad_y: Tensor, x: Tensor, h: Tensor, grad_h1: Tensor, grad_h3: Tensor | None, w1: Tensor,
+                 w3: Tensor | None, b1: Tensor | None, b2: Tensor | None,
+                 b3: Tensor | None) -> tuple[Tensor, list[Tensor | None]]:
+    """``(grad_x, [grad_w1, grad_w2, grad_w3, grad_b1, grad_b2, grad_b3])`` of the expert MLP's three
+    linears, given the activation's output ``h`` and the gradients of its pre-activations (however the
+    activation was differentiated: :func:`experts_vjp`, or ``ops/backward_degree.py``'s ``torch.func.vjp``)."""
     grad_x = torch.bmm(grad_h1, w1)
     if grad_h3 is not None:
         grad_x = grad_x + torch.bmm(grad_h3, w3)
