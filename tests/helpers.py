@@ -18,6 +18,22 @@ def example_transformer():
     return module
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A sharded ``DTensor`` (a ``shard_experts`` weight or its gradient) as its global tensor; any other
+    tensor as it is."""
+    return t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t
+
+
+def assert_grads_match(model: torch.nn.Module, reference: torch.nn.Module, tol: dict, what: str) -> None:
+    """Every parameter of ``model`` has a gradient, equal (globally, for sharded experts) to the gradient of
+    ``reference``'s parameter of the same name."""
+    expected = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{what}: {name} has no gradient"
+        torch.testing.assert_close(full_tensor(p.grad), expected[name].grad, **tol,
+                                   msg=lambda m: f"{what} grad {name}: {m}")
+
+
 def compile_and_compare(model, *inputs, options=None, rtol=None, atol=None, dynamic=False):
     """Run ``model`` eagerly and compiled with backend "moe"; assert outputs and all grads equal.
 

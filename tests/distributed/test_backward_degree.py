@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from moe_compile.testing import spawn
+from tests.helpers import assert_grads_match
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -93,10 +94,6 @@ class _Counter:
         return PassResult(gm, False)
 
 
-def _full(grad):
-    return grad.full_tensor() if isinstance(grad, torch.distributed.tensor.DTensor) else grad
-
-
 def _case(rank: int, world: int, name, model_name, rf, rb, more, sharded, tol, models=None) -> None:
     import moe_compile
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -136,11 +133,7 @@ def _case(rank: int, world: int, name, model_name, rf, rb, more, sharded, tol, m
                         p.grad.to_local().div_(world)
             torch.testing.assert_close(losses[1], losses[0], **tol, msg=lambda m: f"{what} step {step} loss: {m}")
             torch.testing.assert_close(inputs[1], inputs[0], **tol, msg=lambda m: f"{what} step {step} input grad: {m}")
-            reference = dict(eager.module.named_parameters())
-            for pname, p in model.named_parameters():
-                assert p.grad is not None, f"{what} step {step}: {pname} has no gradient"
-                torch.testing.assert_close(_full(p.grad), reference[pname].grad, **tol,
-                                           msg=lambda m: f"{what} step {step} grad {pname}: {m}")
+            assert_grads_match(model, eager.module, tol, f"{what} step {step}")
             opt_e.step()
             opt_c.step()
     finally:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from moe_compile.testing import spawn
-from tests.helpers import example_transformer
+from tests.helpers import example_transformer, full_tensor
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -53,10 +53,6 @@ def _batch(name: str, rank: int, step: int) -> torch.Tensor:
     if name == "transformer":
         return example_transformer().synthetic_batch(2, 9, 64, gen)
     return torch.randn(2, 6, 8, generator=gen)
-
-
-def _full(grad):
-    return grad.full_tensor() if isinstance(grad, torch.distributed.tensor.DTensor) else grad
 
 
 def _ddp_case(rank: int, name: str, order: str) -> list[float]:
@@ -96,7 +92,7 @@ def _ddp_case(rank: int, name: str, order: str) -> list[float]:
         eager_grads = dict(eager.module.named_parameters())
         for pname, p in model.named_parameters():  # every gradient this rank holds, after clipping
             pname = pname.replace("._checkpoint_wrapped_module", "")
-            torch.testing.assert_close(_full(p.grad), eager_grads[pname].grad, **TOL,
+            torch.testing.assert_close(full_tensor(p.grad), eager_grads[pname].grad, **TOL,
                                        msg=lambda m: f"{what} grad {pname}: {m}")
         opt_e.step()
         opt_c.step()
@@ -246,10 +242,10 @@ def _global_norms(rank: int, world_size: int) -> dict:
             dist.all_reduce(p.grad)
     with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    grads = {n: _full(p.grad).numpy().copy() for n, p in model.named_parameters()}  # numpy: sent back by pickle
+    grads = {n: full_tensor(p.grad).numpy().copy() for n, p in model.named_parameters()}  # numpy: sent back by pickle
     inf = moe_compile.clip_grad_norm_(model.parameters(), 1e9, norm_type="inf")  # no clipping: coefficient 1
     two = moe_compile.clip_grad_norm_(model.parameters(), 1e-3)
-    clipped = {n: _full(p.grad).numpy().copy() for n, p in model.named_parameters()}
+    clipped = {n: full_tensor(p.grad).numpy().copy() for n, p in model.named_parameters()}
     return {"two": float(two), "inf": float(inf), "grads": grads, "clipped": clipped}
 
 

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from moe_compile.testing import spawn
-from tests.helpers import example_transformer
+from tests.helpers import assert_grads_match, example_transformer
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -57,10 +57,6 @@ def _model(name: str):
         2, 6, 8, generator=torch.Generator().manual_seed(100 * step + rank)))
 
 
-def _full(grad):
-    return grad.full_tensor() if isinstance(grad, torch.distributed.tensor.DTensor) else grad
-
-
 def _case(rank: int, name: str, options: dict, sharded: bool = False, tol: dict = TOL) -> str:
     """3 AdamW steps compiled with ``options`` against eager DDP; returns the case's name."""
     import moe_compile
@@ -83,11 +79,7 @@ def _case(rank: int, name: str, options: dict, sharded: bool = False, tol: dict 
             loss.backward()
             losses.append(loss.detach())
         torch.testing.assert_close(losses[1], losses[0], **tol, msg=lambda m: f"{what} step {step} loss: {m}")
-        reference = dict(eager.module.named_parameters())
-        for pname, p in model.named_parameters():
-            assert p.grad is not None, f"{what} step {step}: {pname} has no gradient"
-            torch.testing.assert_close(_full(p.grad), reference[pname].grad, **tol,
-                                       msg=lambda m: f"{what} step {step} grad {pname}: {m}")
+        assert_grads_match(model, eager.module, tol, f"{what} step {step}")
         opt_e.step()
         opt_c.step()
     full = moe_compile.full_expert_state_dict(model) if sharded else model.state_dict()
