@@ -236,7 +236,7 @@ def _trace_expert_weights(model, args, kwargs, cfg: MoECompileConfig) -> list[tu
     """Trace ``model`` with Dynamo; (weight, E, expert index or None if stacked) of each layer that
     canonicalization with ``cfg`` (the user's options) rewrites."""
     from .passes.canonicalize import Canonicalize
-    from .passes.checkpoint_bodies import CHECKPOINT_OP, checkpoint_bodies
+    from .passes.checkpoint_bodies import checkpoint_bodies, checkpoint_calls
     from .passes.detect import find_moe_regions, layers_in_bodies
 
     canonicalize = Canonicalize(cfg)
@@ -269,8 +269,7 @@ def _trace_expert_weights(model, args, kwargs, cfg: MoECompileConfig) -> list[tu
         shard_layers(gm, real)
         # activation-checkpoint bodies (one level): a body input is every tensor its calls pass there
         for _, body in checkpoint_bodies(gm):
-            calls = [n for n in gm.graph.find_nodes(op="call_function", target=CHECKPOINT_OP)
-                     if n.args[0].op == "get_attr" and getattr(gm, n.args[0].target) is body]
+            calls = [n for n, called in checkpoint_calls(gm) if called is body]
             inputs = list(body.graph.find_nodes(op="placeholder"))
             body_real = {p: [v for call in calls if i + 1 < len(call.args) for v in real.get(call.args[i + 1], ())]
                          for i, p in enumerate(inputs)}

@@ -52,7 +52,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule
 
-__all__ = ["CHECKPOINT_OP", "TRACED_OPERAND", "checkpoint_bodies", "mark_sharded_operands", "mark_traced_operands",
+__all__ = ["CHECKPOINT_OP", "TRACED_OPERAND", "checkpoint_bodies", "checkpoint_calls", "mark_sharded_operands", "mark_traced_operands",
            "traced_example"]
 
 #: the higher-order op Dynamo emits for a non-reentrant activation checkpoint
@@ -61,20 +61,27 @@ CHECKPOINT_OP = torch.ops.higher_order.tag_activation_checkpoint
 TRACED_OPERAND = "moe_traced_operand"
 
 
+def checkpoint_calls(gm: GraphModule) -> list[tuple[torch.fx.Node, GraphModule]]:
+    """(call, body) of every activation-checkpoint call of ``gm`` whose body is a sub-GraphModule of it."""
+    calls = []
+    for node in gm.graph.find_nodes(op="call_function", target=CHECKPOINT_OP):
+        target = node.args[0]
+        body = getattr(gm, target.target, None) if target.op == "get_attr" else None
+        if isinstance(body, GraphModule):
+            calls.append((node, body))
+    return calls
+
+
 def checkpoint_bodies(gm: GraphModule, prefix: str = "") -> list[tuple[str, GraphModule]]:
     """(dump name, body) of every activation-checkpoint body of ``gm``, nested ones first, each once
     (Dynamo calls one body from several checkpoints when their code is the same: two blocks of a loop)."""
     bodies: list[tuple[str, GraphModule]] = []
     seen: set[int] = set()
-    for node in gm.graph.find_nodes(op="call_function", target=CHECKPOINT_OP):
-        target = node.args[0]
-        if target.op != "get_attr":
-            continue
-        body = getattr(gm, target.target, None)
-        if not isinstance(body, GraphModule) or id(body) in seen:
+    for node, body in checkpoint_calls(gm):
+        if id(body) in seen:
             continue
         seen.add(id(body))
-        name = f"{prefix}{target.target}"
+        name = f"{prefix}{node.args[0].target}"
         bodies.extend(b for b in checkpoint_bodies(body, f"{name}.") if id(b[1]) not in seen)
         seen.update(id(b) for _, b in bodies)
         bodies.append((name, body))
@@ -102,10 +109,7 @@ def mark_traced_operands(gm: GraphModule) -> None:
     """Record on each checkpoint body's input (outer bodies first, so nested ones see them) the traced
     value of what its calls pass there (see the module docstring); left unknown when calls differ."""
     calls: dict[int, tuple[GraphModule, list[list[torch.Tensor | None]]]] = {}
-    for node in gm.graph.find_nodes(op="call_function", target=CHECKPOINT_OP):
-        body = getattr(gm, node.args[0].target, None) if node.args[0].op == "get_attr" else None
-        if not isinstance(body, GraphModule):
-            continue
+    for node, body in checkpoint_calls(gm):
         inputs = list(body.graph.find_nodes(op="placeholder"))
         _, values = calls.setdefault(id(body), (body, [[] for _ in inputs]))
         for seen, operand in zip(values, node.args[1:]):
@@ -130,10 +134,7 @@ def mark_sharded_operands(gm: GraphModule) -> None:
     shards = sharded_placeholders(gm)
     if not shards:
         return
-    for node in gm.graph.find_nodes(op="call_function", target=CHECKPOINT_OP):
-        body = getattr(gm, node.args[0].target, None) if node.args[0].op == "get_attr" else None
-        if not isinstance(body, GraphModule):
-            continue
+    for node, body in checkpoint_calls(gm):
         inputs = list(body.graph.find_nodes(op="placeholder"))
         for operand, placeholder in zip(node.args[1:], inputs):
             if operand in shards and shards[operand].local_name is None:
