@@ -245,8 +245,9 @@ def adaptive_exchange_backward(
     outs = [link.wait(h).view(num_experts, n, model_dim) for h, n in returned]
     grad_buffer = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
     backward_s = time.perf_counter() - start
-    table.add(rows, index, backward_s)
     decision = _CALLS.pop(call, None)
+    if decision is None or decision.phase != "pinned":
+        table.add(rows, index, backward_s)
     if decision is not None:
         decision.backward_s = backward_s
     return [grad_buffer.contiguous(), *param_grads]
