@@ -38,10 +38,27 @@ inside it (the op pipelines itself).
 Backward (``torch.library.register_autograd``, opaque to AOTAutograd like the
 forward): ``moe::adaptive_exchange_backward`` runs the same strategy on the
 gradient: the return all-to-all of each chunk's gradient, the expert MLP's VJP
-from the saved inputs and pre-activations (:func:`.expert_vjp.experts_vjp`: no
-expert matmul recomputed), and the first all-to-all back. An equal-split all-to-all
-is its own adjoint, so values and gradients equal the fixed-r exchange's (every
-row is computed by the same expert, with the same weights, whatever r).
+from the saved inputs and pre-activations (:mod:`.expert_vjp`: no expert matmul
+recomputed), and the first all-to-all back. An equal-split all-to-all is its own
+adjoint, so values and gradients equal the fixed-r exchange's (every row is
+computed by the same expert, with the same weights, whatever r).
+
+What the op costs beyond the graph-built exchange at the same r (issue 22's
+target: within 5 % of the best fixed r) is kept to what AOTAutograd's backward of
+that exchange does too::
+
+    forward, chunk i:  copy A1's rows into local_in's block i     (the graph: the reshape after A1)
+                       h1, h3 = bmm(..., out=block i)              (no per-chunk list, no cat at the end)
+                       A2 issued; its rows copied into y[:, lo:hi] (the graph: cat_rows; r = 1: no copy)
+    backward, chunk i: grad_h1, grad_h3 (the activation recomputed: its VJP), grad_x,
+                       A1's adjoint issued, THEN the weight gradients (baddbmm_ into accumulators
+                       the first chunk writes: no zero-fill), as AOTAutograd orders them after grad_x
+
+The saved ``local_in`` / ``h1`` / ``h3`` hold chunk i's rows as one contiguous
+block of memory (:func:`_blocks`), a layout only this op's forward and backward
+read. ``benchmarks/adaptive.py --same-r`` measures the op pinned to each r
+(:func:`moe_compile.schedule.adaptive.pinned_chunks`) against the graph-built
+exchange at that r, interleaved in the same steps.
 
 The link: with ``emulate_link`` the exchanges are the emulated ones
 (:mod:`moe_compile.collectives.emulated`, flat only), so the choice can be seen
