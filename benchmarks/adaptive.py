@@ -33,7 +33,8 @@ steps as above; reported per r: the median over the timed steps of the per-step 
 (op / graph; a ratio of two runs of the same step is far less noisy than either time on
 a shared machine), per segment and over the trace. ``--profile`` adds, on rank 0, the
 self CPU time per op (torch.profiler, summed over a few steps, per step) of the two at
-r = 2, so the ops the op adds show by name.
+r = ``--profile-r`` (default 2) on the most skewed segment's batch, so the ops the op
+adds show by name.
 
     python benchmarks/adaptive.py --quick
     python benchmarks/adaptive.py --world-size 2 --segment-steps 12
@@ -144,13 +145,13 @@ def _run(rank: int, world: int, args, variants) -> dict:
 
 
 def _profile(args, rank: int, layer: Layer, compiled: dict, variants) -> dict:
-    """Self CPU time per op (µs per step) of the pinned op and the graph-built exchange at r = 2, on rank 0
-    (every rank runs the steps: they exchange together); the last segment's batch, ``PROFILE_STEPS`` steps
-    each, the two alternating."""
+    """Self CPU time per op (µs per step) of the pinned op and the graph-built exchange at r = ``--profile-r``,
+    on rank 0 (every rank runs the steps: they exchange together); the batch of the most skewed segment (the
+    largest R), ``PROFILE_STEPS`` steps each, the two alternating."""
     from torch.profiler import ProfilerActivity, profile
 
-    pair = [v for v in variants if v in (2, "op r=2")]
-    x = _batch(layer, args, rank, 0, args.skews[-1])
+    pair = [v for v in variants if v in (args.profile_r, f"op r={args.profile_r}")]
+    x = _batch(layer, args, rank, 0, max(args.skews))
     totals = {v: {} for v in pair}
     for _ in range(PROFILE_STEPS):
         for variant in pair:
@@ -243,7 +244,8 @@ def main() -> None:
     parser.add_argument("--same-r", action="store_true",
                         help="the op pinned to r against the graph-built exchange at r, for each r of --same-r-chunks")
     parser.add_argument("--same-r-chunks", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--profile", action="store_true", help="with --same-r: self CPU time per op at r = 2")
+    parser.add_argument("--profile", action="store_true", help="with --same-r: self CPU time per op at one r")
+    parser.add_argument("--profile-r", type=int, default=2, help="the r --profile compares (one of --same-r-chunks)")
     parser.add_argument("--json", type=Path, default=None,
                         help="default benchmarks/results/adaptive.json (adaptive_same_r.json with --same-r)")
     args = parser.parse_args()
@@ -313,7 +315,8 @@ def same_r(args) -> None:
 
     summary = {"ratio_median": {str(r): [statistics.median(ratios(r, part)) for part in parts] for r in rs},
                "ms_median": {str(v): [statistics.median(times[v][part]) * 1e3 for part in parts] for v in variants},
-               "trace_ratio": {str(r): sum(times[f"op r={r}"]) / sum(times[r]) for r in rs}}
+               "trace_ratio": {str(r): sum(times[f"op r={r}"]) / sum(times[r]) for r in rs},
+               "times_s": {str(v): times[v] for v in variants}}
     header = ["segment", "skew", *[f"r={r}: op / graph" for r in rs], *[f"r={r} graph ms" for r in rs]]
     body = [[str(i) if i < len(args.skews) else "trace (median)", f"{args.skews[i]:g}" if i < len(args.skews) else "",
              *[f"{summary['ratio_median'][str(r)][i]:.3f}" for r in rs],
@@ -321,17 +324,17 @@ def same_r(args) -> None:
     body.append(["trace (sum)", "", *[f"{summary['trace_ratio'][str(r)]:.3f}" for r in rs], *[""] * len(rs)])
     if "profile" in run:
         summary["profile_us_per_step"] = run["profile"]
-        _print_profile(run["profile"])
+        _print_profile(run["profile"], args.profile_r)
     finish(args, summary, [d[3] for d in run["decisions"]],
            f"P={args.world_size}, link α={args.alpha_us:g} µs, {args.gbps:g} GB/s: the op pinned to r / the "
            f"graph-built exchange at r, median of per-step ratios (fwd+bwd)", header, body)
 
 
-def _print_profile(profile: dict) -> None:
-    """The ops whose self CPU time per step differs most between the op and the graph at r = 2."""
-    op, graph = profile.get("op r=2", {}), profile.get("2", {})
+def _print_profile(profile: dict, r: int) -> None:
+    """The ops whose self CPU time per step differs most between the op and the graph at r."""
+    op, graph = profile.get(f"op r={r}", {}), profile.get(str(r), {})
     keys = sorted(set(op) | set(graph), key=lambda k: -abs(op.get(k, 0.0) - graph.get(k, 0.0)))[:25]
-    print_table("self CPU µs per step at r = 2 (rank 0), largest differences first", ["op", "adaptive op", "graph",
+    print_table(f"self CPU µs per step at r = {r} (rank 0), largest differences first", ["op", "adaptive op", "graph",
                 "difference"], [[k, f"{op.get(k, 0.0):.0f}", f"{graph.get(k, 0.0):.0f}",
                                  f"{op.get(k, 0.0) - graph.get(k, 0.0):+.0f}"] for k in keys]
                 + [["total", f"{sum(op.values()):.0f}", f"{sum(graph.values()):.0f}",
