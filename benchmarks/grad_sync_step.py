@@ -49,9 +49,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from tables import print_table as _print_table  # noqa: E402
 from moe_compile.testing import spawn  # noqa: E402
 
-HEADER = ["P", "variant", "step ms", "fwd ms", "bwd ms", "link busy in bwd ms", "overlap ms", "bwd vs bound",
-          "speedup vs ddp"]
-VARIANTS = ("ddp", "end", "asap", "fsmoe")
+HEADER = ["P", "variant", "step ms", "fwd ms", "bwd ms", "link busy in bwd ms", "overlap ms", "a2a queued ms",
+          "link idle ms", "bwd vs bound", "speedup vs ddp"]
+VARIANTS = ("ddp", "end", "asap", "fsmoe", "timeline")
 
 
 def _example():
@@ -84,6 +84,25 @@ def _link_busy(bookings, begin: float, end: float) -> tuple[float, int]:
         if hi > lo:
             busy, reach = busy + hi - lo, hi
     return busy, len(spans)
+
+
+def _link_queue(bookings, begin: float, end: float) -> tuple[float, float]:
+    """From the link's virtual clock (meaningful on a loaded machine): the backward's all-to-alls' total
+    queueing delay (booked start − issue time, summed over the all-to-alls issued in [begin, end]: the time
+    each waited behind earlier exchanges on the FIFO link, e.g. a gradient bucket issued just before it), and
+    the link's idle time in [begin, last booked finish] (the time a bucket could have used for free)."""
+    inside = [b for b in bookings if b.issued is not None and begin <= b.issued <= end]
+    queued = sum(b.queued for b in inside if b.kind == "all_to_all")
+    if not inside:
+        return queued, end - begin
+    last = max(b.finish for b in inside)
+    spans = sorted((max(b.start, begin), b.finish) for b in inside)
+    busy, reach = 0.0, begin
+    for lo, hi in spans:
+        lo = max(lo, reach)
+        if hi > lo:
+            busy, reach = busy + hi - lo, hi
+    return queued, max(0.0, last - begin - busy)
 
 
 def _slowest(*seconds):
@@ -157,7 +176,7 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
             options["cost_models"] = models
         return torch.compile(model, backend="moe", fullgraph=True, options=options)
 
-    def timed(net, steps, busy: list | None = None):
+    def timed(net, steps, busy: list | None = None, queue: list | None = None):
         out = []
         for _ in range(steps):
             dist.barrier()
@@ -170,6 +189,8 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
             out.append(tuple(_slowest(*seconds)))
             if busy is not None:
                 busy.append(_link_busy(bookings, *stamps[0]))
+            if queue is not None:
+                queue.append(_link_queue(bookings, *stamps[0]))
         return out
 
     # 1. calibration: Σ compute per phase on a free link
@@ -197,24 +218,26 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
         "experts": _experts_model(args, world)}, {"note": "benchmarks/grad_sync_step.py: the emulated link"})
     path = str(models.save(work / "cost_models.json"))
     # 3. the variants, first step compiles; gradients against "end"
+    variants = tuple(v for v in VARIANTS if v in args.variants.split(","))
     nets, grads = {}, {}
-    for variant in VARIANTS:
-        nets[variant] = build(variant, link, path if variant == "fsmoe" else None)
+    for variant in variants:
+        nets[variant] = build(variant, link, path if variant in ("fsmoe", "timeline") else None)
         _step(nets[variant], tokens)
         grads[variant] = [p.grad.clone() for p in nets[variant].parameters()]
-    for variant in VARIANTS:
+    for variant in variants:
         for g, ref in zip(grads[variant], grads["end"]):
             torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-5)
     for _ in range(args.warmup):
         for net in nets.values():
             _step(net, tokens)
-    times = {v: [] for v in VARIANTS}
-    busy = {v: [] for v in VARIANTS}
+    times = {v: [] for v in variants}
+    busy = {v: [] for v in variants}
+    queue = {v: [] for v in variants}
     for i in range(args.steps):
-        for v in VARIANTS[i % len(VARIANTS):] + VARIANTS[:i % len(VARIANTS)]:
-            times[v].extend(timed(nets[v], 1, busy[v]))
+        for v in variants[i % len(variants):] + variants[:i % len(variants)]:
+            times[v].extend(timed(nets[v], 1, busy[v], queue[v]))
     rows_out = []
-    for v in VARIANTS:
+    for v in variants:
         fwd = statistics.median(t[0] for t in times[v])
         bwd = statistics.median(t[1] for t in times[v])
         rows_out.append({"P": world, "variant": v, "step_ms": statistics.median(a + b for a, b in times[v]) * 1e3,
@@ -222,6 +245,8 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
                          "backward_vs_bound": bwd / max(compute["backward"], comm["backward"]),
                          "link_busy_ms": statistics.median(b for b, _ in busy[v]) * 1e3,
                          "exchanges": statistics.median(n for _, n in busy[v]),
+                         "a2a_queued_ms": statistics.median(q for q, _ in queue[v]) * 1e3,
+                         "link_idle_ms": statistics.median(i for _, i in queue[v]) * 1e3,
                          "compute_ms": {k: s * 1e3 for k, s in compute.items()},
                          "comm_ms": {k: s * 1e3 for k, s in comm.items()}, "link": link,
                          "grad_bytes": sum(p.numel() * 4 for p in base.parameters())})
@@ -253,11 +278,17 @@ def parse_args(argv=None):
     parser.add_argument("--num-chunks", default="1",
                         help="options['num_chunks'] of every compiled variant: 1 (default), an integer or 'auto' "
                              "(with 'fsmoe' the backward degree is re-solved with the assigned all-reduce)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated subset of " + ", ".join(VARIANTS) + " (ddp and end always run)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/grad_sync_step.json"))
     parser.add_argument("--quick", action="store_true", help="small sizes, 3 steps: checks the script runs")
     args = parser.parse_args(argv)
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        parser.error(f"--variants: unknown {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    args.variants = ",".join(sorted(set(args.variants.split(",")) | {"ddp", "end"}, key=VARIANTS.index))
     if args.quick:
         args.dim, args.hidden, args.seq, args.layers, args.steps, args.warmup, args.vocab = 32, 64, 16, 2, 3, 1, 64
     return args
@@ -275,6 +306,7 @@ def main(argv=None):
              f"{r0['grad_bytes'] / 2**20:.2f} MiB of gradients")
     body = [[str(r["P"]), r["variant"], f"{r['step_ms']:.1f}", f"{r['forward_ms']:.1f}", f"{r['backward_ms']:.1f}",
              f"{r['link_busy_ms']:.1f}", f"{r['compute_ms']['backward'] + r['link_busy_ms'] - r['backward_ms']:.1f}",
+             f"{r['a2a_queued_ms']:.1f}", f"{r['link_idle_ms']:.1f}",
              f"{r['backward_vs_bound']:.2f}x", f"{r['speedup_vs_ddp']:.2f}x"] for r in rows]
     _print_table(title, HEADER, body)
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -136,11 +136,22 @@ _PERF_SHIFT = time.perf_counter() - time.monotonic()
 class BookedExchange:
     """One exchange as the link ran it, in ``time.perf_counter()`` seconds: the booked ``start`` (the link
     free and the exchange issued) and ``finish`` (``start`` + α-β time), and ``transferred``, when the real
-    bytes had arrived (None until then). The exchange is over at ``end``: both have happened."""
+    bytes had arrived (None until then). The exchange is over at ``end``: both have happened.
+
+    ``issued``: when the calling thread submitted it (the link's ``now`` at submit), so ``start - issued`` is
+    the time it queued behind earlier exchanges on the FIFO link (:attr:`queued`); ``kind``: "all_to_all" or
+    "all_reduce" (a data-parallel gradient bucket, or DDP's comm hook)."""
 
     start: float
     finish: float
     transferred: float | None = None
+    issued: float | None = None
+    kind: str = "all_to_all"
+
+    @property
+    def queued(self) -> float:
+        """Seconds between the issue and the booked start: the wait for the link behind earlier exchanges."""
+        return 0.0 if self.issued is None else self.start - self.issued
 
     @property
     def end(self) -> float:
@@ -164,7 +175,7 @@ class _LinkThread:
         self.completed = 0  # exchanges completed so far (for tests and reports)
         self.bookings: list[BookedExchange] | None = None  # appended to by submit while a list is set
 
-    def submit(self, work: Any, out: Tensor, seconds: float) -> Future:
+    def submit(self, work: Any, out: Tensor, seconds: float, kind: str = "all_to_all") -> Future:
         fut: Future = Future()
         with self._lock:
             now = time.monotonic()
@@ -173,7 +184,7 @@ class _LinkThread:
             finish = self._free_at
             booking = None
             if self.bookings is not None:   # a measurement is active (moe_compile.schedule.measure)
-                booking = BookedExchange(start + _PERF_SHIFT, finish + _PERF_SHIFT)
+                booking = BookedExchange(start + _PERF_SHIFT, finish + _PERF_SHIFT, issued=now + _PERF_SHIFT, kind=kind)
                 self.bookings.append(booking)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="moe_compile-emulated-link", daemon=True)
@@ -287,7 +298,8 @@ def emulated_all_reduce_future(x: Tensor, group: Any, alpha_us: float, gbps: flo
     size = dist.get_world_size(group)
     out = x.contiguous().clone()
     work = dist.all_reduce(out, group=group, async_op=True)
-    fut = _LINK.submit(work, out, link_seconds(ring_bytes(out.numel() * out.element_size(), size), alpha_us, gbps))
+    fut = _LINK.submit(work, out, link_seconds(ring_bytes(out.numel() * out.element_size(), size), alpha_us, gbps),
+                       kind="all_reduce")
     return out, fut
 
 
