@@ -87,6 +87,10 @@ class DPPlacement(_StrOption):
     ASAP = "asap"    # as soon as the bucket's last gradient exists (DDP's rule)
     END = "end"      # all at the end of the backward graph
     FSMOE = "fsmoe"  # in the MoE layers' backward pipelines (FSMoE eqs 3-5)
+    #: FSMoE's assignment completed on a timeline estimate of the graph: never delays an all-to-all on the
+    #: link, the buckets FSMoE leaves at the end go into the dense backward's idle link time
+    #: (moe_compile/schedule/grad_timeline.py)
+    TIMELINE = "timeline"
 
 
 #: The allowed values as plain strings (what the error messages list).

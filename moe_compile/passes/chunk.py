@@ -96,7 +96,7 @@ class Chunk:
                          backward, chunks, schedule_plan.backward_why)
             state.replace_plan(dataclasses.replace(plan, chunks=chunks, schedule_plan=schedule_plan,
                                                    backward_chunks=backward))
-        if self.cfg.backward_chunks == "auto" and self.cfg.dp_group is not None and self.cfg.dp_placement == "fsmoe":
+        if self.cfg.backward_chunks == "auto" and self.cfg.dp_group is not None and self.cfg.dp_placement in ("fsmoe", "timeline"):
             self.fsmoe_backward_degrees(gm)
         return PassResult(gm, False)
 

@@ -56,8 +56,11 @@ schedule's effect on the gradient sync can be measured on a small machine.
 
 Steps: 1. the gradients of the plan's parameters, in the order the graph produces them;
 2. buckets of at most ``dp_bucket_mb`` MiB (one dtype each), in that order; 3. the issue
-point of each bucket (``dp_placement``: "asap", "end", or "fsmoe", FSMoE's assignment of
-the buckets to the MoE layers' backward pipelines, :mod:`moe_compile.schedule.grad_assign`);
+point of each bucket (``dp_placement``: "asap", "end", "fsmoe", FSMoE's assignment of
+the buckets to the MoE layers' backward pipelines, :mod:`moe_compile.schedule.grad_assign`, or
+"timeline", that assignment completed by a greedy placement on a timeline estimate of the graph that
+never delays an all-to-all on the shared link and uses the dense backward's idle link time,
+:mod:`moe_compile.schedule.grad_timeline`);
 4. emit: flatten, all-reduce, wait before the output, divide, and the gradients as views.
 """
 from __future__ import annotations
@@ -83,8 +86,8 @@ __all__ = ["BUCKET_LAYER_META", "BUCKET_META", "GradBucket", "GradSync", "GradSy
 
 #: ``node.meta`` key of a bucket's all-reduce and wait: the bucket's index in this graph
 BUCKET_META = "moe_grad_bucket"
-#: ``node.meta`` key of a bucket's all-reduce under ``dp_placement="fsmoe"``: the MoE layer (backward order)
-#: whose pipeline it is issued in, None = at the end
+#: ``node.meta`` key of a bucket's all-reduce under ``dp_placement="fsmoe"`` or ``"timeline"``: the MoE layer
+#: (backward order) whose pipeline FSMoE's assignment gives it, None = at the end (fsmoe) / anywhere (timeline)
 BUCKET_LAYER_META = "moe_grad_bucket_layer"
 
 
@@ -279,7 +282,7 @@ class GradSync:
             with graph.inserting_before(point):
                 issued.append(_issue(graph, bucket, plan.group.name, plan.link))
         for bucket, issue, layer in zip(buckets, issued, plan.report.get("bucket_layers") or [None] * len(buckets)):
-            if plan.placement == DPPlacement.FSMOE:
+            if plan.placement in (DPPlacement.FSMOE, DPPlacement.TIMELINE):
                 issue.meta[BUCKET_LAYER_META] = layer
             with graph.inserting_before(output):
                 waited = _node(graph, emit_wait(graph, issue), {BUCKET_META: bucket.index})
@@ -341,4 +344,8 @@ def issue_points(gm: GraphModule, buckets: Sequence[GradBucket], plan: GradSyncP
         from ..schedule.grad_assign import fsmoe_issue_points
 
         return fsmoe_issue_points(gm, buckets, asap, plan)
+    if plan.placement == DPPlacement.TIMELINE:
+        from ..schedule.grad_timeline import timeline_issue_points
+
+        return timeline_issue_points(gm, buckets, asap, plan)
     return asap
