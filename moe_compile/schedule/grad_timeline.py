@@ -14,16 +14,20 @@ The estimate (:func:`estimate`). One pass over the graph in order with two clock
 ``t`` and the link's ``free`` (FIFO):
 
 - ``mm`` / ``addmm`` / ``bmm`` / ``baddbmm``: ``t += MACs · per_mac`` (``per_mac``: β of the fitted
-  ``experts`` cost model, seconds per multiply-accumulate; the expert matmuls dominate the backward and the
-  dense matmuls run the same kernels); every other node costs 0 (elementwise work and views are small
-  next to the matmuls on the shapes this targets; the proxy is documented, not measured per op);
+  ``experts`` cost model, seconds per multiply-accumulate; the dense matmuls run the same kernels);
+- every other computing node (not a view, a wait or a collective's issue) and every matmul: ``t +=
+  per_node``, α of the same model (the fixed cost of one op call: dispatch, a kernel launch). Without it
+  the estimate of the examples' transformer on a CPU saw ~3 ms of the ~40 ms backward (issue 20: its
+  dense backward is hundreds of small elementwise ops), so no bucket fitted anywhere. Both terms still
+  underestimate a loaded machine, which is the safe side: the real compute between two all-to-alls is
+  longer than estimated, so a bucket that fits in the estimate ends before the real all-to-all's issue;
 - an all-to-all's issue: ``start = max(t, free)``, ``free = start + a2a(node)`` (the α-β time: the node's
   own emulated link, or ``all_to_all:flat:<P>`` of the cost models);
 - the wait of an all-to-all: ``t = max(t, finish)``.
 
 Example (a tiny backward, per_mac = 1 s, every exchange 2 s)::
 
-    mm 1 MAC     t: 0 → 1
+    mm 1 MAC     t: 0 → 1        (per_node = 0 here)
     a2a issue    link [1, 3]
     wait         t: 1 → 3
     mm 4 MACs    t: 3 → 7          the link is idle in [3, 7]
@@ -36,9 +40,16 @@ there if the link would carry it, FIFO behind what was issued before, to its end
 booked start of the next all-to-all: ``max(t, free) + t_ar(bucket) <= start(next all-to-all)``. So no
 all-to-all is delayed, and the compute timeline (hence every wait) is the estimate's, unchanged by the
 buckets. After the last all-to-all every bucket fits (as soon as it is ready); a bucket that fits
-nowhere before is issued before the output (with the waits). In the example, a bucket of 3 s ready after
-the first ``mm`` is not issued before the first all-to-all (it would end at 4 > 1), nor right after its
-issue (link free at 3, ends at 6 <= 7: it IS issued there: after the all-to-all's issue, not before it).
+nowhere before is issued right after the last all-to-all's issue. In the example, a bucket of 3 s ready
+after the first ``mm`` is not issued before the first all-to-all (it would end at 4 > 1, the exchange's
+start), but right after that all-to-all's issue: the link is free at 3, the bucket ends at 6 <= 7::
+
+    mm 1 MAC     t: 0 → 1
+    a2a issue    link [1, 3]
+    all_reduce   link [3, 6]       issued here: after the all-to-all's issue, not before it
+    wait         t: 1 → 3
+    mm 4 MACs    t: 3 → 7
+    a2a issue    link [7, 9]       not delayed
 
 It completes FSMoE's placement rather than replacing it: FSMoE's assignment (eqs 3-5, kept as they are in
 :mod:`.grad_assign`) still decides which buckets go into each MoE layer's backward pipeline; such a bucket
@@ -55,6 +66,7 @@ graph-level constraint and the dense gaps, so the two can be measured side by si
 from __future__ import annotations
 
 import dataclasses
+import operator
 import math
 from collections.abc import Callable, Sequence
 
@@ -62,18 +74,39 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-__all__ = ["Exchange", "Timeline", "estimate", "mm_macs", "place_buckets", "timeline_issue_points"]
+__all__ = ["Exchange", "Timeline", "estimate", "is_compute", "mm_macs", "place_buckets", "timeline_issue_points"]
 
 _MM = {torch.ops.aten.mm.default: "mm", torch.ops.aten.addmm.default: "addmm",
        torch.ops.aten.bmm.default: "bmm", torch.ops.aten.baddbmm.default: "baddbmm"}
 
 
-def _numel(shape) -> list[int]:
-    return [int(optimization_hint(s)) for s in shape]
+def is_compute(node: Node) -> bool:
+    """``node`` runs work on the compute thread: a call that is not a view, a ``getitem``, a wait or a
+    collective's issue (those are charged to the link)."""
+    from ..collectives.nodes import is_collective, is_wait
+
+    if node.op != "call_function" or node.target is operator.getitem or is_wait(node) or is_collective(node):
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        if target.namespace == "moe" and "emulated" in target.name():
+            return False
+        returns = target._schema.returns
+        if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+            return False  # returns a view of an input
+    return True
 
 
-def mm_macs(node: Node) -> float:
-    """Multiply-accumulates of an ``mm`` / ``addmm`` / ``bmm`` / ``baddbmm`` node (0 for any other node)."""
+def _dims(shape, fallback: int | None) -> list[int]:
+    return [int(optimization_hint(s, fallback=fallback)) for s in shape]
+
+
+def mm_macs(node: Node, fallback: int | None = None) -> float:
+    """Multiply-accumulates of an ``mm`` / ``addmm`` / ``bmm`` / ``baddbmm`` node (0 for any other node).
+
+    ``fallback``: the value of a data-dependent (unbacked) size, e.g. the capacity rows of the experts'
+    matmuls; without it torch's generic fallback (8192) would price the experts' backward as if every expert
+    had 8192 rows, and the estimate would see idle link time that is not there."""
     kind = _MM.get(node.target) if node.op == "call_function" else None
     if kind is None:
         return 0.0
@@ -81,7 +114,7 @@ def mm_macs(node: Node) -> float:
     va, vb = a.meta.get("val"), b.meta.get("val")
     if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
         return 0.0
-    sa, sb = _numel(va.shape), _numel(vb.shape)
+    sa, sb = _dims(va.shape, fallback), _dims(vb.shape, fallback)
     return float(math.prod(sa) * sb[-1])  # [(B,) n, k] @ [(B,) k, m]: (B ·) n · k · m
 
 
@@ -116,11 +149,14 @@ class Timeline:
 
 def estimate(gm: GraphModule, per_mac: float, a2a_seconds: Callable[[Node], float],
              is_all_to_all: Callable[[Node], bool] | None = None,
-             other_link: Callable[[Node], float | None] | None = None) -> Timeline:
+             other_link: Callable[[Node], float | None] | None = None, fallback: int | None = None,
+             per_node: float = 0.0) -> Timeline:
     """The timeline estimate of ``gm`` (module docstring): ``per_mac`` seconds per MAC of the matmuls,
     ``a2a_seconds(issue node)`` the link time of an all-to-all; ``other_link(node)``: the link time of a node
     that issues another collective on the same link (a gradient bucket's all-reduce), None for the rest (used
-    to check, on a graph with its buckets, that no all-to-all starts later than without them)."""
+    to check, on a graph with its buckets, that no all-to-all starts later than without them); ``fallback``:
+    the value of data-dependent sizes (:func:`mm_macs`); ``per_node``: seconds of every computing node
+    (:func:`is_compute`)."""
     from ..collectives.nodes import is_all_to_all as default_is_all_to_all, is_wait
 
     is_a2a = is_all_to_all or default_is_all_to_all
@@ -142,7 +178,7 @@ def estimate(gm: GraphModule, per_mac: float, a2a_seconds: Callable[[Node], floa
         elif is_wait(node) and node.args[0] in finish:
             t = max(t, finish[node.args[0]])
         else:
-            t += mm_macs(node) * per_mac
+            t += mm_macs(node, fallback) * per_mac + (per_node if is_compute(node) else 0.0)
     return Timeline(at, link_free, tuple(exchanges), t)
 
 
@@ -170,13 +206,13 @@ def place_buckets(gm: GraphModule, timeline: Timeline, earliest: Sequence[Node],
     return [output if p is None else p for p in points]
 
 
-def _a2a_seconds(models, world_of: Callable[[Node], int]) -> Callable[[Node], float]:
+def _a2a_seconds(models, world_of: Callable[[Node], int], fallback: int | None = None) -> Callable[[Node], float]:
     from ..collectives.emulated import link_seconds, sent_bytes
     from .cost_model import task_key
 
     def seconds(node: Node) -> float:
         value = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
-        nbytes = 0 if value is None else int(optimization_hint(value.numel())) * value.element_size()
+        nbytes = 0 if value is None else math.prod(_dims(value.shape, fallback)) * value.element_size()
         world = world_of(node)
         if node.target is getattr(getattr(torch.ops.moe, "emulated_all_to_all", None), "default", None):
             _, _, _, alpha_us, gbps = node.args
@@ -227,12 +263,16 @@ def timeline_issue_points(gm: GraphModule, buckets: Sequence, asap: Sequence[Nod
     layers = plan.report.get("bucket_layers") or [None] * len(buckets)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     earliest = [f if layer is not None and order[f] > order[a] else a for f, a, layer in zip(fsmoe, asap, layers)]
-    timeline = estimate(gm, experts.beta, _a2a_seconds(models, world_of))
+    # a data-dependent size is the capacity: the layers' planned rows per expert (C), the largest if they differ
+    rows = [p.shape.rows for p in plan.layer_plans if getattr(p, "shape", None) is not None]
+    fallback = max(rows) if rows else None
+    timeline = estimate(gm, experts.beta, _a2a_seconds(models, world_of, fallback), fallback=fallback,
+                        per_node=experts.alpha)
     seconds = [t_ar(b.nbytes) for b in buckets]
     points = place_buckets(gm, timeline, earliest, seconds)
     output = gm.graph.output_node()
     plan.report["timeline"] = {
-        "compute_s": timeline.end, "all_to_alls": len(timeline.exchanges),
+        "compute_s": timeline.end, "unbacked_rows": fallback, "all_to_alls": len(timeline.exchanges),
         "link_s": sum(e.finish - e.start for e in timeline.exchanges), "bucket_s": seconds,
         "at_end": sum(1 for p in points if p is output)}
     return points

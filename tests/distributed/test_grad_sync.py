@@ -14,7 +14,8 @@ every gradient, and the final weights, equal. Cases (2 gloo ranks, one spawn):
 - Inductor as the inner compiler, several buckets;
 
 then graph order (every bucket's all-reduce issued once, right after its last gradient, waited once
-before the return) and the errors: DDP around a model compiled with ``dp_group``. 4 ranks: ``ep_group``
+before the return; "timeline": no all-to-all of the graph's timeline estimate starts later with the buckets
+than without, asap's does) and the errors: DDP around a model compiled with ``dp_group``. 4 ranks: ``ep_group``
 = world, and ``ep_group`` two groups of 2 inside ``dp_group`` = world (experts replicated over the two
 expert groups).
 """
@@ -157,6 +158,8 @@ def _check_order(gm, placement: str) -> int:
         between = [n for n in gm.graph.nodes if last_grad[index] < order[n] < order[issue]]
         if placement == "asap":
             assert set(between) <= owned[index], f"bucket {index}: {[n.name for n in between]} before its issue"
+        elif placement == "timeline":
+            continue  # where is checked on the timeline estimate (_timeline_order)
         else:
             assert order[issue] > order[work[-1]], f"bucket {index} issued before the backward's end"
     return len(issues)
@@ -230,6 +233,66 @@ def _fsmoe_order(rank: int) -> list:
     return layers
 
 
+def _timeline_order(rank: int) -> list:
+    """dp_placement="timeline" on the 2-layer transformer compiled whole, equal to eager DDP; on the recorded
+    backward (right after grad_sync): every bucket issued once and waited once after all other work; the
+    timeline estimate of the graph WITH the buckets' all-reduces on the link books every all-to-all at the
+    same start as without them (no all-to-all delayed: the issue's rule), while the same buckets issued asap
+    do delay one (so the check can fail); at least one bucket issued before the last all-to-all (the idle
+    link is used). The issue positions (the same on both ranks)."""
+    import moe_compile
+    from moe_compile.collectives.nodes import is_all_to_all
+    from moe_compile.passes.grad_sync import BUCKET_META
+    from moe_compile.schedule.cost_model import CostModels
+    from moe_compile.schedule.grad_timeline import estimate
+
+    path = _fsmoe_models(rank)
+    models = CostModels.load(path)
+    options = {"ep_group": "world", "dp_group": "world", "dp_bucket_mb": 0.001, "cost_models": path}
+    graphs = {}
+    for placement in ("timeline", "asap"):
+        recorder = _Recorder()
+        moe_compile.register_pass(recorder, after="grad_sync")
+        try:
+            if placement == "timeline":
+                _case(rank, "transformer", {**options, "dp_placement": placement})
+            else:
+                torch._dynamo.reset()
+                model, loss_of, batch = _model("transformer")
+                compiled = torch.compile(model, backend="moe", fullgraph=True, options={
+                    "inner": "eager", **options, "dp_placement": placement})
+                loss_of(compiled(batch(rank, 0))).backward()
+        finally:
+            moe_compile.unregister_pass(recorder)
+        graphs[placement] = recorder.graphs[0]
+
+    def nbytes(node):
+        value = node.args[0].meta["val"]
+        return value.numel() * value.element_size()
+
+    def starts(gm, with_buckets: bool):
+        a2a, ar = models["all_to_all:flat:2"], models["all_reduce:2"]
+        link = {n: ar(nbytes(n)) for n in gm.graph.nodes if BUCKET_META in n.meta and not is_wait(n)}
+        tl = estimate(gm, models["experts"].beta, lambda n: a2a(nbytes(n)),
+                      other_link=link.get if with_buckets else None)
+        return [e.start for e in tl.exchanges]
+
+    from moe_compile.collectives.nodes import is_wait
+
+    gm = graphs["timeline"]
+    _check_order(gm, "timeline")
+    base = starts(gm, False)
+    assert len(base) >= 4 and starts(gm, True) == pytest.approx(base, rel=0, abs=1e-12), (base, starts(gm, True))
+    asap = graphs["asap"]
+    assert any(b > a + 1e-9 for a, b in zip(starts(asap, False), starts(asap, True))), "asap delays no all-to-all"
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    issues, _ = _bucket_nodes(gm)
+    last_a2a = max(order[n] for n in gm.graph.nodes if is_all_to_all(n))
+    positions = sorted(order[i] for (i,) in issues.values())
+    assert positions[0] < last_a2a, (positions, last_a2a)
+    return positions
+
+
 def _errors(rank: int, world_size: int = 2) -> list[str]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -263,7 +326,8 @@ def _two_ranks(rank: int, world_size: int) -> dict:
         _case(rank, "gshard", {"ep_group": "world", "dp_group": "world", "emulate_link": {"alpha_us": 10, "gbps": 1}}),
         _case(rank, "gshard", {"ep_group": "world", "dp_group": "world", "inner": "inductor", "dp_bucket_mb": 0.0005}),
     ]
-    return {"cases": done, "order": _graph_order(rank), "fsmoe": _fsmoe_order(rank), "errors": _errors(rank, world_size)}
+    return {"cases": done, "order": _graph_order(rank), "fsmoe": _fsmoe_order(rank),
+            "timeline": _timeline_order(rank), "errors": _errors(rank, world_size)}
 
 
 def _four_ranks(rank: int, world_size: int) -> list[str]:
@@ -281,6 +345,7 @@ def test_grad_sync_two_ranks():
     assert results[0]["cases"] == results[1]["cases"] and len(results[0]["cases"]) == 10
     assert results[0]["order"] == results[1]["order"]
     assert results[0]["fsmoe"] == results[1]["fsmoe"]
+    assert results[0]["timeline"] == results[1]["timeline"]
     assert "DistributedDataParallel" in results[0]["errors"][0]
 
 

@@ -110,3 +110,19 @@ def _with_buckets(gm, points, seconds):
             node = new.graph.call_function(AR, (x, "sum", "g"))
             node.meta["seconds"] = s
     return new
+
+
+def test_per_node_cost_counts_computing_nodes_only():
+    from moe_compile.schedule.grad_timeline import is_compute
+
+    gm, n = _tiny()
+    assert is_compute(n["mm_default"]) and not is_compute(n["wait_tensor_default"])
+    assert not is_compute(n["all_to_all_single_default"]) and not is_compute(n["x"])
+    graph = Graph()
+    a = graph.placeholder("a")
+    view = graph.call_function(torch.ops.aten.view.default, (a, [-1]))
+    gelu = graph.call_function(torch.ops.aten.gelu.default, (a,))
+    assert not is_compute(view) and is_compute(gelu)
+    # per MAC 0: only the two matmuls cost (1 s each); the exchanges 2 s: mm [0, 1], a2a [1, 3], mm [3, 4]
+    tl = estimate(gm, 0.0, lambda node: 2.0, per_node=1.0)
+    assert [e.start for e in tl.exchanges] == [1.0, 4.0] and tl.end == 6.0
