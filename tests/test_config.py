@@ -269,6 +269,7 @@ def test_bad_value_raises_config_error_naming_the_option(name, value):
     ({"esp_group": "world"}, "ep_group"),
     ({"dp_placement": "fsmoe"}, "dp_group"),
     ({"dp_placement": "end"}, "dp_group"),
+    ({"dp_placement": "timeline"}, "dp_group"),
     ({"parallelism": "adaptive", "ep_group": "world"}, "esp_group"),
 ])
 def test_option_that_would_do_nothing_names_the_option_it_needs(options, needs):
