@@ -11,7 +11,9 @@ FIFO), the training step of the examples' ``MoETransformer`` compiled whole with
 2. ``end``: ``options["dp_group"]``, every bucket's all-reduce at the end of the backward graph;
 3. ``asap``: each bucket issued as soon as its last gradient exists;
 4. ``fsmoe``: FSMoE's assignment (``dp_placement="fsmoe"``) on cost models of the link (α-β of the
-   all-to-all and all-reduce from the link's own parameters) and the experts timed here.
+   all-to-all and all-reduce from the link's own parameters) and the experts timed here;
+5. ``timeline``: that assignment completed on a timeline estimate of the backward graph, never delaying an
+   all-to-all (``dp_placement="timeline"``, moe_compile/schedule/grad_timeline.py), the same cost models.
 
 Calibration: the ``end`` variant on a free link gives Σ compute per phase; the link's bandwidth
 is set so that the backward's communication (two all-to-alls per layer plus the ring all-reduce
@@ -21,7 +23,10 @@ inside the backward, from the link's own bookings; above Σ backward comm when t
 after its α-β time, e.g. a rank issuing late), ``overlap`` = Σ backward compute + link busy −
 backward (the link time hidden under compute: 0 = fully serial, negative = idle time where neither
 computes, e.g. waiting for the other rank), ``bwd vs bound`` = backward / max(Σ backward compute,
-Σ backward comm) (the issue's target: ≤ 1.10), and the speedup over the DDP wrapper. Gradients of every
+Σ backward comm) (the issue's target: ≤ 1.10), and the speedup over the DDP wrapper. From the link's
+virtual clock (meaningful on a loaded machine): ``a2a queued`` (the backward's all-to-alls' total booked
+start − issue time, the wait behind earlier exchanges, e.g. a bucket, on the FIFO link) and ``link idle``
+(the backward's idle link time up to its last booked finish). Gradients of every
 variant are checked against ``end`` after the first step.
 
     python benchmarks/schedule_step.py --dp            # or: python benchmarks/grad_sync_step.py
