@@ -74,7 +74,12 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-__all__ = ["Exchange", "Timeline", "estimate", "is_compute", "mm_macs", "place_buckets", "timeline_issue_points"]
+__all__ = ["TIMELINE_META", "Exchange", "Timeline", "estimate", "is_compute", "mm_macs", "place_buckets",
+           "tensor_bytes", "timeline_issue_points"]
+
+#: ``GraphModule.meta`` key: what :func:`timeline_issue_points` estimated for this backward graph (the rows it
+#: gave data-dependent sizes, the per-MAC and per-op seconds, the buckets' link times)
+TIMELINE_META = "moe_grad_timeline"
 
 _MM = {torch.ops.aten.mm.default: "mm", torch.ops.aten.addmm.default: "addmm",
        torch.ops.aten.bmm.default: "bmm", torch.ops.aten.baddbmm.default: "baddbmm"}
@@ -206,13 +211,18 @@ def place_buckets(gm: GraphModule, timeline: Timeline, earliest: Sequence[Node],
     return [output if p is None else p for p in points]
 
 
+def tensor_bytes(value, fallback: int | None = None) -> int:
+    """Bytes of a (fake) tensor, a data-dependent size taken as ``fallback`` (:func:`mm_macs`)."""
+    return math.prod(_dims(value.shape, fallback)) * value.element_size()
+
+
 def _a2a_seconds(models, world_of: Callable[[Node], int], fallback: int | None = None) -> Callable[[Node], float]:
     from ..collectives.emulated import link_seconds, sent_bytes
     from .cost_model import task_key
 
     def seconds(node: Node) -> float:
         value = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
-        nbytes = 0 if value is None else math.prod(_dims(value.shape, fallback)) * value.element_size()
+        nbytes = 0 if value is None else tensor_bytes(value, fallback)
         world = world_of(node)
         if node.target is getattr(getattr(torch.ops.moe, "emulated_all_to_all", None), "default", None):
             _, _, _, alpha_us, gbps = node.args
@@ -271,8 +281,8 @@ def timeline_issue_points(gm: GraphModule, buckets: Sequence, asap: Sequence[Nod
     seconds = [t_ar(b.nbytes) for b in buckets]
     points = place_buckets(gm, timeline, earliest, seconds)
     output = gm.graph.output_node()
-    plan.report["timeline"] = {
-        "compute_s": timeline.end, "unbacked_rows": fallback, "all_to_alls": len(timeline.exchanges),
+    plan.report["timeline"] = gm.meta[TIMELINE_META] = {
+        "compute_s": timeline.end, "unbacked_rows": fallback, "per_mac_s": experts.beta, "per_op_s": experts.alpha, "all_to_alls": len(timeline.exchanges),
         "link_s": sum(e.finish - e.start for e in timeline.exchanges), "bucket_s": seconds,
         "at_end": sum(1 for p in points if p is output)}
     return points

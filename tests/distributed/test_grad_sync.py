@@ -244,10 +244,16 @@ def _timeline_order(rank: int) -> list:
     from moe_compile.collectives.nodes import is_all_to_all
     from moe_compile.passes.grad_sync import BUCKET_META
     from moe_compile.schedule.cost_model import CostModels
-    from moe_compile.schedule.grad_timeline import estimate
+    from moe_compile.schedule.grad_timeline import TIMELINE_META, estimate, tensor_bytes
 
-    path = _fsmoe_models(rank)
-    models = CostModels.load(path)
+    import tempfile
+
+    from moe_compile.schedule.cost_model import AlphaBeta
+
+    # an all-reduce of a 1 KiB bucket ≈ 40 µs: about an all-to-all's time, so a misplaced bucket delays one
+    models = CostModels({"all_to_all:flat:2": AlphaBeta(1e-4, 1e-9), "experts": AlphaBeta(1e-5, 1e-8),
+                         "all_reduce:2": AlphaBeta(1e-5, 3e-8)}, {"source": "test"})
+    path = str(models.save(Path(tempfile.mkdtemp()) / f"timeline{rank}.json"))
     options = {"ep_group": "world", "dp_group": "world", "dp_bucket_mb": 0.001, "cost_models": path}
     graphs = {}
     for placement in ("timeline", "asap"):
@@ -266,15 +272,18 @@ def _timeline_order(rank: int) -> list:
             moe_compile.unregister_pass(recorder)
         graphs[placement] = recorder.graphs[0]
 
+    report = graphs["timeline"].meta[TIMELINE_META]
+    rows = report["unbacked_rows"]  # the capacity the placement gave the data-dependent sizes
+    assert rows is not None and 0 < rows < 100, report
+
     def nbytes(node):
-        value = node.args[0].meta["val"]
-        return value.numel() * value.element_size()
+        return tensor_bytes(node.args[0].meta["val"], rows)
 
     def starts(gm, with_buckets: bool):
         a2a, ar = models["all_to_all:flat:2"], models["all_reduce:2"]
         link = {n: ar(nbytes(n)) for n in gm.graph.nodes if BUCKET_META in n.meta and not is_wait(n)}
-        tl = estimate(gm, models["experts"].beta, lambda n: a2a(nbytes(n)),
-                      other_link=link.get if with_buckets else None)
+        tl = estimate(gm, models["experts"].beta, lambda n: a2a(nbytes(n)), fallback=rows,
+                      per_node=models["experts"].alpha, other_link=link.get if with_buckets else None)
         return [e.start for e in tl.exchanges]
 
     from moe_compile.collectives.nodes import is_wait
