@@ -4,7 +4,7 @@
     moe_compile.hf.prepare(model)                                    # in place; returns model
     torch.compile(model, backend="moe", fullgraph=True)
 
-Two things stop Dynamo before the ``moe`` backend ever sees a transformers MoE model:
+Three things stop Dynamo before the ``moe`` backend ever sees a transformers MoE model:
 
 1. ``experts_implementation="eager"`` (transformers' per-expert loop ``for expert_idx in
    expert_hit`` over the rows of a ``nonzero()``: a loop of data-dependent length). ``prepare``
@@ -18,9 +18,15 @@ Two things stop Dynamo before the ``moe`` backend ever sees a transformers MoE m
    loop form the backend recognises (README, "Supported MoE patterns"). Same parameters, same
    result; an expert that receives no token contributes nothing, as before.
 
+3. switch_transformers' encoder stack (``SwitchTransformersStack``) builds its all-ones attention
+   mask only when Dynamo is *not* tracing (``if attention_mask is None and not
+   is_torchdynamo_compiling()``) and then subscripts it anyway (``attention_mask[:, None, None, :]``:
+   ``TypeError: 'NoneType' object is not subscriptable`` under Dynamo). ``prepare`` gives the stack a
+   forward that passes the mask eager would build (ones ``[B, S]``) when none is given; a decoder
+   stack, or a given mask, is passed through as it is.
+
 Families ``prepare`` cannot make capturable as a whole (longcat_flash's experts loop
-has no substitute yet; qwen4_exp's attention branches on a tensor value; switch_transformers'
-output capturing fails under Dynamo even with its experts substituted) are listed in
+has no substitute yet; qwen4_exp's attention branches on a tensor value) are listed in
 :data:`NO_SUBSTITUTE`; ``prepare`` says so at WARNING with the fix (and ``strict=True`` raises ``ValueError`` instead). transformers is never
 imported by this module: classes are matched by module and name.
 """
@@ -49,11 +55,6 @@ NO_SUBSTITUTE: dict[str, tuple[str, str]] = {
     "qwen4_exp": (
         "its attention branches on a tensor value (`if num_complete_blocks > 0:`), outside the MoE layers",
         "torch.compile without fullgraph=True, or torch.compile(layer.mlp, backend=\"moe\") on its MoE blocks alone",
-    ),
-    "switch_transformers": (
-        "transformers' output capturing (utils/output_capturing.py) raises a TypeError under Dynamo",
-        "torch.compile(layer.mlp, backend=\"moe\", fullgraph=True) on each SwitchTransformersSparseMLP after "
-        "moe_compile.hf.prepare(model)",
     ),
 }
 
@@ -219,5 +220,17 @@ def _stacked_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     return final
 
 
+def _switch_stack_forward(self, input_ids=None, attention_mask=None, *args, **kwargs):
+    """``SwitchTransformersStack``: an encoder called without ``attention_mask`` gets the all-ones ``[B, S]``
+    float mask its own forward builds outside Dynamo (and needs inside it); then the class's forward."""
+    if attention_mask is None and not self.is_decoder:
+        embeds = kwargs.get("inputs_embeds", args[2] if len(args) > 2 else None)
+        source = input_ids if input_ids is not None else embeds
+        if source is not None:
+            attention_mask = torch.ones(tuple(source.shape[:2]), device=source.device)
+    return type(self).forward(self, input_ids, attention_mask, *args, **kwargs)
+
+
 register_forward("DbrxExperts", _dbrx_experts_forward)
+register_forward("SwitchTransformersStack", _switch_stack_forward)
 register_forward("Step3p7Experts", _stacked_experts_forward)

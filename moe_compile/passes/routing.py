@@ -76,7 +76,7 @@ from .graph_utils import example_value, is_call, is_inplace, reachable, shape_of
 from .regions import NoMatch
 
 __all__ = [
-    "NotARouter", "Router", "capacity_argmax", "expert_tokens", "is_selection", "is_table_lookup", "read_router", "router_part", "same_size",
+    "NotARouter", "Router", "expert_tokens", "is_selection", "is_table_lookup", "read_router", "router_part", "same_size",
     "scales_expert_input", "selection_of",
 ]
 
@@ -101,6 +101,12 @@ class Router:
     form: str                       # how it routes, for the logs: "top-k", "top-1 by max, renormalised", ...
     #: ``gate_weights`` is a ``[T, E]`` tensor whose entries at the ids are the weights (dense scores)
     dense_weights: bool = False
+    #: a fixed expert capacity the router drops by, in token order (Switch's argmax router over all T tokens:
+    #: :mod:`.capacity_router`); None: the layer's own (from its ``[E, C, M]`` expert input, or dropless)
+    capacity: int | None = None
+    #: a 0/1 ``[.., E]`` mask of the choices the router keeps, when it drops by a capacity per sequence that the
+    #: canonical dispatch cannot express (the weights are multiplied by its rows: a dropped choice weighs 0)
+    kept: Node | None = None
 
 
 _CASTS = ("to", "type", "float", "double", "half", "bfloat16", "contiguous", "type_as")
@@ -131,23 +137,6 @@ def is_table_lookup(node: Node) -> bool:
     integer = lambda v: not v.is_floating_point() and not v.is_complex() and v.dtype is not torch.bool  # noqa: E731
     return (strip(table, methods=_CASTS).op in ("placeholder", "get_attr") and table_value.dim() == 2
             and integer(table_value) and integer(index_value) and value.dim() == 2)
-
-
-def capacity_argmax(node: Node) -> bool:
-    """A token-dropping top-1 router's ``argmax`` (Switch Transformer's, NLLB-MoE's top-2 as two argmaxes):
-    over the last dim of gate-linear ``[.., E]`` scores, its ids one-hot encoded over the E experts (then
-    positions by ``cumsum`` against an expert capacity). Not read as a router (:mod:`.detect` names the layer):
-    which tokens such a router drops depends on their order in the batch, a contract the canonical dispatch's
-    capacity does not share."""
-    if not is_call(node, torch.argmax, method=("argmax",)):
-        return False
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    shape = shape_of(node.args[0])
-    if shape is None or dim not in (-1, len(shape) - 1) or _gate_linear(node.args[0], shape[-1]) is None:
-        return False
-    one_hot = (F.one_hot, torch._C._nn.one_hot)
-    return any(is_call(u, *one_hot) for u in reachable([node], stop=lambda n: n is not node and not is_call(
-        n, method=_CASTS)))
 
 
 def selection_of(ids: Node) -> Node | None:
