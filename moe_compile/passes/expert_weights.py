@@ -96,7 +96,7 @@ def expert_mlp(region: list[Node], num_experts: int, topk: Node) -> tuple[Expert
             f"{len(downs)} reading another)"
         )
     down = downs[0]
-    h = strip(down.input, methods=_VIEWS)
+    h = _identity_dropout_input(strip(down.input, methods=_VIEWS))
     act_args: tuple[float, ...] = ()
     special = next(((name, found) for name, match in _GATED_FORMS if (found := match(h)) is not None), None)
     if special is not None:
@@ -128,6 +128,18 @@ def expert_mlp(region: list[Node], num_experts: int, topk: Node) -> tuple[Expert
 
 
 _VIEWS = ("to", "float", "contiguous", "unsqueeze", "squeeze", "view", "reshape")
+
+
+def _identity_dropout_input(h: object) -> object:
+    """What an expert MLP's dropout between its activation and its down projection reads, when that dropout
+    is the identity (``p = 0``, or not training: Switch Transformer's ``DenseActDense`` with
+    ``dropout_rate = 0``); ``h`` itself otherwise (a dropout that draws random numbers is no expert activation:
+    the layer is not matched)."""
+    if not is_call(h, F.dropout, torch.dropout, method=()):
+        return h
+    p = h.kwargs.get("p", h.args[1] if len(h.args) > 1 else 0.5)
+    training = h.kwargs.get("training", h.args[2] if len(h.args) > 2 else True)
+    return strip(h.args[0], methods=_VIEWS) if p == 0 or training is False else h
 _CLAMP = (torch.clamp, torch.clip)
 _ADD = (operator.add, torch.add)
 _MUL = (operator.mul, torch.mul)
