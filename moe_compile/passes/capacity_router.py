@@ -39,9 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from .graph_utils import is_call, shape_of, strip
+from .graph_utils import is_call, reachable, shape_of, strip
 from .regions import NoMatch
-from .routing import _CASTS, NotARouter, Router, _gate_linear, _router_nodes, same_size
+from .routing import _CASTS, NotARouter, Router, _gate_linear, _is_linear_like, _router_nodes, same_size
 
 __all__ = ["CapacityMask", "capacity_mask", "is_argmax", "read_argmax_router"]
 
@@ -120,6 +120,16 @@ def capacity_mask(ids: Node, num_experts) -> CapacityMask | None:
     return None
 
 
+def _first_pick(scores: Node) -> bool:
+    """The scores are masked where an earlier argmax's one-hot is set (``logits.masked_fill(hot.bool(), -inf)``):
+    this argmax is the second pick of a two-argmax router."""
+    scores = strip(scores, methods=_CASTS)
+    if not is_call(scores, torch.masked_fill, method=("masked_fill", "masked_fill_")) or len(scores.args) < 2:
+        return False
+    mask = strip(scores.args[1], methods=(*_CASTS, "bool"))
+    return is_call(mask, *_ONE_HOT, method=("one_hot",)) and is_argmax(strip(mask.args[0], methods=_CASTS))
+
+
 def _weights(argmax: Node, scores: Node) -> Node | None:
     """The chosen expert's score: ``max(scores, dim).values`` or ``scores.gather(dim, ids.unsqueeze(dim))``."""
     for user in scores.users:
@@ -145,8 +155,19 @@ def read_argmax_router(argmax: Node) -> Router:
     gate = _gate_linear(scores, num_experts)
     if gate is None:
         raise NotARouter(f"{argmax.name}: an argmax over scores that no gate linear computes")
-    if not any(is_call(u, *_ONE_HOT, method=("one_hot",)) for u in _users(argmax)):
+    hots = [u for u in _users(argmax) if is_call(u, *_ONE_HOT, method=("one_hot",))]
+    if not hots:
         raise NotARouter(f"{argmax.name}: an argmax whose ids no one-hot of the experts reads (a prediction)")
+    if _first_pick(scores):
+        raise NotARouter(f"{argmax.name}: the second pick of a two-argmax router (read with its first pick)")
+    second = next((n for n in reachable(hots, stop=lambda n: n not in hots and (is_argmax(n) or _is_linear_like(n)))
+                   if is_argmax(n)), None)
+    if second is not None:
+        raise NoMatch(
+            f"its router picks a second expert by a second argmax ({second.name}) over the scores without the first "
+            f"({argmax.name}): NLLB-MoE's top-2 router, its capacity positions of the second choices counted after "
+            "all first choices and its weights renormalised over the kept choices, is not read (only Switch's "
+            "top-1 argmax router is); the layer trains as written (equal to eager, not expert-parallel)")
     mask = capacity_mask(argmax, num_experts)
     weights = _weights(argmax, scores)
     if weights is None:
