@@ -99,12 +99,29 @@ def test_graph_break_inside_the_layer_is_named(caplog):
 
 
 def test_prepare_names_the_fix_where_it_has_no_substitute(caplog):
-    """switch_transformers: its experts get the substitute, but the whole model still cannot be captured:
-    a WARNING (strict: ValueError) names the fix."""
-    model = H.build("switch_transformers").model
+    """qwen4_exp: its attention branches on a tensor value, nothing prepare can substitute: a WARNING (strict:
+    ValueError) names the fix."""
+    model = H.build("qwen4_exp").model
     caplog.set_level(logging.WARNING, logger="moe_compile")
     hf.prepare(model)
-    assert any("switch_transformers cannot be captured by Dynamo" in r.getMessage()
-               and "on each SwitchTransformersSparseMLP" in r.getMessage() for r in caplog.records)
-    with pytest.raises(ValueError, match="use torch.compile\\(layer.mlp"):
+    assert any("qwen4_exp cannot be captured by Dynamo" in r.getMessage()
+               and "on its MoE blocks alone" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="use torch.compile without fullgraph=True"):
         hf.prepare(model, strict=True)
+
+
+@pytest.mark.slow
+def test_prepare_makes_switch_transformers_capturable():
+    """switch_transformers: its encoder stack subscripts an attention mask it builds only outside Dynamo;
+    prepared (the mask eager builds, and the experts loop substituted) it is captured whole, its Switch layers
+    rewritten, equal to eager."""
+    model = H.build("switch_transformers").model
+    with pytest.raises(Exception) as failure:
+        torch.compile(copy.deepcopy(model), backend="aot_eager", fullgraph=True)(_ids())
+    assert "NoneType" in hf.dynamo_failure_reason(failure.value)
+    torch._dynamo.reset()
+    reference = copy.deepcopy(model)
+    hf.prepare(model)
+    torch.testing.assert_close(model(_ids()), reference(_ids()), **H.TOL)
+    _compare(model, _ids())
+    assert moe_compile.counters["regions_rewritten"] == 2 == H.moe_layers_present(model)
