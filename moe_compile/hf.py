@@ -47,11 +47,6 @@ _FORWARDS: dict[str, Callable] = {}
 
 #: family → (why Dynamo cannot capture the whole model even after prepare, the fix); prepare warns with it.
 NO_SUBSTITUTE: dict[str, tuple[str, str]] = {
-    "longcat_flash": (
-        "its experts loop `for expert_idx_tensor in expert_hit` over nonzero() has no registered substitute yet",
-        "torch.compile without fullgraph=True (its MoE layers then stay eager), or a Dynamo-safe forward for its "
-        "experts module registered with moe_compile.hf.register_forward",
-    ),
     "qwen4_exp": (
         "its attention branches on a tensor value (`if num_complete_blocks > 0:`), outside the MoE layers",
         "torch.compile without fullgraph=True, or torch.compile(layer.mlp, backend=\"moe\") on its MoE blocks alone",
@@ -231,6 +226,28 @@ def _switch_stack_forward(self, input_ids=None, attention_mask=None, *args, **kw
     return type(self).forward(self, input_ids, attention_mask, *args, **kwargs)
 
 
+def _zero_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """``LongcatFlashExperts``: ``num_routed_experts`` SwiGLU experts (``gate_up_proj [E + Z, 2F, H]``, its first
+    E used, ``down_proj [E, H, F]``) and Z zero-computation experts, ids E .. E + Z - 1, whose output is the token
+    itself (``nn.Identity``). A choice of a zero-computation expert is sent to expert 0 with weight 0 (as Zaya's
+    skip expert) and its token added back scaled by its weight, after the routed experts (transformers adds the
+    identity experts' rows after the routed ones too, expert by expert)."""
+    final = torch.zeros_like(hidden_states)
+    if top_k_index.numel() == 0:
+        return final
+    identity = top_k_index >= self.num_routed_experts
+    ids = top_k_index.masked_fill(identity, 0)
+    weights = top_k_weights.masked_fill(identity, 0)
+    mask = torch.nn.functional.one_hot(ids, num_classes=self.num_routed_experts).permute(2, 1, 0)
+    for e in range(self.num_routed_experts):
+        top_k_pos, token_idx = torch.where(mask[e])
+        gate, up = torch.nn.functional.linear(hidden_states[token_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
+        current = torch.nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e])
+        final.index_add_(0, token_idx, (current * weights[token_idx, top_k_pos, None]).to(final.dtype))
+    return final + hidden_states * (top_k_weights * identity).sum(-1, keepdim=True).to(final.dtype)
+
+
 register_forward("DbrxExperts", _dbrx_experts_forward)
+register_forward("LongcatFlashExperts", _zero_experts_forward)
 register_forward("SwitchTransformersStack", _switch_stack_forward)
 register_forward("Step3p7Experts", _stacked_experts_forward)
