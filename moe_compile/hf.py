@@ -239,9 +239,10 @@ def _zero_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     ids = top_k_index.masked_fill(identity, 0)
     weights = top_k_weights.masked_fill(identity, 0)
     mask = torch.nn.functional.one_hot(ids, num_classes=self.num_routed_experts).permute(2, 1, 0)
+    gate_up_proj = self.gate_up_proj[: self.num_routed_experts]   # [E, 2F, H]: the rows of the routed experts
     for e in range(self.num_routed_experts):
         top_k_pos, token_idx = torch.where(mask[e])
-        gate, up = torch.nn.functional.linear(hidden_states[token_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
+        gate, up = torch.nn.functional.linear(hidden_states[token_idx], gate_up_proj[e]).chunk(2, dim=-1)
         current = torch.nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e])
         final.index_add_(0, token_idx, (current * weights[token_idx, top_k_pos, None]).to(final.dtype))
     return final + hidden_states * (top_k_weights * identity).sum(-1, keepdim=True).to(final.dtype)
