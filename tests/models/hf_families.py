@@ -187,7 +187,7 @@ EXPECTED: dict[tuple[str, str], str] = {
     ('lara_mini', 'grouped_mm'): 'rewritten',
     ('lfm2_moe', 'grouped_mm'): 'rewritten',
     ('llama4', 'grouped_mm'): 'rewritten',
-    ('longcat_flash', 'grouped_mm'): 'Dynamo cannot capture: data-dependent `for expert_idx_tensor in expert_hit:` in transformers/models/longcat_flash/modeling_longcat_flash.py, use torch.compile without fullgraph=True (its MoE layers then stay eager), or a Dynamo-safe forward for its experts module registered with moe_compile.hf.register_forward',
+    ('longcat_flash', 'grouped_mm'): 'needs moe_compile.hf.prepare(model), then rewritten',
     ('mellum', 'grouped_mm'): 'rewritten',
     ('mimo_v2_flash', 'grouped_mm'): 'rewritten',
     ('minimax', 'grouped_mm'): 'rewritten',
