@@ -59,7 +59,7 @@ def test_prepare_switches_eager_experts():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["nllb_moe", "dbrx"])
+@pytest.mark.parametrize("family", ["nllb_moe", "dbrx", "longcat_flash"])
 def test_prepare_substitutes_the_experts_loop(family):
     """A registered Dynamo-safe forward: the same parameters, the same logits and gradients, captured."""
     model = H.build(family).model
@@ -123,5 +123,22 @@ def test_prepare_makes_switch_transformers_capturable():
     reference = copy.deepcopy(model)
     hf.prepare(model)
     torch.testing.assert_close(model(_ids()), reference(_ids()), **H.TOL)
+    _compare(model, _ids())
+    assert moe_compile.counters["regions_rewritten"] == 2 == H.moe_layers_present(model)
+
+
+@pytest.mark.slow
+def test_longcat_zero_computation_experts_rewritten():
+    """longcat_flash prepared: its zero-computation (identity) experts are chosen on this batch, and both MoE
+    layers are rewritten (the routed experts canonical, the identity experts' tokens added as written)."""
+    model = H.build("longcat_flash").model
+    reference = copy.deepcopy(model)
+    chosen = []
+    for layer in reference.modules():
+        if type(layer).__name__ == "LongcatFlashMoE":
+            layer.router.register_forward_hook(lambda m, i, out: chosen.append(out[2]))
+    reference(_ids())
+    assert any((ids >= H.GENERIC["n_routed_experts"]).any() for ids in chosen), "no zero-computation expert chosen"
+    hf.prepare(model)
     _compare(model, _ids())
     assert moe_compile.counters["regions_rewritten"] == 2 == H.moe_layers_present(model)
