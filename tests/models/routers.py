@@ -15,6 +15,7 @@ expert, ``bmm`` on the gathered stacked weights, ``index_add`` back: dropless, a
 | :class:`ScoresBeforeMoE` | sigmoid of the top-k logits, multiplied into the sorted tokens *before* the experts, the outputs summed unweighted | torchtitan's ``score_before_experts`` (its Llama 4) |
 | :class:`HashMoE` | hash routing: each token id's experts a fixed row of a ``[V, k]`` table (a buffer), weights the sigmoid scores gathered at them, renormalised, scaled; no selection over scores | DeepSeek-V4's first layers (§2.1) |
 | :class:`SkipExpertMoE` | a router MLP (its gate linear reads no token tensor) over ``[B, S, E + 1]`` scores: the last class a skip expert, its choices sent to expert 0 with weight 0 | Zaya |
+| :class:`ZeroExpertsMoE` | top-k over E + Z classes, the last Z zero-computation experts (the token itself): their choices sent to expert 0 with weight 0 (``ids >= E``), the token added back scaled by their weights | LongCat-Flash (as ``moe_compile.hf.prepare`` writes its experts) |
 | :class:`SharedGammaMoE` | one gate linear for E routed and 1 shared expert; the k gathered logits and the shared one normalised together (``sigmoid`` / their sum, via ``logsigmoid`` and ``logsumexp``); the shared expert scaled by its share | Inkling |
 | :class:`SwitchCapacityMoE` | top-1 by ``argmax`` of the softmax, one-hot, ``cumsum`` positions ``<= C``: the tokens past an expert's capacity dropped (output 0), over all tokens or per sequence; weight the max probability; a ``ModuleList`` of ReLU experts looped over the kept one-hot | Switch Transformer (§2.1-2.2), transformers' ``SwitchTransformersSparseMLP`` |
 | :class:`DenseScoresMoE` | top-k logits scattered into ``-inf`` ``[T, E]`` scores, ``sigmoid``; every expert runs every token scaled by its score (``einsum`` over ``[E, T, M]``), summed over the experts | Llama 4 as transformers writes it |
@@ -201,6 +202,26 @@ class SkipExpertMoE(_RoutedMoE):
         tokens = x.reshape(-1, x.shape[-1])
         out = self.experts(tokens, ids.reshape(-1, self.top_k), weights.reshape(-1, self.top_k))
         return out.reshape(x.shape)
+
+
+class ZeroExpertsMoE(_RoutedMoE):
+    """``forward(x)``: E routed SwiGLU experts and Z zero-computation experts (ids E .. E + Z - 1, whose output
+    is the token itself); the gate linear scores E + Z classes."""
+
+    def __init__(self, model_dim, hidden_dim, num_experts=4, zero_experts=2, top_k=2):
+        super().__init__(model_dim, hidden_dim, num_experts, top_k)
+        self.router = nn.Linear(model_dim, num_experts + zero_experts, bias=False)
+
+    def route(self, x):
+        weights, ids = torch.topk(torch.softmax(self.router(x), dim=-1), self.top_k, dim=-1)
+        return ids, weights
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        ids, weights = self.route(tokens)
+        identity = ids >= self.num_experts
+        out = self.experts(tokens, ids.masked_fill(identity, 0), weights.masked_fill(identity, 0))
+        return (out + tokens * (weights * identity).sum(-1, keepdim=True)).reshape(x.shape)
 
 
 class SharedGammaMoE(_RoutedMoE):

@@ -17,7 +17,7 @@ import moe_compile
 from tests.helpers import CausalLMLogits
 from tests.models.routers import (
     BiasCorrectedMoE, DenseScoresMoE, GroupLimitedMoE, HashRouted, IndexedAttentionBlock, NoisyTopkMoE, ScoresBeforeMoE,
-    SharedGammaMoE, SkipExpertMoE, SoftmaxAfterTopkMoE, SwitchMaxMoE, TwoPickMoE,
+    SharedGammaMoE, SkipExpertMoE, SoftmaxAfterTopkMoE, SwitchMaxMoE, TwoPickMoE, ZeroExpertsMoE,
 )
 
 
@@ -123,6 +123,25 @@ def test_skip_expert_router_is_found_and_rewritten(tmp_path, caplog):
     routing = "top-k, selection-only bias, weights gathered from the unbiased scores, a skip expert (its choices weight 0)"
     found = [m for m in _messages(caplog, logging.INFO) if "found" in m]
     assert any("E=4, k=2" in m and f"routing: {routing})" in m for m in found), found
+    assert _dispatches(tmp_path) == 1
+
+
+def test_zero_computation_experts_are_read(tmp_path, caplog):
+    """LongCat-Flash's zero-computation experts: a top-k over E + Z classes whose last Z are the token itself;
+    read as E real experts (the Z filled to expert 0 with weight 0), the tokens added back as written; rewritten
+    and equal to eager on a batch that chooses them."""
+    caplog.set_level(logging.INFO, logger="moe_compile")
+    torch.manual_seed(0)
+    model = ZeroExpertsMoE(16, 24)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        ids, _ = model.route(x.reshape(-1, 16))
+    assert (ids >= 4).any() and (ids < 4).any(), "the test needs zero-computation experts chosen and not"
+    _compare(model, x, train=False, tmp_path=tmp_path)
+    assert moe_compile.counters["regions_rewritten"] == moe_compile.counters["regions_found"] == 1
+    assert not _messages(caplog, logging.WARNING)
+    found = [m for m in _messages(caplog, logging.INFO) if "found" in m]
+    assert any("E=4, k=2" in m and "2 zero-computation experts (their choices weight 0))" in m for m in found), found
     assert _dispatches(tmp_path) == 1
 
 
