@@ -25,8 +25,12 @@ Three things stop Dynamo before the ``moe`` backend ever sees a transformers MoE
    forward that passes the mask eager would build (ones ``[B, S]``) when none is given; a decoder
    stack, or a given mask, is passed through as it is.
 
-Families ``prepare`` cannot make capturable as a whole (longcat_flash's experts loop
-has no substitute yet; qwen4_exp's attention branches on a tensor value) are listed in
+   longcat_flash's ``LongcatFlashExperts`` (a loop over ``nonzero()`` that picks between its SwiGLU experts
+   and its zero-computation, identity, experts by the expert id's value) gets one too: its routed experts
+   looped over ``range(E)``, the identity experts' tokens added back scaled by their weights.
+
+Families ``prepare`` cannot make capturable as a whole (qwen4_exp's attention branches on a tensor
+value) are listed in
 :data:`NO_SUBSTITUTE`; ``prepare`` says so at WARNING with the fix (and ``strict=True`` raises ``ValueError`` instead). transformers is never
 imported by this module: classes are matched by module and name.
 """
