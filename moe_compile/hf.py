@@ -52,8 +52,10 @@ _FORWARDS: dict[str, Callable] = {}
 #: family → (why Dynamo cannot capture the whole model even after prepare, the fix); prepare warns with it.
 NO_SUBSTITUTE: dict[str, tuple[str, str]] = {
     "qwen4_exp": (
-        "its attention branches on a tensor value (`if num_complete_blocks > 0:`), outside the MoE layers",
-        "torch.compile without fullgraph=True, or torch.compile(layer.mlp, backend=\"moe\") on its MoE blocks alone",
+        "its attention's token indexer (Qwen4ExpTextQSAIndexer) loops over every query with nonzero() of the mask "
+        "and a top-k of data-dependent size (`if num_complete_blocks > 0:`), outside the MoE layers",
+        "torch.compile without fullgraph=True (the graph breaks stay in the indexer; the MoE blocks are rewritten), "
+        "or torch.compile(layer.mlp, backend=\"moe\") on its MoE blocks alone",
     ),
 }
 

@@ -142,3 +142,21 @@ def test_longcat_zero_computation_experts_rewritten():
     hf.prepare(model)
     _compare(model, _ids())
     assert moe_compile.counters["regions_rewritten"] == 2 == H.moe_layers_present(model)
+
+
+@pytest.mark.slow
+def test_qwen4_exp_without_fullgraph_rewrites_its_moe_blocks():
+    """qwen4_exp's fix as prepare names it: without fullgraph Dynamo breaks the graph in the attention's token
+    indexer only; both MoE blocks are rewritten, equal to eager forward and backward."""
+    model = H.build("qwen4_exp").model
+    eager = copy.deepcopy(model)
+    hf.prepare(model)
+    out_c, out_e = torch.compile(model, backend="moe", options=H.OPTIONS)(_ids()), eager(_ids())
+    torch.testing.assert_close(out_c, out_e, **H.TOL)
+    out_c.pow(2).mean().backward()
+    out_e.pow(2).mean().backward()
+    for (name, p_c), (_, p_e) in zip(model.named_parameters(), eager.named_parameters()):
+        if p_e.grad is not None:
+            torch.testing.assert_close(p_c.grad, p_e.grad, **H.TOL, msg=lambda m: f"grad of {name}: {m}")
+    assert moe_compile.counters["graphs"] > 1   # the indexer's graph breaks
+    assert moe_compile.counters["regions_rewritten"] == 2 == H.moe_layers_present(model)
