@@ -173,7 +173,10 @@ def dynamo_failure_reason(error: BaseException) -> str:
 
 def _module_dict_experts_forward(self, hidden_states, router_mask, router_probs):
     """``NllbMoeExperts`` / ``SwitchTransformersExperts`` (a ``ModuleDict`` of ``expert_<e>``):
-    ``router_mask`` is ``[T, k]`` expert ids (nllb) or a ``[T, k, E]`` one-hot (switch)."""
+    ``router_mask`` is a ``[T, k, E]`` one-hot (switch), or what ``NllbMoeSparseMLP`` passes, one-hot encoded
+    as transformers does: its kept top-1 one-hot ``[T, E]``, read as ``[T, E]`` expert ids in {0, 1} (so
+    transformers 5.24's NLLB-MoE runs expert_1 weighted by each token's first choice and expert_0 by its
+    second, whatever the router chose; reproduced as is)."""
     out = torch.zeros_like(hidden_states)
     if router_mask.dim() == hidden_states.dim():   # nllb: ids → one-hot
         router_mask = torch.nn.functional.one_hot(router_mask, num_classes=self.num_experts)
