@@ -172,3 +172,22 @@ def test_two_argmax_router_is_named(caplog):
     x = torch.randn(3, 16)
     torch.testing.assert_close(compiled(x), torch.argmax(head(x), dim=-1))
     assert not _warnings(caplog)
+
+
+def test_switch_capacity_varying_batch_shapes(caplog):
+    """A second batch shape recompiles with dynamic sizes (B, S symbolic): both forms stay rewritten and equal to
+    eager; per sequence with a symbolic B the dropped tokens weigh 0 (a B of 1 is not assumed)."""
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    for per_sequence in (False, True):
+        torch._dynamo.reset()
+        moe_compile.counters.clear()
+        torch.manual_seed(3)
+        model = SwitchCapacityMoE(16, 24, num_experts=4, capacity=2, per_sequence=per_sequence)
+        eager = copy.deepcopy(model)
+        compiled = torch.compile(model, backend="moe", fullgraph=True, options=OPTIONS)
+        for shape in ((2, 6, 16), (3, 5, 16), (1, 9, 16)):
+            x = torch.randn(shape)
+            assert _dropped(eager, x) > 0
+            torch.testing.assert_close(compiled(x), eager(x), msg=lambda m: f"{per_sequence} {shape}: {m}")
+        assert moe_compile.counters["regions_rewritten"] == moe_compile.counters["graphs"] >= 2
+    assert not _warnings(caplog)
