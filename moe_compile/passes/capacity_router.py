@@ -23,8 +23,9 @@ k = 1, so it is exactly the canonical dispatch with a fixed capacity::
             ``kept`` (1 kept, 0 dropped), so a dropped token adds 0 and gets no gradient, as in eager.
 
 Older transformers versions (and Switch's Mesh-TensorFlow code) let a dropped token pass through the
-layer scaled by its router probability instead; such a layer computes something else than the canonical
-form and the region check (``canonicalize.verify``) leaves it as written, naming the op that differs.
+layer scaled by its router probability instead (the experts' outputs written into a copy of the tokens,
+:func:`pass_through_copy`); such a layer computes something else than the canonical form: :mod:`.detect`
+names it (NoMatch), and the region check (``canonicalize.verify``) would leave it as written anyway.
 
 An ``argmax`` whose ids no one-hot of the experts reads (a classifier's prediction) is no router
 (:class:`~.routing.NotARouter`); a one-hot whose ``cumsum`` is compared in a form this module does not
@@ -43,7 +44,7 @@ from .graph_utils import is_call, reachable, shape_of, strip
 from .regions import NoMatch
 from .routing import _CASTS, NotARouter, Router, _gate_linear, _is_linear_like, _router_nodes, same_size
 
-__all__ = ["CapacityMask", "capacity_mask", "is_argmax", "read_argmax_router"]
+__all__ = ["CapacityMask", "capacity_mask", "is_argmax", "pass_through_copy", "read_argmax_router"]
 
 _ONE_HOT = (F.one_hot, torch._C._nn.one_hot)
 
@@ -128,6 +129,22 @@ def _first_pick(scores: Node) -> bool:
         return False
     mask = strip(scores.args[1], methods=(*_CASTS, "bool"))
     return is_call(mask, *_ONE_HOT, method=("one_hot",)) and is_argmax(strip(mask.args[0], methods=_CASTS))
+
+
+def pass_through_copy(region: list[Node], tokens: Node) -> Node | None:
+    """The copy of the tokens the layer writes its experts' outputs into (``next = x.clone()`` then
+    ``next[rows] = expert(x[rows])``, ``index_put``): the Switch form whose dropped tokens pass through (older
+    transformers versions, Mesh TensorFlow), or None."""
+    members = set(region)
+    for node in region:
+        if not (is_call(node, torch.clone, method=("clone",)) and strip(node.args[0], methods=_CASTS) is tokens):
+            continue
+        for user in node.users:
+            if user in members and user.args and user.args[0] is node and (
+                    user.target is operator.setitem
+                    or is_call(user, torch.index_put, method=("index_put", "index_put_", "index_copy", "index_copy_"))):
+                return node
+    return None
 
 
 def _weights(argmax: Node, scores: Node) -> Node | None:

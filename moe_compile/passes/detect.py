@@ -49,7 +49,7 @@ from .graph_utils import example_value, module_region, region_boundary, shape_of
 from .manager import PassResult
 from .checkpoint_bodies import checkpoint_bodies
 from .regions import MoERegion, NoMatch, Skip
-from .capacity_router import is_argmax, read_argmax_router
+from .capacity_router import is_argmax, pass_through_copy, read_argmax_router
 from .routing import (
     NotARouter, Router, expert_tokens, is_selection, read_router, router_part, same_size, scales_expert_input,
     selection_of,
@@ -270,6 +270,13 @@ def _match(graph: Graph, router: Router) -> MoERegion:
             continue
         experts, expert_input = expert_mlp(region, router.num_experts, selection)
         tokens = expert_tokens(router, expert_input)
+        copy = pass_through_copy(region, tokens) if router.capacity is not None or router.kept is not None else None
+        if copy is not None:
+            raise NoMatch(
+                f"its dropped tokens pass through: the experts' outputs are written into a copy of the tokens "
+                f"({copy.name} = {tokens.name}.clone()), so a token past the expert capacity keeps its input (Switch "
+                "as older transformers versions write it); the canonical dispatch's dropped tokens add 0. Not "
+                "rewritten; the layer trains as written (equal to eager, not expert-parallel)")
         scaled_before = scales_expert_input(router, expert_input, tokens)
         in_shape = shape_of(expert_input)
         if scaled_before and in_shape is not None and len(in_shape) == 3 and same_size(

@@ -117,7 +117,8 @@ class _PassThroughSwitch(nn.Module):
 
 def test_dropped_tokens_passing_through_stay_as_written(caplog):
     """The pass-through form computes something the canonical form does not (a dropped token's output is its
-    input times its probability, not 0): left as written with the reason, equal to eager."""
+    input times its probability, not 0): named (its experts write into a copy of the tokens), left as written,
+    equal to eager."""
     caplog.set_level(logging.WARNING, logger="moe_compile")
     torch.manual_seed(0)
     model = _PassThroughSwitch()
@@ -126,7 +127,7 @@ def test_dropped_tokens_passing_through_stay_as_written(caplog):
     _compare(model, x)
     assert moe_compile.counters["regions_rewritten"] == 0
     (warning,) = _warnings(caplog)
-    assert "left unchanged" in warning, warning
+    assert "left unchanged: its dropped tokens pass through" in warning, warning
 
 
 class _TwoArgmaxRouter(nn.Module):
