@@ -126,3 +126,24 @@ def test_per_node_cost_counts_computing_nodes_only():
     # per MAC 0: only the two matmuls cost (1 s each); the exchanges 2 s: mm [0, 1], a2a [1, 3], mm [3, 4]
     tl = estimate(gm, 0.0, lambda node: 2.0, per_node=1.0)
     assert [e.start for e in tl.exchanges] == [1.0, 4.0] and tl.end == 6.0
+
+
+def test_link_bookings_carry_issue_time_and_kind():
+    """The emulated link's bookings (what benchmarks/grad_sync_step.py's "a2a queued" reads): an exchange
+    issued while the link is busy is booked at the previous one's finish; ``queued`` = start − issue."""
+    from moe_compile.collectives.emulated import _LinkThread
+
+    class Done:
+        def wait(self):
+            return True
+
+    link, bookings = _LinkThread(), []
+    link.bookings = bookings
+    out = torch.zeros(1)
+    first = link.submit(Done(), out, 0.2, kind="all_reduce")
+    second = link.submit(Done(), out, 0.01)
+    first.wait(), second.wait()
+    a, b = bookings
+    assert (a.kind, b.kind) == ("all_reduce", "all_to_all")
+    assert a.issued <= a.start and b.start == pytest.approx(a.finish)
+    assert b.queued == pytest.approx(b.start - b.issued) and b.queued > 0.1   # waited behind the 0.2 s bucket
