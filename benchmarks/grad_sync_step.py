@@ -144,7 +144,11 @@ def _experts_model(args, world: int):
             samples.append(time.perf_counter() - start)
         seconds.append(statistics.median(samples))
         sizes.append(local * rows * args.dim * args.hidden * 2)
-    return AlphaBeta.fit(sizes, seconds)
+    # the same model on every rank (the slowest rank's times): "fsmoe" and "timeline" place the buckets from
+    # it, and ranks that placed them differently would issue their collectives in different orders and hang
+    agreed = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return AlphaBeta.fit(sizes, agreed.tolist())
 
 
 def _run_rank(rank: int, world: int, args) -> list[dict]:

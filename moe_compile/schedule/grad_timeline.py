@@ -58,6 +58,11 @@ is tried no earlier than its layer's first exchange's wait (where FSMoE puts it)
 overlap with dense operations of FSMoE's Figure (b), which FSMoE keeps). Both are subject to the "never
 delay an all-to-all" rule, which FSMoE's model of a layer's gap does not check against the graph.
 
+Every rank must see the same cost models (the same file, or values agreed across the ranks before it is
+written): the placement is computed on each rank, and ranks that place the buckets differently issue
+their collectives in different orders and hang (as with "fsmoe"; ``benchmarks/grad_sync_step.py`` agrees
+its experts timing across the ranks for this reason).
+
 Why a new ``dp_placement`` value ("timeline") and not a change of "fsmoe": "fsmoe" stays the paper's
 placement, a reference that the benchmark (``benchmarks/grad_sync_step.py``) compares against and whose
 graph-order tests pin where the paper issues a bucket; "timeline" is the paper's assignment plus the
