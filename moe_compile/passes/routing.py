@@ -35,7 +35,7 @@ What is recognised, and how:
   (weights from the unbiased scores when the bias served selection only) through
   routing-only math: casts, reshapes, scaling, renormalisation by their own sum, ``sigmoid`` of the
   top-k logits (Llama 4), ``softmax`` over the k choices (softmax after the top-k), ``cat`` of per-pick
-  weights. The walk stops before anything that reads the expert ids otherwise (a
+  weights, a learned scale per expert read at the ids (Gemma 4's ``w * per_expert_scale[ids]``). The walk stops before anything that reads the expert ids otherwise (a
   capacity mask): dropping is the dispatch's job.
 * **Dense scores** (Llama 4): the selection's values scattered into a ``[T, E]`` tensor that holds a
   constant everywhere else (``full_like(logits, -inf).scatter_(1, ids, vals)``), then elementwise math
@@ -53,7 +53,8 @@ What is recognised, and how:
   reported.
 * **Tokens** are what the gate linear reads, before casts; when the experts read an
   earlier tensor (Switch input jitter: the router reads ``x * uniform(1 ± eps)``, the
-  experts ``x``) that one (:func:`expert_tokens`).
+  experts ``x``) that one (:func:`expert_tokens`); a product whose other factor is computed from ``x``
+  (an RMSNorm's ``x * rsqrt(mean(x²))``, Gemma 4's router norm) is no jitter: the experts' own input then.
 
 Contract: only reads the graph. A selection with a gate linear that does not match
 raises :class:`~moe_compile.passes.regions.NoMatch` naming the node where matching
@@ -258,6 +259,8 @@ def expert_tokens(router: Router, expert_input: Node) -> Node:
     node = router.tokens
     while is_call(node, operator.mul, operator.imul, torch.mul, method=("mul", "mul_")):
         same = [strip(a, methods=_CASTS) for a in node.args if isinstance(a, Node) and _same_shape(shape_of(a), shape)]
+        if len(same) == 1 and _computed_from(node, same[0]):
+            break   # a norm (``x * rsqrt(mean(x²))``) or a gate of x itself, not noise: x is not the tokens
         candidates += same
         if len(same) != 1:
             break
@@ -267,6 +270,18 @@ def expert_tokens(router: Router, expert_input: Node) -> Node:
                               stop=lambda n: n is router.gate or n in router.nodes or n < earliest)
     found = next((c for c in candidates if c in beside_router), None)
     return found if found is not None else _gathered_rows(expert_input, router) or router.tokens
+
+
+#: factories whose values do not depend on their input's values (``empty_like(x).uniform_(..)``: noise)
+_SHAPE_ONLY = (torch.empty_like, torch.zeros_like, torch.ones_like, torch.rand_like, torch.randn_like, torch.full_like)
+
+
+def _computed_from(product: Node, factor: Node) -> bool:
+    """Whether another factor of ``product`` is computed from the values of ``factor`` (RMSNorm's
+    ``x * pow(mean(x²) + eps, -0.5)``); Switch's jitter ``x * empty_like(x).uniform_(..)`` reads x's shape only."""
+    others = [a for a in product.args if isinstance(a, Node) and strip(a, methods=_CASTS) is not factor]
+    shape_only = lambda n: is_call(n, *_SHAPE_ONLY, method=("new_empty", "new_zeros", "new_ones", "new_full"))  # noqa: E731
+    return any(factor in _ancestors([a], stop=lambda n: n is factor or shape_only(n)) for a in others)
 
 
 def _gathered_rows(expert_input: Node, router: Router) -> Node | None:
@@ -445,6 +460,9 @@ def _describe(selection: Node, selections: tuple[Node, ...], picks: list[Node], 
         kinds.append("softmax after the selection")
     if any(is_call(n, operator.truediv, operator.itruediv, torch.div, method=("div", "div_")) for n in chain):
         kinds.append("renormalised")
+    ids = _getitem(selection, 1)
+    if ids is not None and any(isinstance(a, Node) and _per_expert_scale(a, ids, n) for n in chain for a in n.args):
+        kinds.append("a per-expert scale")
     return ", ".join(kinds)
 
 
@@ -634,15 +652,34 @@ def _weights_step(user: Node, node: Node, chain: list[Node], ids: Node) -> bool:
 
 
 def _reads_ids_only_through(user: Node, chain: list[Node], ids: Node) -> bool:
-    """``user`` reads the expert ids other than through the weights ``chain`` (a capacity mask does)."""
+    """``user`` reads the expert ids other than through the weights ``chain`` (a capacity mask does); a
+    per-expert scale read at the ids (:func:`_per_expert_scale`) is routing math, not such a read."""
     cut = set(chain)
+    scaled = is_call(user, operator.mul, operator.imul, torch.mul, method=("mul", "mul_"))
     for other in user.all_input_nodes:
-        if other in cut:
+        if other in cut or (scaled and _per_expert_scale(other, ids, chain[-1])):
             continue
         # nothing before the ids in the graph's order can read them: the walk stops there
         if ids in reachable([other], forward=False, stop=lambda n: n in cut or n < ids):
             return True
     return False
+
+
+def _per_expert_scale(node: Node, ids: Node, weights: Node) -> bool:
+    """``node`` is a learned scale per expert read at the expert ids, shaped like the weights (Gemma 4's
+    ``top_k_weights * per_expert_scale[top_k_index]``): a float ``[E]`` parameter or buffer indexed by
+    ``ids`` or by what they are reshaped from. It depends on the ids only through the choice itself, as the
+    weights do (a capacity mask, by contrast, reads their order in the batch)."""
+    node = strip(node, methods=_CASTS)
+    if not (isinstance(node, Node) and node.op == "call_function" and node.target is operator.getitem
+            and len(node.args) == 2 and isinstance(node.args[1], Node)):
+        return False
+    table, index = strip(node.args[0], methods=_CASTS), node.args[1]
+    value, shape = example_value(table), shape_of(table)
+    return (_on_parameter(table) and isinstance(value, torch.Tensor) and value.is_floating_point()
+            and shape is not None and len(shape) == 1
+            and index in reachable([ids], forward=False, stop=is_selection)
+            and _same_shape(shape_of(node), shape_of(weights)))
 
 
 def _is_autograd_function(node: Node) -> bool:

@@ -17,8 +17,8 @@ from torch import nn
 import moe_compile
 from tests.helpers import CausalLMLogits
 from tests.models.routers import (
-    BiasCorrectedMoE, DenseScoresMoE, GroupLimitedMoE, HashRouted, IndexedAttentionBlock, NoisyTopkMoE, ScoresBeforeMoE,
-    SharedGammaMoE, SkipExpertMoE, SoftmaxAfterTopkMoE, SwitchMaxMoE, TwoPickMoE,
+    BiasCorrectedMoE, DenseScoresMoE, GroupLimitedMoE, HashRouted, IndexedAttentionBlock, NoisyTopkMoE, PerExpertScaleMoE,
+    ScoresBeforeMoE, SharedGammaMoE, SkipExpertMoE, SoftmaxAfterTopkMoE, SwitchMaxMoE, TwoPickMoE,
 )
 
 
@@ -66,6 +66,8 @@ FORMS = {
     "bias-corrected": (lambda: BiasCorrectedMoE(16, 24), False,
                        "top-k, selection-only bias, weights gathered from the unbiased scores, renormalised"),
     "softmax-after-topk": (lambda: SoftmaxAfterTopkMoE(16, 24, 6), False, "top-k, softmax after the selection"),
+    # Gemma 4: the router's RMSNorm (x · rsqrt(mean(x²))) is no input jitter: the experts read their own norm
+    "per-expert-scale": (lambda: PerExpertScaleMoE(16, 24), False, "top-k, renormalised, a per-expert scale"),
     "switch-max": (lambda: SwitchMaxMoE(16, 24), False, "top-1 by max"),
     "switch-max-jitter": (lambda: SwitchMaxMoE(16, 24, jitter=0.2), True, "top-1 by max"),
     "noisy-topk": (lambda: NoisyTopkMoE(16, 24), True, "top-k, softmax after the selection"),
