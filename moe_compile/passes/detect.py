@@ -272,7 +272,7 @@ def _match(graph: Graph, router: Router) -> MoERegion:
         output, hidden = _layer_output(inputs, outputs)
         if output is None:
             continue
-        experts, expert_input = expert_mlp(region, router.num_experts, selection)
+        experts, expert_input = expert_mlp(region, router.num_experts, selection, router.gate_weights)
         tokens = expert_tokens(router, expert_input)
         scaled_before = scales_expert_input(router, expert_input, tokens)
         in_shape = shape_of(expert_input)

@@ -53,11 +53,13 @@ class _Linear:
     bias: Node | None = None  # the bias parameter ([E, out] stacked, [out] per expert)
 
 
-def expert_mlp(region: list[Node], num_experts: int, topk: Node) -> tuple[ExpertMLP, Node]:
+def expert_mlp(region: list[Node], num_experts: int, topk: Node,
+               gate_weights: Node | None = None) -> tuple[ExpertMLP, Node]:
     """Read the expert function: ``down(act(up1(x)) [* up3(x)])`` over expert-indexed weights.
 
     Only linears downstream of the router's ``topk`` are expert candidates (the
-    router's own linear, or a shared layer before it, never is).
+    router's own linear, or a shared layer before it, never is). With ``gate_weights``, an expert
+    output normalised per row before they weigh it is no such function (:func:`_row_reduction_after`).
     """
     after_router = reachable(topk.users)
     linears = []
@@ -96,6 +98,14 @@ def expert_mlp(region: list[Node], num_experts: int, topk: Node) -> tuple[Expert
             f"{len(downs)} reading another)"
         )
     down = downs[0]
+    reduction = _row_reduction_after(down.output, gate_weights, set(region)) if gate_weights is not None else None
+    if reduction is not None:
+        raise NoMatch(
+            f"its experts normalise each output row before the gate weights weigh it ({reduction.name} = "
+            f"{_op_name(reduction)} over the features of the down projection {down.node.name}'s output: a "
+            "post-expert norm, as MuseSpark's post_expert_norm); moe.experts computes down(act(up(x))) with no "
+            "post-expert norm, so the layer is not rewritten"
+        )
     h = strip(down.input, methods=_VIEWS)
     act_args: tuple[float, ...] = ()
     special = next(((name, found) for name, match in _GATED_FORMS if (found := match(h)) is not None), None)
@@ -128,6 +138,36 @@ def expert_mlp(region: list[Node], num_experts: int, topk: Node) -> tuple[Expert
 
 
 _VIEWS = ("to", "float", "contiguous", "unsqueeze", "squeeze", "view", "reshape")
+
+#: reductions over a row's features (a norm's statistics), as functions and as methods
+_ROW_REDUCTIONS = (torch.mean, torch.sum, torch.var, torch.std, torch.norm, torch.linalg.vector_norm, torch.amax,
+                   torch.logsumexp)
+_ROW_REDUCTION_METHODS = ("mean", "sum", "var", "std", "norm", "amax", "logsumexp")
+_ROW_NORMS = (F.layer_norm, F.rms_norm, F.normalize)
+
+
+def _row_reduction_after(down_output: Node, gate_weights: Node, members: set[Node]) -> Node | None:
+    """A reduction over the last dim (or a layer / RMS norm) computed from the down projection's output
+    before it meets the gate weights: the experts' rows normalised (MuseSpark's ``post_expert_norm``, an
+    RMSNorm of each expert's output), which ``moe.experts`` does not compute. None when the output goes
+    to its weighting through row-wise math only (a bias, casts, the un-permutation)."""
+    weighted = reachable([gate_weights], stop=lambda n: n not in members)
+    before = reachable([down_output], stop=lambda n: n in weighted or n not in members) - weighted
+    for node in sorted(before):
+        if is_call(node, *_ROW_NORMS):
+            return node
+        if not is_call(node, *_ROW_REDUCTIONS, method=_ROW_REDUCTION_METHODS):
+            continue
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        shape = shape_of(node.args[0])
+        dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+        if shape is not None and any(isinstance(d, int) and d in (-1, len(shape) - 1) for d in dims):
+            return node
+    return None
+
+
+def _op_name(node: Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
 _CLAMP = (torch.clamp, torch.clip)
 _ADD = (operator.add, torch.add)
 _MUL = (operator.mul, torch.mul)

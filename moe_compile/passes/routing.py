@@ -248,12 +248,16 @@ def _read_hash_router(lookup: Node) -> Router:
 
 
 def expert_tokens(router: Router, expert_input: Node) -> Node:
-    """The ``[T, M]`` tokens the experts read: the gate linear's input, or the tensor it was jittered from.
+    """The ``[T, M]`` tokens the experts read: the rows they gather (:func:`_gathered_rows`), else the gate
+    linear's input, or the tensor it was jittered from.
 
     Switch input jitter multiplies the router's input by ``uniform(1 - eps, 1 + eps)`` while the experts read
     the tokens as they were: walk back through such products (same shape) to the first tensor that the
     expert input reads other than through the router.
     """
+    rows = _gathered_rows(expert_input, router)
+    if rows is not None:   # what the experts index is what they read, whatever the gate reads
+        return rows
     candidates = [router.tokens]          # the gate's input, then what each product of it multiplies
     shape = shape_of(router.tokens)
     node = router.tokens
@@ -269,7 +273,7 @@ def expert_tokens(router: Router, expert_input: Node) -> Node:
     beside_router = reachable([expert_input], forward=False,
                               stop=lambda n: n is router.gate or n in router.nodes or n < earliest)
     found = next((c for c in candidates if c in beside_router), None)
-    return found if found is not None else _gathered_rows(expert_input, router) or router.tokens
+    return found if found is not None else router.tokens
 
 
 #: factories whose values do not depend on their input's values (``empty_like(x).uniform_(..)``: noise)
@@ -284,12 +288,23 @@ def _computed_from(product: Node, factor: Node) -> bool:
     return any(factor in _ancestors([a], stop=lambda n: n is factor or shape_only(n)) for a in others)
 
 
+def _repeated_rows(node: Node) -> bool:
+    """``x.repeat_interleave(k, dim=0)`` / ``torch.repeat_interleave(x, k, dim=0)``: each row k times."""
+    if not is_call(node, torch.repeat_interleave, method=("repeat_interleave",)):
+        return False
+    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
+    return dim == 0 and isinstance(node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats"), int)
+
+
 def _gathered_rows(expert_input: Node, router: Router) -> Node | None:
-    """When the router is a deeper MLP (Zaya's: a down projection, norm, two GELU linears, then the gate
-    linear) its gate reads no token tensor: the ``[T, M]`` tensor whose rows the experts gather
-    (``x[rows]``, through casts), walking back from the expert input."""
+    """The ``[T, M]`` tensor whose rows the experts gather (``x[rows]``, or each row k times,
+    ``x.repeat_interleave(k, dim=0)``: transformers' batched_mm), through casts, walking back from the
+    expert input; None when they read no such rows (GShard's einsum dispatch). It need not be the gate's
+    input: Zaya's router is a deeper MLP whose gate reads no token tensor, MuseSpark's experts read their own
+    projection ``pre_expert_norm(pre_expert_proj(x))`` (``[T, M']``), Gemma 4's another norm of x."""
     node = strip(expert_input, methods=_CASTS)
-    while node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], Node):
+    while node.op in ("call_function", "call_method") and (
+            (node.target is operator.getitem and isinstance(node.args[1], Node)) or _repeated_rows(node)):
         node = strip(node.args[0], methods=_CASTS)
     shape, ids_shape = shape_of(node), shape_of(router.expert_ids)
     if node is expert_input or shape is None or len(shape) != 2 or not ids_shape or not same_size(shape[0], ids_shape[0]):

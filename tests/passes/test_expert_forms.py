@@ -181,3 +181,52 @@ def test_parallel_experts_by_constant_index_are_named(caplog):
     assert moe_compile.counters["regions_rewritten"] == 0
     (message,) = [r.getMessage() for r in caplog.records if "left unchanged" in r.getMessage()]
     assert "read one expert's weight by a constant index" in message and "w_in_[0]" in message, message
+
+
+class _ProjectedExperts(torch.nn.Module):
+    """MuseSpark's layer, written by hand: the router reads the tokens ``[T, 8]``, the experts their own
+    projection ``norm(x P)`` of width 12, each token repeated k times (transformers' batched_mm), the routed
+    ``[T, 12]`` result projected back to 8; ``post_norm``: each expert's output RMS-normed before the weights."""
+
+    def __init__(self, post_norm: bool):
+        super().__init__()
+        self.post_norm = post_norm
+        self.router = torch.nn.Linear(8, 4, bias=False)
+        self.pre_proj = torch.nn.Linear(8, 12, bias=False)
+        self.post_proj = torch.nn.Linear(12, 8, bias=False)
+        self.w_in = torch.nn.Parameter(torch.randn(4, 16, 12) / 3)
+        self.w_out = torch.nn.Parameter(torch.randn(4, 12, 16) / 4)
+
+    def forward(self, x):
+        weights, chosen = torch.topk(torch.sigmoid(self.router(x)), 2, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        h = self.pre_proj(x)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+        ids = chosen.reshape(-1)
+        up = torch.bmm(self.w_in[ids], h.repeat_interleave(2, dim=0).unsqueeze(-1)).squeeze(-1)
+        y = torch.bmm(self.w_out[ids], F.silu(up).unsqueeze(-1)).squeeze(-1)
+        if self.post_norm:
+            y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-8)
+        y = (y * weights.reshape(-1, 1)).view(-1, 2, 12).sum(1)
+        return self.post_proj(y)
+
+
+def test_experts_on_their_own_projection_of_the_tokens(caplog):
+    """The experts read ``norm(x P)`` (width 12), not the router's input (width 8), each row repeated k times:
+    the dispatch reads the projection, the projection back stays after the canonical ops; equal to eager."""
+    torch.manual_seed(0)
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    compile_and_compare(_ProjectedExperts(post_norm=False), torch.randn(10, 8), **TOL)
+    assert moe_compile.counters["regions_rewritten"] == 1, dict(moe_compile.counters)
+    assert not [r for r in caplog.records if "left unchanged" in r.getMessage()]
+
+
+def test_post_expert_norm_is_named(caplog):
+    """MuseSpark's post-expert norm (each expert's output RMS-normed before the gate weights): moe.experts has
+    none; the WARNING names the norm's reduction and the layer stays as written, equal to eager."""
+    torch.manual_seed(0)
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    compile_and_compare(_ProjectedExperts(post_norm=True), torch.randn(10, 8), **TOL)
+    assert moe_compile.counters["regions_rewritten"] == 0
+    (message,) = [r.getMessage() for r in caplog.records if "left unchanged" in r.getMessage()]
+    assert "normalise each output row before the gate weights" in message and "= mean over" in message, message
