@@ -157,30 +157,54 @@ def test_a_rejected_layer_names_the_first_op_that_differs(caplog):
     assert "the first op that differs: the routed output index_add = index_add" in message, message
 
 
-def test_parallel_experts_by_constant_index_are_named(caplog):
-    """JetMoe's parallel experts: one ``F.linear(rows_i, W[i])`` per expert over split rows. Not read (the
-    WARNING says why); the layer stays as written and equal to eager."""
-    class ParallelExperts(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.router = torch.nn.Linear(8, 4, bias=False)
-            self.w_in = torch.nn.Parameter(torch.randn(4, 12, 8) / 3)
-            self.w_out = torch.nn.Parameter(torch.randn(4, 8, 12) / 3)
+class _ParallelExperts(torch.nn.Module):
+    """JetMoe's parallel experts: the (token, choice) rows sorted by expert, split into one block per expert,
+    ``F.linear(block_e, W[e])`` each, concatenated back; ``attention``: JetMoe's mixture of attention heads,
+    an attention over the rows between the two expert linears instead of an activation."""
 
-        def forward(self, x):
-            weights, chosen = torch.topk(torch.softmax(self.router(x), -1), 1, dim=-1)
-            order = torch.argsort(chosen.reshape(-1), stable=True)
-            parts = x[order].split([3, 2, 3, 2])
-            h = torch.cat([F.linear(p, self.w_in[i]) for i, p in enumerate(parts)])
-            parts = F.relu(h).split([3, 2, 3, 2])
-            y = torch.cat([F.linear(p, self.w_out[i]) for i, p in enumerate(parts)]) * weights.reshape(-1)[order, None]
-            return torch.zeros_like(x).index_add(0, order, y)
+    def __init__(self, attention: bool = False):
+        super().__init__()
+        self.attention = attention
+        self.router = torch.nn.Linear(8, 4, bias=False)
+        self.w_in = torch.nn.Parameter(torch.randn(4, 12, 8) / 3)
+        self.w_out = torch.nn.Parameter(torch.randn(4, 8, 12) / 3)
 
+    def forward(self, x):
+        weights, chosen = torch.topk(torch.softmax(self.router(x), -1), 2, dim=-1)
+        order = torch.argsort(chosen.reshape(-1), stable=True)
+        sizes = torch.zeros(x.shape[0], 4).scatter(1, chosen, 1).long().sum(0).tolist()   # rows per expert
+        parts = x[order // 2].split(sizes)
+        h = torch.cat([F.linear(p, self.w_in[i]) for i, p in enumerate(parts)])
+        if self.attention:
+            h = F.scaled_dot_product_attention(h[None], h[None], h[None])[0]
+        else:
+            h = F.relu(h)
+        parts = h.split(sizes)
+        y = torch.cat([F.linear(p, self.w_out[i]) for i, p in enumerate(parts)]) * weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add(0, order // 2, y)
+
+
+def test_parallel_experts_over_split_rows_are_rewritten(caplog):
+    """JetMoe's parallel experts (one ``F.linear(rows_e, W[e])`` per expert over split rows, then ``cat``) are
+    read as the stacked ``W``: the layer is rewritten, equal to eager forward and backward."""
+    torch.manual_seed(0)
     caplog.set_level(logging.WARNING, logger="moe_compile")
-    compile_and_compare(ParallelExperts(), torch.randn(10, 8), **TOL)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):   # the rows per expert: .tolist()
+        compile_and_compare(_ParallelExperts(), torch.randn(10, 8), **TOL)
+    assert moe_compile.counters["regions_rewritten"] == 1, dict(moe_compile.counters)
+    assert not [r for r in caplog.records if "left unchanged" in r.getMessage()]
+
+
+def test_attention_between_parallel_experts_is_named(caplog):
+    """JetMoe's mixture of attention heads: the expert linears around an attention are no expert MLP; the
+    WARNING names the attention and the layer stays as written, equal to eager."""
+    torch.manual_seed(0)
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        compile_and_compare(_ParallelExperts(attention=True), torch.randn(10, 8), **TOL)
     assert moe_compile.counters["regions_rewritten"] == 0
     (message,) = [r.getMessage() for r in caplog.records if "left unchanged" in r.getMessage()]
-    assert "read one expert's weight by a constant index" in message and "w_in_[0]" in message, message
+    assert "are not one MLP" in message and "= scaled_dot_product_attention" in message, message
 
 
 class _ProjectedExperts(torch.nn.Module):
