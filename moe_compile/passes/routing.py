@@ -47,6 +47,8 @@ What is recognised, and how:
 * **Skip expert** (Zaya): scores ``[B, S, E + 1]`` (T = B·S) whose last class computes nothing; its choices'
   ids and weights are ``masked_fill``-ed to a real expert and 0 (:func:`_skip_fill`): E real experts. A
   router MLP's gate reads no token tensor: the tokens are the ``[T, M]`` rows the experts gather.
+* **Product keys** (Doge's CDMoE): a top-k over sums of another top-k's values, the ids gathered from combined
+  key indices, is named (:func:`_product_keys`), not read: its experts are no expert MLP either.
 * **Inner selections**, those the router's ids or weights are computed from (the
   group top-k of group-limited routing, sparsemixer's first pick, its threshold
   ``max``), belong to the router of the final selection: neither matched alone nor
@@ -175,6 +177,16 @@ def read_router(selection: Node) -> Router:
     if gate is None:
         if len(shape) != 2:
             raise NotARouter(f"{selection.name}: a selection over {len(shape)}-d scores that no gate linear computes")
+        keys = _product_keys(selection)
+        if keys is not None:
+            inner, linear = keys
+            raise NoMatch(
+                f"its router uses product keys (Doge's CDMoE: {selection.name} selects from sums of the values of "
+                f"{inner.name}, a top-k over the {shape_of(linear)[-1]} scores of the gate linear {linear.name} split "
+                f"in two key sets, and the expert ids are gathered from the combined indices): the ids are no top-k "
+                f"over [T, {shape[dim]}] gate scores, and its experts (one-neuron rows of embedding tables, the "
+                "gate weights applied before the up table, the k choices summed by a matmul) are no expert MLP of "
+                "moe.experts; not rewritten")
         raise NoMatch(f"the top-k scores do not come from a gate linear layer ({selection.name} selects from "
                       f"{strip(scores).name}, which no linear on a [{shape[dim]}, M] gate weight computes)")
     if dim not in (-1, len(shape) - 1):
@@ -392,6 +404,25 @@ def _gate_linear(scores: Node, num_experts) -> Node | None:
             sliced = sliced or _first_features(node, num_experts)
             nxt.extend((n, sliced) for n in node.all_input_nodes)
         frontier = nxt
+    return None
+
+
+def _product_keys(selection: Node) -> tuple[Node, Node] | None:
+    """(the inner top-k, the gate linear) when ``selection`` is product-key routing (Lample et al. 2019, Doge's
+    CDMoE): its scores are computed from the values of another top-k over a parameter linear's scores, and its
+    indices gather the expert ids from an integer table of combined key indices; else None."""
+    positions = _getitem(selection, 1)
+    if positions is None or not any(_gather_index(u) is positions and not example_value(u).is_floating_point()
+                                    for u in positions.users):
+        return None
+    for inner in sorted(router_part(selection) - {selection}, reverse=True):
+        if _getitem(inner, 0) is None:
+            continue
+        below = _ancestors([inner.args[0]], stop=_is_linear_like)
+        linear = next((n for n in sorted(below, reverse=True) if is_call(n, *LINEAR, *MATMUL) and len(n.args) > 1
+                       and _on_parameter(n.args[1])), None)
+        if linear is not None:
+            return inner, linear
     return None
 
 
