@@ -35,8 +35,8 @@ What is recognised, and how:
   (weights from the unbiased scores when the bias served selection only) through
   routing-only math: casts, reshapes, scaling, renormalisation by their own sum, ``sigmoid`` of the
   top-k logits (Llama 4), ``softmax`` over the k choices (softmax after the top-k), ``cat`` of per-pick
-  weights, a learned scale per expert read at the ids (Gemma 4's ``w * per_expert_scale[ids]``). The walk stops before anything that reads the expert ids otherwise (a
-  capacity mask): dropping is the dispatch's job.
+  weights, a learned scale per expert read at the ids (Gemma 4's ``w * per_expert_scale[ids]``). The walk
+  stops before anything that reads the expert ids otherwise (a capacity mask): dropping is the dispatch's job.
 * **Dense scores** (Llama 4): the selection's values scattered into a ``[T, E]`` tensor that holds a
   constant everywhere else (``full_like(logits, -inf).scatter_(1, ids, vals)``), then elementwise math
   (``sigmoid``) or a softmax over the experts: the gate weights are that ``[T, E]`` tensor read at the
@@ -296,7 +296,9 @@ def _computed_from(product: Node, factor: Node) -> bool:
     """Whether another factor of ``product`` is computed from the values of ``factor`` (RMSNorm's
     ``x * pow(mean(x²) + eps, -0.5)``); Switch's jitter ``x * empty_like(x).uniform_(..)`` reads x's shape only."""
     others = [a for a in product.args if isinstance(a, Node) and strip(a, methods=_CASTS) is not factor]
-    shape_only = lambda n: is_call(n, *_SHAPE_ONLY, method=("new_empty", "new_zeros", "new_ones", "new_full"))  # noqa: E731
+    def shape_only(n: Node) -> bool:
+        return is_call(n, *_SHAPE_ONLY, method=("new_empty", "new_zeros", "new_ones", "new_full"))
+
     return any(factor in _ancestors([a], stop=lambda n: n is factor or shape_only(n)) for a in others)
 
 

@@ -211,7 +211,8 @@ def test_product_key_router_is_named(caplog):
     _compare(_ProductKeyMoE(), torch.randn(2, 5, 16), train=False)
     assert moe_compile.counters["regions_rewritten"] == 0
     (warning,) = _messages(caplog, logging.WARNING)
-    assert "its router uses product keys" in warning and "the expert ids are gathered from the combined" in warning, warning
+    assert "its router uses product keys" in warning, warning
+    assert "the expert ids are gathered from the combined" in warning, warning
 
 
 class _TablePairs(nn.Module):
