@@ -16,7 +16,7 @@ transposed view) the BLAS reads in place, so the whole expert MLP runs on the re
 and writes the buffer it sends (``experts_peers`` in :mod:`.experts`). The weight gradient
 sums over peers, ``Σ_p x[p]ᵀ g[p]`` (``moe::peer_bmm_weight_grad``): the first product
 written, the others accumulated into it by ``baddbmm_`` (no ``[P, El, K, N]`` partials, no
-add). Both are custom ops with fake kernels; the autograd formula of ``peer_bmm`` calls
+add; in bf16 / fp16 one GEMM over the expert-major rows instead, so that the sum rounds once). Both are custom ops with fake kernels; the autograd formula of ``peer_bmm`` calls
 them, so AOTAutograd's backward graph holds a ``peer_bmm`` for the input gradient and a
 ``peer_bmm_weight_grad`` for the weight's, two nodes the schedule can place apart.
 """
@@ -46,7 +46,16 @@ def _peer_bmm_fake(x, w):
 
 @torch.library.custom_op("moe::peer_bmm_weight_grad", mutates_args=())
 def peer_bmm_weight_grad(x: Tensor, grad: Tensor) -> Tensor:
-    """``Σ_p x[p]ᵀ grad[p]``: ``x [P, El, R, K]``, ``grad [P, El, R, N]`` → ``[El, K, N]``."""
+    """``Σ_p x[p]ᵀ grad[p]``: ``x [P, El, R, K]``, ``grad [P, El, R, N]`` → ``[El, K, N]``.
+
+    In a reduced-precision dtype (bf16, fp16) each ``baddbmm_`` would round the partial sum once more than
+    one GEMM over all ``P·R`` rows does, so there the rows are gathered expert-major (two copies) and
+    multiplied once: the gradient rounds as ``bmm`` over the expert-major buffer's rows rounds it.
+    """
+    if x.dtype not in (torch.float32, torch.float64):
+        local = x.shape[1]
+        rows = x.transpose(0, 1).reshape(local, -1, x.shape[3])
+        return torch.bmm(rows.transpose(1, 2), grad.transpose(0, 1).reshape(local, -1, grad.shape[3]))
     out = torch.bmm(x[0].transpose(1, 2), grad[0])
     for p in range(1, x.shape[0]):
         out.baddbmm_(x[p].transpose(1, 2), grad[p])

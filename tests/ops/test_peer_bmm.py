@@ -79,3 +79,24 @@ def test_experts_peers_equals_experts_on_the_expert_major_buffer(activation, gat
     grad = torch.randn(y.shape, generator=gen, dtype=y.dtype)
     for a, b in zip(torch.autograd.grad(y, leaves, grad), torch.autograd.grad(ref, leaves, grad)):
         torch.testing.assert_close(a, b)
+
+
+def test_opcheck():
+    """Schema, fake kernel and autograd registration of both ops (``torch.library.opcheck``)."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(PEERS, LOCAL, ROWS, MODEL_DIM, generator=gen, requires_grad=True)
+    w = torch.randn(LOCAL, HIDDEN_DIM, MODEL_DIM, generator=gen, requires_grad=True)
+    torch.library.opcheck(torch.ops.moe.peer_bmm.default, (x, w.transpose(1, 2)))
+    g = torch.randn(PEERS, LOCAL, ROWS, HIDDEN_DIM, generator=gen)
+    torch.library.opcheck(torch.ops.moe.peer_bmm_weight_grad.default, (x.detach(), g))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_weight_grad_rounds_once(dtype):
+    """bf16 / fp16: the weight gradient is one GEMM over all P·R rows, bitwise the ``bmm`` over the
+    expert-major rows (accumulating per peer would round each partial sum)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(PEERS, LOCAL, 64, MODEL_DIM, generator=gen).to(dtype)
+    g = torch.randn(PEERS, LOCAL, 64, HIDDEN_DIM, generator=gen).to(dtype)
+    expected = torch.bmm(_expert_major(x).transpose(1, 2), _expert_major(g))
+    assert torch.equal(torch.ops.moe.peer_bmm_weight_grad(x, g), expected)
