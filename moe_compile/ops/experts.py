@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .peer_bmm import peer_bmm
+from .peer_bmm import autocast_peer_bmm
 
 __all__ = ["ACTIVATIONS", "GATED", "check_activation", "experts", "experts_peers_torch", "experts_torch"]
 
@@ -141,8 +141,9 @@ def experts_peers_torch(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, ac
                         b1: Tensor | None = None, b2: Tensor | None = None, b3: Tensor | None = None,
                         act_args: Sequence[float] = ()) -> Tensor:
     """The same MLP on the all-to-all's peer-major layout: ``[P, El, R, M]`` → ``[P, El, R, M]``
-    (``out[p] = experts_torch(x[p], ...)``; every matmul a ``moe.peer_bmm``, :mod:`.peer_bmm`)."""
-    return _mlp(peer_bmm, x, w1, w2, w3, activation, b1, b2, b3, act_args)
+    (``out[p] = experts_torch(x[p], ...)``; every matmul a ``moe.peer_bmm``, :mod:`.peer_bmm`, in the autocast
+    dtype under ``torch.autocast`` as ``bmm`` would be)."""
+    return _mlp(autocast_peer_bmm, x, w1, w2, w3, activation, b1, b2, b3, act_args)
 
 
 _lib.impl("experts", experts_torch, "CompositeImplicitAutograd")

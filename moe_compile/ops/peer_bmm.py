@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["peer_bmm", "peer_bmm_weight_grad"]
+__all__ = ["autocast_peer_bmm", "peer_bmm", "peer_bmm_weight_grad"]
 
 
 @torch.library.custom_op("moe::peer_bmm", mutates_args=())
@@ -65,6 +65,17 @@ def peer_bmm_weight_grad(x: Tensor, grad: Tensor) -> Tensor:
 @peer_bmm_weight_grad.register_fake
 def _peer_bmm_weight_grad_fake(x, grad):
     return x.new_empty(x.shape[1], x.shape[3], grad.shape[3])
+
+
+def autocast_peer_bmm(x: Tensor, w: Tensor) -> Tensor:
+    """``peer_bmm`` as ``torch.autocast`` runs ``bmm``: both operands in the autocast dtype when autocast is on
+    for their device (a custom op gets no autocast rule of its own, and ``register_autocast`` fixes one dtype;
+    called from a composite op, so the cast is traced where autocast is active)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, w = x.to(dtype), w.to(dtype)
+    return peer_bmm(x, w)
 
 
 def _check(x: Tensor, w: Tensor) -> None:

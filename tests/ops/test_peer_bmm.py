@@ -100,3 +100,21 @@ def test_reduced_precision_weight_grad_rounds_once(dtype):
     g = torch.randn(PEERS, LOCAL, 64, HIDDEN_DIM, generator=gen).to(dtype)
     expected = torch.bmm(_expert_major(x).transpose(1, 2), _expert_major(g))
     assert torch.equal(torch.ops.moe.peer_bmm_weight_grad(x, g), expected)
+
+
+def test_experts_peers_under_autocast_multiply_in_the_autocast_dtype():
+    """Under ``torch.autocast`` the peer-major MLP rounds its matmul operands as ``moe.experts``' ``bmm``s
+    do (a custom op has no autocast rule of its own): equal outputs and gradients, in bf16."""
+    gen = torch.Generator().manual_seed(6)
+    x = _randn(gen, PEERS, LOCAL, ROWS, MODEL_DIM, dtype=torch.float32)
+    w1 = _randn(gen, LOCAL, HIDDEN_DIM, MODEL_DIM, scale=MODEL_DIM**-0.5, dtype=torch.float32)
+    w2 = _randn(gen, LOCAL, MODEL_DIM, HIDDEN_DIM, scale=HIDDEN_DIM**-0.5, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = torch.ops.moe.experts_peers(x, w1, w2, None, "relu", None, None, None, [])
+        ref = _peer_major(experts_torch(_expert_major(x), w1, w2, None, "relu"), PEERS)
+    assert y.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    grad = torch.randn(y.shape, generator=gen).to(y.dtype)
+    got, expected = torch.autograd.grad(y, (x, w1, w2), grad), torch.autograd.grad(ref, (x, w1, w2), grad)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
