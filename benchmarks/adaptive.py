@@ -25,8 +25,20 @@ adaptive variant's choices and its per-call decision cost (``choose``: the table
 lookup; median and max over the timed pass). Outputs of every variant are checked
 against the r = 1 variant's on the first step of every segment.
 
+``--same-r`` answers a narrower question: what does the op itself cost against the
+exchange the graph builds, at the same r? The adaptive variant is compiled once and
+run pinned to r (``schedule.adaptive.pinned_chunks``: no search, nothing recorded)
+beside the fixed-r variant, for each r of ``--same-r-chunks``, interleaved in the same
+steps as above; reported per r: the median over the timed steps of the per-step ratio
+(op / graph; a ratio of two runs of the same step is far less noisy than either time on
+a shared machine), per segment and over the trace. ``--profile`` adds, on rank 0, the
+self CPU time per op (torch.profiler, summed over a few steps, per step) of the two at
+r = ``--profile-r`` (default 2) on the most skewed segment's batch, so the ops the op
+adds show by name.
+
     python benchmarks/adaptive.py --quick
     python benchmarks/adaptive.py --world-size 2 --segment-steps 12
+    python benchmarks/adaptive.py --quick --same-r --profile
 """
 from __future__ import annotations
 
@@ -83,9 +95,21 @@ def _trace(args) -> list[float]:
     return [skew for skew in args.skews for _ in range(args.segment_steps)]
 
 
+def _pinned(compiled, r: int):
+    """The compiled adaptive model with its op pinned to ``r`` chunks (the forward chooses; the backward
+    runs what its forward ran)."""
+    from moe_compile.schedule.adaptive import pinned_chunks
+
+    def call(x):
+        with pinned_chunks(r):
+            return compiled(x)
+    return call
+
+
 def _run(rank: int, world: int, args, variants) -> dict:
     """Every variant on every step of the trace, interleaved (order rotated per step), so that a change of the
-    machine's load (shared CPUs) hits all variants alike."""
+    machine's load (shared CPUs) hits all variants alike. A variant ``"op r=<r>"`` (``--same-r``) is the
+    adaptive variant's compiled model pinned to r."""
     import copy
 
     from moe_compile.schedule.adaptive import decisions, reset_adaptive_tables
@@ -96,16 +120,56 @@ def _run(rank: int, world: int, args, variants) -> dict:
     torch.manual_seed(args.seed)
     layer = Layer(args.model_dim, args.hidden_dim, args.experts, args.top_k)
     layers, compiled = {}, {}
-    for variant in variants:
+    for variant in (v for v in variants if not str(v).startswith("op ")):
         layers[variant] = copy.deepcopy(layer)
         options = {"ep_group": "world", "inner": args.inner, "num_chunks": variant, "capacity_bucket": 8,
                    "emulate_link": {"alpha_us": args.alpha_us, "gbps": args.gbps}}
         compiled[variant] = torch.compile(layers[variant], backend="moe", fullgraph=True, options=options)
+    for variant in (v for v in variants if str(v).startswith("op ")):
+        if "op" not in layers:
+            layers["op"] = copy.deepcopy(layer)
+            options = {"ep_group": "world", "inner": args.inner, "num_chunks": "adaptive", "capacity_bucket": 8,
+                       "emulate_link": {"alpha_us": args.alpha_us, "gbps": args.gbps}}
+            compiled["op"] = torch.compile(layers["op"], backend="moe", fullgraph=True, options=options)
+        layers[variant] = layers["op"]
+        compiled[variant] = _pinned(compiled["op"], int(variant.split("=")[1]))
+
     def decision():
         d = decisions()[-1]
         return d.rows, d.chunks, d.phase, d.decision_s, d.predicted_s, d.forward_s
 
-    return replay(args, rank, layer, layers, compiled, variants, decision)
+    result = replay(args, rank, layer, layers, compiled, variants, decision)
+    if args.profile:
+        result["profile"] = _profile(args, rank, layer, compiled, variants)
+    return result
+
+
+def _profile(args, rank: int, layer: Layer, compiled: dict, variants) -> dict:
+    """Self CPU time per op (µs per step) of the pinned op and the graph-built exchange at r = ``--profile-r``,
+    on rank 0 (every rank runs the steps: they exchange together); the batch of the most skewed segment (the
+    largest R), ``PROFILE_STEPS`` steps each, the two alternating."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pair = [v for v in variants if v in (args.profile_r, f"op r={args.profile_r}")]
+    x = _batch(layer, args, rank, 0, max(args.skews))
+    totals = {v: {} for v in pair}
+    for _ in range(PROFILE_STEPS):
+        for variant in pair:
+            x_v = x.clone().requires_grad_()
+            dist.barrier()
+            if rank != 0:
+                compiled[variant](x_v).square().mean().backward()
+                continue
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                compiled[variant](x_v).square().mean().backward()
+            if rank == 0:
+                for event in prof.key_averages():
+                    totals[variant][event.key] = totals[variant].get(event.key, 0.0) + event.self_cpu_time_total
+    return {str(v): {k: t / PROFILE_STEPS for k, t in ops.items()} for v, ops in totals.items()}
+
+
+#: steps profiled per variant with --profile
+PROFILE_STEPS = 5
 
 
 def replay(args, rank: int, layer: Layer, layers: dict, compiled: dict, variants, decision) -> dict:
@@ -133,7 +197,7 @@ def replay(args, rank: int, layer: Layer, layers: dict, compiled: dict, variants
                     times[variant].append(float(elapsed))
                     if step % args.segment_steps == 0:
                         firsts[variant].append(out.detach()[:4].tolist())  # plain lists: tensors do not cross the queue
-                    if variant == "adaptive":
+                    if variant == "adaptive" or str(variant).startswith("op "):
                         chosen.append(decision())
     return {"times": times, "firsts": firsts, "decisions": chosen}
 
@@ -177,10 +241,22 @@ def main() -> None:
     add_trace_arguments(parser, skews=[0.0, 4.0, 1.5, 8.0, 0.0])
     parser.add_argument("--fixed-chunks", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--quick", action="store_true", help="3 segments of 10 steps")
-    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/adaptive.json"))
+    parser.add_argument("--same-r", action="store_true",
+                        help="the op pinned to r against the graph-built exchange at r, for each r of --same-r-chunks")
+    parser.add_argument("--same-r-chunks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--profile", action="store_true", help="with --same-r: self CPU time per op at one r")
+    parser.add_argument("--profile-r", type=int, default=2, help="the r --profile compares (one of --same-r-chunks)")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="default benchmarks/results/adaptive.json (adaptive_same_r.json with --same-r)")
     args = parser.parse_args()
     if args.quick:
         args.skews, args.segment_steps = [0.0, 8.0, 1.5], 10
+    if args.json is None:
+        args.json = Path("benchmarks/results") / ("adaptive_same_r.json" if args.same_r else "adaptive.json")
+    if args.same_r:
+        same_r(args)
+        return
+    args.profile = False
 
     variants = ["adaptive", *args.fixed_chunks]
     run = spawn(_run, args.world_size, args, variants, timeout=args.timeout)[0]
@@ -220,6 +296,50 @@ def main() -> None:
     finish(args, summary, [d[3] for d in decisions],
            f"P={args.world_size}, link α={args.alpha_us:g} µs, {args.gbps:g} GB/s: median ms per step "
            f"(fwd+bwd) per segment; trace = sum over all steps", header, body)
+
+
+def same_r(args) -> None:
+    """``--same-r``: per r, the op pinned to r against the graph-built exchange at r, interleaved."""
+    rs = args.same_r_chunks
+    variants = [v for r in rs for v in (f"op r={r}", r)]
+    run = spawn(_run, args.world_size, args, variants, timeout=args.timeout)[0]
+    times, firsts = run["times"], run["firsts"]
+    for r in rs:
+        for a, b in zip(firsts[f"op r={r}"], firsts[r]):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5)
+    n = args.segment_steps
+    parts = [slice(i * n, (i + 1) * n) for i in range(len(args.skews))] + [slice(None)]
+
+    def ratios(r, part):
+        return [a / b for a, b in zip(times[f"op r={r}"][part], times[r][part])]
+
+    summary = {"ratio_median": {str(r): [statistics.median(ratios(r, part)) for part in parts] for r in rs},
+               "ms_median": {str(v): [statistics.median(times[v][part]) * 1e3 for part in parts] for v in variants},
+               "trace_ratio": {str(r): sum(times[f"op r={r}"]) / sum(times[r]) for r in rs},
+               "times_s": {str(v): times[v] for v in variants}}
+    header = ["segment", "skew", *[f"r={r}: op / graph" for r in rs], *[f"r={r} graph ms" for r in rs]]
+    body = [[str(i) if i < len(args.skews) else "trace (median)", f"{args.skews[i]:g}" if i < len(args.skews) else "",
+             *[f"{summary['ratio_median'][str(r)][i]:.3f}" for r in rs],
+             *[f"{summary['ms_median'][str(r)][i]:.1f}" for r in rs]] for i in range(len(parts))]
+    body.append(["trace (sum)", "", *[f"{summary['trace_ratio'][str(r)]:.3f}" for r in rs], *[""] * len(rs)])
+    if "profile" in run:
+        summary["profile_us_per_step"] = run["profile"]
+        _print_profile(run["profile"], args.profile_r)
+    finish(args, summary, [d[3] for d in run["decisions"]],
+           f"P={args.world_size}, link α={args.alpha_us:g} µs, {args.gbps:g} GB/s: the op pinned to r / the "
+           f"graph-built exchange at r, median of per-step ratios (fwd+bwd)", header, body)
+
+
+def _print_profile(profile: dict, r: int) -> None:
+    """The ops whose self CPU time per step differs most between the op and the graph at r."""
+    op, graph = profile.get(f"op r={r}", {}), profile.get(str(r), {})
+    keys = sorted(set(op) | set(graph), key=lambda k: -abs(op.get(k, 0.0) - graph.get(k, 0.0)))[:25]
+    print_table(f"self CPU µs per step at r = {r} (rank 0), largest differences first", ["op", "adaptive op", "graph",
+                "difference"], [[k, f"{op.get(k, 0.0):.0f}", f"{graph.get(k, 0.0):.0f}",
+                                 f"{op.get(k, 0.0) - graph.get(k, 0.0):+.0f}"] for k in keys]
+                + [["total", f"{sum(op.values()):.0f}", f"{sum(graph.values()):.0f}",
+                    f"{sum(op.values()) - sum(graph.values()):+.0f}"]], left={"op"})
+
 
 if __name__ == "__main__":
     main()

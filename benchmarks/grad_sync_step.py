@@ -16,8 +16,12 @@ FIFO), the training step of the examples' ``MoETransformer`` compiled whole with
 Calibration: the ``end`` variant on a free link gives Σ compute per phase; the link's bandwidth
 is set so that the backward's communication (two all-to-alls per layer plus the ring all-reduce
 of every gradient) takes ``--comm-ratio`` × the backward's compute. Columns: step, forward and
-backward medians (slowest rank), ``bwd vs bound`` = backward / max(Σ backward compute, Σ backward
-comm) (the issue's target: ≤ 1.10), and the speedup over the DDP wrapper. Gradients of every
+backward medians (slowest rank), ``link busy in bwd`` (rank 0: the union of the link's exchanges
+inside the backward, from the link's own bookings; above Σ backward comm when the real transfer ends
+after its α-β time, e.g. a rank issuing late), ``overlap`` = Σ backward compute + link busy −
+backward (the link time hidden under compute: 0 = fully serial, negative = idle time where neither
+computes, e.g. waiting for the other rank), ``bwd vs bound`` = backward / max(Σ backward compute,
+Σ backward comm) (the issue's target: ≤ 1.10), and the speedup over the DDP wrapper. Gradients of every
 variant are checked against ``end`` after the first step.
 
     python benchmarks/schedule_step.py --dp            # or: python benchmarks/grad_sync_step.py
@@ -45,7 +49,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from tables import print_table as _print_table  # noqa: E402
 from moe_compile.testing import spawn  # noqa: E402
 
-HEADER = ["P", "variant", "step ms", "fwd ms", "bwd ms", "bwd vs bound", "speedup vs ddp"]
+HEADER = ["P", "variant", "step ms", "fwd ms", "bwd ms", "link busy in bwd ms", "overlap ms", "bwd vs bound",
+          "speedup vs ddp"]
 VARIANTS = ("ddp", "end", "asap", "fsmoe")
 
 
@@ -56,14 +61,29 @@ def _example():
     return module
 
 
-def _step(net, tokens):
+def _step(net, tokens, stamps: list | None = None):
     for p in net.parameters():
         p.grad = None
     start = time.perf_counter()
     loss = net(tokens)
     mid = time.perf_counter()
     loss.backward()
-    return mid - start, time.perf_counter() - mid
+    end = time.perf_counter()
+    if stamps is not None:
+        stamps.append((mid, end))
+    return mid - start, end - mid
+
+
+def _link_busy(bookings, begin: float, end: float) -> tuple[float, int]:
+    """Seconds of [begin, end] during which the link was busy (union of the exchanges' [start, end]), and
+    how many exchanges overlapped the window."""
+    spans = sorted((max(b.start, begin), min(b.end, end)) for b in bookings if b.end > begin and b.start < end)
+    busy, reach = 0.0, begin
+    for lo, hi in spans:
+        lo = max(lo, reach)
+        if hi > lo:
+            busy, reach = busy + hi - lo, hi
+    return busy, len(spans)
 
 
 def _slowest(*seconds):
@@ -108,7 +128,7 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
 
     import moe_compile.ops  # noqa: F401  (registers the ops)
     assert moe_compile.ops
-    from moe_compile.collectives.emulated import ring_bytes, sent_bytes
+    from moe_compile.collectives.emulated import record_bookings, ring_bytes, sent_bytes
     from moe_compile.schedule.cost_model import AlphaBeta, CostModels, task_key
 
     example = _example()
@@ -122,6 +142,8 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
         torch._dynamo.reset()
         model = copy.deepcopy(base)
         options = {"ep_group": "world", "inner": args.inner, "emulate_link": link}
+        if args.num_chunks != "1":
+            options["num_chunks"] = int(args.num_chunks) if args.num_chunks.isdigit() else args.num_chunks
         if variant == "ddp":
             # DDPOptimizer (optimize_ddp) splits the graph at DDP's buckets; the split subgraphs lose the
             # data-dependent capacity's shape environment (moe.dispatch fails in them), so it is off: the
@@ -135,11 +157,19 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
             options["cost_models"] = models
         return torch.compile(model, backend="moe", fullgraph=True, options=options)
 
-    def timed(net, steps):
+    def timed(net, steps, busy: list | None = None):
         out = []
         for _ in range(steps):
             dist.barrier()
-            out.append(tuple(_slowest(*_step(net, tokens))))
+            bookings, stamps = [], []
+            record_bookings(bookings)
+            try:
+                seconds = _step(net, tokens, stamps)
+            finally:
+                record_bookings(None)
+            out.append(tuple(_slowest(*seconds)))
+            if busy is not None:
+                busy.append(_link_busy(bookings, *stamps[0]))
         return out
 
     # 1. calibration: Σ compute per phase on a free link
@@ -179,9 +209,10 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
         for net in nets.values():
             _step(net, tokens)
     times = {v: [] for v in VARIANTS}
+    busy = {v: [] for v in VARIANTS}
     for i in range(args.steps):
         for v in VARIANTS[i % len(VARIANTS):] + VARIANTS[:i % len(VARIANTS)]:
-            times[v].extend(timed(nets[v], 1))
+            times[v].extend(timed(nets[v], 1, busy[v]))
     rows_out = []
     for v in VARIANTS:
         fwd = statistics.median(t[0] for t in times[v])
@@ -189,6 +220,8 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
         rows_out.append({"P": world, "variant": v, "step_ms": statistics.median(a + b for a, b in times[v]) * 1e3,
                          "forward_ms": fwd * 1e3, "backward_ms": bwd * 1e3,
                          "backward_vs_bound": bwd / max(compute["backward"], comm["backward"]),
+                         "link_busy_ms": statistics.median(b for b, _ in busy[v]) * 1e3,
+                         "exchanges": statistics.median(n for _, n in busy[v]),
                          "compute_ms": {k: s * 1e3 for k, s in compute.items()},
                          "comm_ms": {k: s * 1e3 for k, s in comm.items()}, "link": link,
                          "grad_bytes": sum(p.numel() * 4 for p in base.parameters())})
@@ -217,6 +250,9 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--inner", default="eager")
+    parser.add_argument("--num-chunks", default="1",
+                        help="options['num_chunks'] of every compiled variant: 1 (default), an integer or 'auto' "
+                             "(with 'fsmoe' the backward degree is re-solved with the assigned all-reduce)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/grad_sync_step.json"))
@@ -238,6 +274,7 @@ def main(argv=None):
              f"comm {r0['comm_ms']['backward']:.1f} ms (link {r0['link']['gbps'] * 1e3:.1f} MB/s); "
              f"{r0['grad_bytes'] / 2**20:.2f} MiB of gradients")
     body = [[str(r["P"]), r["variant"], f"{r['step_ms']:.1f}", f"{r['forward_ms']:.1f}", f"{r['backward_ms']:.1f}",
+             f"{r['link_busy_ms']:.1f}", f"{r['compute_ms']['backward'] + r['link_busy_ms'] - r['backward_ms']:.1f}",
              f"{r['backward_vs_bound']:.2f}x", f"{r['speedup_vs_ddp']:.2f}x"] for r in rows]
     _print_table(title, HEADER, body)
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@
     moe_compile.hf.prepare(model)                                    # in place; returns model
     torch.compile(model, backend="moe", fullgraph=True)
 
-Two things stop Dynamo before the ``moe`` backend ever sees a transformers MoE model:
+Three things stop Dynamo before the ``moe`` backend ever sees a transformers MoE model:
 
 1. ``experts_implementation="eager"`` (transformers' per-expert loop ``for expert_idx in
    expert_hit`` over the rows of a ``nonzero()``: a loop of data-dependent length). ``prepare``
@@ -18,9 +18,19 @@ Two things stop Dynamo before the ``moe`` backend ever sees a transformers MoE m
    loop form the backend recognises (README, "Supported MoE patterns"). Same parameters, same
    result; an expert that receives no token contributes nothing, as before.
 
-Families ``prepare`` cannot make capturable as a whole (longcat_flash's experts loop
-has no substitute yet; qwen4_exp's attention branches on a tensor value; switch_transformers'
-output capturing fails under Dynamo even with its experts substituted) are listed in
+3. switch_transformers' encoder stack (``SwitchTransformersStack``) builds its all-ones attention
+   mask only when Dynamo is *not* tracing (``if attention_mask is None and not
+   is_torchdynamo_compiling()``) and then subscripts it anyway (``attention_mask[:, None, None, :]``:
+   ``TypeError: 'NoneType' object is not subscriptable`` under Dynamo). ``prepare`` gives the stack a
+   forward that passes the mask eager would build (ones ``[B, S]``) when none is given; a decoder
+   stack, or a given mask, is passed through as it is.
+
+   longcat_flash's ``LongcatFlashExperts`` (a loop over ``nonzero()`` that picks between its SwiGLU experts
+   and its zero-computation, identity, experts by the expert id's value) gets one too: its routed experts
+   looped over ``range(E)``, the identity experts' tokens added back scaled by their weights.
+
+Families ``prepare`` cannot make capturable as a whole (qwen4_exp's attention branches on a tensor
+value) are listed in
 :data:`NO_SUBSTITUTE`; ``prepare`` says so at WARNING with the fix (and ``strict=True`` raises ``ValueError`` instead). transformers is never
 imported by this module: classes are matched by module and name.
 """
@@ -41,19 +51,11 @@ _FORWARDS: dict[str, Callable] = {}
 
 #: family → (why Dynamo cannot capture the whole model even after prepare, the fix); prepare warns with it.
 NO_SUBSTITUTE: dict[str, tuple[str, str]] = {
-    "longcat_flash": (
-        "its experts loop `for expert_idx_tensor in expert_hit` over nonzero() has no registered substitute yet",
-        "torch.compile without fullgraph=True (its MoE layers then stay eager), or a Dynamo-safe forward for its "
-        "experts module registered with moe_compile.hf.register_forward",
-    ),
     "qwen4_exp": (
-        "its attention branches on a tensor value (`if num_complete_blocks > 0:`), outside the MoE layers",
-        "torch.compile without fullgraph=True, or torch.compile(layer.mlp, backend=\"moe\") on its MoE blocks alone",
-    ),
-    "switch_transformers": (
-        "transformers' output capturing (utils/output_capturing.py) raises a TypeError under Dynamo",
-        "torch.compile(layer.mlp, backend=\"moe\", fullgraph=True) on each SwitchTransformersSparseMLP after "
-        "moe_compile.hf.prepare(model)",
+        "its attention's token indexer (Qwen4ExpTextQSAIndexer) loops over every query with nonzero() of the mask "
+        "and a top-k of data-dependent size (`if num_complete_blocks > 0:`), outside the MoE layers",
+        "torch.compile without fullgraph=True (the graph breaks stay in the indexer; the MoE blocks are rewritten), "
+        "or torch.compile(layer.mlp, backend=\"moe\") on its MoE blocks alone",
     ),
 }
 
@@ -171,7 +173,10 @@ def dynamo_failure_reason(error: BaseException) -> str:
 
 def _module_dict_experts_forward(self, hidden_states, router_mask, router_probs):
     """``NllbMoeExperts`` / ``SwitchTransformersExperts`` (a ``ModuleDict`` of ``expert_<e>``):
-    ``router_mask`` is ``[T, k]`` expert ids (nllb) or a ``[T, k, E]`` one-hot (switch)."""
+    ``router_mask`` is a ``[T, k, E]`` one-hot (switch), or what ``NllbMoeSparseMLP`` passes, one-hot encoded
+    as transformers does: its kept top-1 one-hot ``[T, E]``, read as ``[T, E]`` expert ids in {0, 1} (so
+    transformers 5.24's NLLB-MoE runs expert_1 weighted by each token's first choice and expert_0 by its
+    second, whatever the router chose; reproduced as is)."""
     out = torch.zeros_like(hidden_states)
     if router_mask.dim() == hidden_states.dim():   # nllb: ids → one-hot
         router_mask = torch.nn.functional.one_hot(router_mask, num_classes=self.num_experts)
@@ -219,5 +224,40 @@ def _stacked_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     return final
 
 
+def _switch_stack_forward(self, input_ids=None, attention_mask=None, *args, **kwargs):
+    """``SwitchTransformersStack``: an encoder called without ``attention_mask`` gets the all-ones ``[B, S]``
+    float mask its own forward builds outside Dynamo (and needs inside it); then the class's forward."""
+    if attention_mask is None and not self.is_decoder:
+        embeds = kwargs.get("inputs_embeds", args[2] if len(args) > 2 else None)
+        source = input_ids if input_ids is not None else embeds
+        if source is not None:
+            attention_mask = torch.ones(tuple(source.shape[:2]), device=source.device)
+    return type(self).forward(self, input_ids, attention_mask, *args, **kwargs)
+
+
+def _zero_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """``LongcatFlashExperts``: ``num_routed_experts`` SwiGLU experts (``gate_up_proj [E + Z, 2F, H]``, its first
+    E used, ``down_proj [E, H, F]``) and Z zero-computation experts, ids E .. E + Z - 1, whose output is the token
+    itself (``nn.Identity``). A choice of a zero-computation expert is sent to expert 0 with weight 0 (as Zaya's
+    skip expert) and its token added back scaled by its weight, after the routed experts (transformers adds the
+    identity experts' rows after the routed ones too, expert by expert)."""
+    final = torch.zeros_like(hidden_states)
+    if top_k_index.numel() == 0:
+        return final
+    identity = top_k_index >= self.num_routed_experts
+    ids = top_k_index.masked_fill(identity, 0)
+    weights = top_k_weights.masked_fill(identity, 0)
+    mask = torch.nn.functional.one_hot(ids, num_classes=self.num_routed_experts).permute(2, 1, 0)
+    gate_up_proj = self.gate_up_proj[: self.num_routed_experts]   # [E, 2F, H]: the rows of the routed experts
+    for e in range(self.num_routed_experts):
+        top_k_pos, token_idx = torch.where(mask[e])
+        gate, up = torch.nn.functional.linear(hidden_states[token_idx], gate_up_proj[e]).chunk(2, dim=-1)
+        current = torch.nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e])
+        final.index_add_(0, token_idx, (current * weights[token_idx, top_k_pos, None]).to(final.dtype))
+    return final + hidden_states * (top_k_weights * identity).sum(-1, keepdim=True).to(final.dtype)
+
+
 register_forward("DbrxExperts", _dbrx_experts_forward)
+register_forward("LongcatFlashExperts", _zero_experts_forward)
+register_forward("SwitchTransformersStack", _switch_stack_forward)
 register_forward("Step3p7Experts", _stacked_experts_forward)

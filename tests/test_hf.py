@@ -59,7 +59,7 @@ def test_prepare_switches_eager_experts():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["nllb_moe", "dbrx"])
+@pytest.mark.parametrize("family", ["nllb_moe", "dbrx", "longcat_flash"])
 def test_prepare_substitutes_the_experts_loop(family):
     """A registered Dynamo-safe forward: the same parameters, the same logits and gradients, captured."""
     model = H.build(family).model
@@ -99,12 +99,64 @@ def test_graph_break_inside_the_layer_is_named(caplog):
 
 
 def test_prepare_names_the_fix_where_it_has_no_substitute(caplog):
-    """switch_transformers: its experts get the substitute, but the whole model still cannot be captured:
-    a WARNING (strict: ValueError) names the fix."""
-    model = H.build("switch_transformers").model
+    """qwen4_exp: its attention branches on a tensor value, nothing prepare can substitute: a WARNING (strict:
+    ValueError) names the fix."""
+    model = H.build("qwen4_exp").model
     caplog.set_level(logging.WARNING, logger="moe_compile")
     hf.prepare(model)
-    assert any("switch_transformers cannot be captured by Dynamo" in r.getMessage()
-               and "on each SwitchTransformersSparseMLP" in r.getMessage() for r in caplog.records)
-    with pytest.raises(ValueError, match="use torch.compile\\(layer.mlp"):
+    assert any("qwen4_exp cannot be captured by Dynamo" in r.getMessage()
+               and "on its MoE blocks alone" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="use torch.compile without fullgraph=True"):
         hf.prepare(model, strict=True)
+
+
+@pytest.mark.slow
+def test_prepare_makes_switch_transformers_capturable():
+    """switch_transformers: its encoder stack subscripts an attention mask it builds only outside Dynamo;
+    prepared (the mask eager builds, and the experts loop substituted) it is captured whole, its Switch layers
+    rewritten, equal to eager."""
+    model = H.build("switch_transformers").model
+    with pytest.raises(Exception) as failure:
+        torch.compile(copy.deepcopy(model), backend="aot_eager", fullgraph=True)(_ids())
+    assert "NoneType" in hf.dynamo_failure_reason(failure.value)
+    torch._dynamo.reset()
+    reference = copy.deepcopy(model)
+    hf.prepare(model)
+    torch.testing.assert_close(model(_ids()), reference(_ids()), **H.TOL)
+    _compare(model, _ids())
+    assert moe_compile.counters["regions_rewritten"] == 2 == H.moe_layers_present(model)
+
+
+@pytest.mark.slow
+def test_longcat_zero_computation_experts_rewritten():
+    """longcat_flash prepared: its zero-computation (identity) experts are chosen on this batch, and both MoE
+    layers are rewritten (the routed experts canonical, the identity experts' tokens added as written)."""
+    model = H.build("longcat_flash").model
+    reference = copy.deepcopy(model)
+    chosen = []
+    for layer in reference.modules():
+        if type(layer).__name__ == "LongcatFlashMoE":
+            layer.router.register_forward_hook(lambda m, i, out: chosen.append(out[2]))
+    reference(_ids())
+    assert any((ids >= H.GENERIC["n_routed_experts"]).any() for ids in chosen), "no zero-computation expert chosen"
+    hf.prepare(model)
+    _compare(model, _ids())
+    assert moe_compile.counters["regions_rewritten"] == 2 == H.moe_layers_present(model)
+
+
+@pytest.mark.slow
+def test_qwen4_exp_without_fullgraph_rewrites_its_moe_blocks():
+    """qwen4_exp's fix as prepare names it: without fullgraph Dynamo breaks the graph in the attention's token
+    indexer only; both MoE blocks are rewritten, equal to eager forward and backward."""
+    model = H.build("qwen4_exp").model
+    eager = copy.deepcopy(model)
+    hf.prepare(model)
+    out_c, out_e = torch.compile(model, backend="moe", options=H.OPTIONS)(_ids()), eager(_ids())
+    torch.testing.assert_close(out_c, out_e, **H.TOL)
+    out_c.pow(2).mean().backward()
+    out_e.pow(2).mean().backward()
+    for (name, p_c), (_, p_e) in zip(model.named_parameters(), eager.named_parameters()):
+        if p_e.grad is not None:
+            torch.testing.assert_close(p_c.grad, p_e.grad, **H.TOL, msg=lambda m: f"grad of {name}: {m}")
+    assert moe_compile.counters["graphs"] > 1   # the indexer's graph breaks
+    assert moe_compile.counters["regions_rewritten"] == 2 == H.moe_layers_present(model)

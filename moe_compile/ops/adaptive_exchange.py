@@ -38,10 +38,27 @@ inside it (the op pipelines itself).
 Backward (``torch.library.register_autograd``, opaque to AOTAutograd like the
 forward): ``moe::adaptive_exchange_backward`` runs the same strategy on the
 gradient: the return all-to-all of each chunk's gradient, the expert MLP's VJP
-from the saved inputs and pre-activations (:func:`.expert_vjp.experts_vjp`: no
-expert matmul recomputed), and the first all-to-all back. An equal-split all-to-all
-is its own adjoint, so values and gradients equal the fixed-r exchange's (every
-row is computed by the same expert, with the same weights, whatever r).
+from the saved inputs and pre-activations (:mod:`.expert_vjp`: no expert matmul
+recomputed), and the first all-to-all back. An equal-split all-to-all is its own
+adjoint, so values and gradients equal the fixed-r exchange's (every row is
+computed by the same expert, with the same weights, whatever r).
+
+What the op costs beyond the graph-built exchange at the same r (issue 22's
+target: within 5 % of the best fixed r) is kept to what AOTAutograd's backward of
+that exchange does too::
+
+    forward, chunk i:  copy A1's rows into local_in's block i     (the graph: the reshape after A1)
+                       h1, h3 = bmm(..., out=block i)              (no per-chunk list, no cat at the end)
+                       A2 issued; its rows copied into y[:, lo:hi] (the graph: cat_rows; r = 1: no copy)
+    backward, chunk i: grad_h1, grad_h3 (the activation recomputed: its VJP), grad_x,
+                       A1's adjoint issued, THEN the weight gradients (baddbmm_ into accumulators
+                       the first chunk writes: no zero-fill), as AOTAutograd orders them after grad_x
+
+The saved ``local_in`` / ``h1`` / ``h3`` hold chunk i's rows as one contiguous
+block of memory (:func:`_blocks`), a layout only this op's forward and backward
+read. ``benchmarks/adaptive.py --same-r`` measures the op pinned to each r
+(:func:`moe_compile.schedule.adaptive.pinned_chunks`) against the graph-built
+exchange at that r, interleaved in the same steps.
 
 The link: with ``emulate_link`` the exchanges are the emulated ones
 (:mod:`moe_compile.collectives.emulated`, flat only), so the choice can be seen
@@ -60,7 +77,7 @@ from torch import Tensor
 
 from ..counters import counters
 from .chunk import chunk_bounds
-from .expert_vjp import experts_saving, experts_vjp
+from .expert_vjp import accumulate_linear_grads, activation_vjp, experts_saving_into, input_grad
 
 __all__ = ["adaptive_exchange", "adaptive_exchange_backward", "candidates_of"]
 
@@ -134,6 +151,28 @@ def _autograd_inside_op():
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 
+def _blocks(whole: Tensor, bounds: list[int], p: int) -> list[Tensor]:
+    """Chunk i's part of a saved ``[El, P·R, W]`` tensor: the contiguous ``[El, P·n_i, W]`` block of its
+    elements ``[El·P·lo·W, El·P·hi·W)`` (r = 1: the tensor itself). The blocked layout is private to this op's
+    forward and backward (nothing else reads the saved tensors): the forward writes each chunk into its block
+    with ``out=``, the backward reads it without a copy, and no per-chunk list is concatenated."""
+    num_local, _, width = whole.shape
+    flat = whole.view(-1)
+    step = num_local * p * width
+    return [flat[step * lo:step * hi].view(num_local, p * (hi - lo), width) for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def _gather(link: _Exchanger, handles: list, bounds: list[int], out: Tensor | None, shape: tuple[int, int]) -> Tensor:
+    """Wait for each chunk's returned ``[E·n_i, M]`` rows and place them at ``out[:, lo:hi]`` (r = 1: the
+    received tensor itself, no copy); ``shape``: ``(E, M)``."""
+    num_experts, model_dim = shape
+    if len(handles) == 1:
+        return link.wait(handles[0]).view(num_experts, bounds[1] - bounds[0], model_dim)
+    for (lo, hi), handle in zip(zip(bounds[:-1], bounds[1:]), handles):
+        out[:, lo:hi].copy_(link.wait(handle).view(num_experts, hi - lo, model_dim))
+    return out
+
+
 @torch.library.custom_op("moe::adaptive_exchange", mutates_args=())
 def adaptive_exchange(
     buffer: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, activation: str, b1: Tensor | None,
@@ -141,12 +180,12 @@ def adaptive_exchange(
     ranks_per_node: int, chunks: list[int], algorithms: str, alpha_us: float, gbps: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``buffer: [E, R, M]`` → ``(expert outputs [E, R, M], local_in [El, P·R, M], h1 [El, P·R, H], h3 (the same,
-    or empty without w3), choice [2])``; see the module
+    or empty without w3), choice [2])``, the saved three in per-chunk blocks (:func:`_blocks`); see the module
     docstring. ``alpha_us < 0``: no emulated link; ``algorithms``: names joined by commas."""
     from ..schedule.adaptive import Decision, adaptive_table, log_decision
 
     num_experts, rows, model_dim = buffer.shape
-    num_local = w1.shape[0]
+    num_local, hidden = w1.shape[0], w1.shape[1]
     table = adaptive_table(layer, candidates_of(chunks, algorithms))
     start = time.perf_counter()
     index, phase, predicted = table.choose(rows, _agree(group_name, buffer.device))
@@ -155,24 +194,23 @@ def adaptive_exchange(
     link = _Exchanger(group_name, ranks_per_node, algorithm, alpha_us, gbps)
     p = link.size
     bounds = chunk_bounds(rows, r)
+    spans = list(zip(bounds[:-1], bounds[1:]))
     start = time.perf_counter()
-    sent = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):  # A1 of every chunk issued first (Tutel Fig. 14)
-        sent.append(link.issue(buffer[:, lo:hi].reshape(-1, model_dim), num_local * (hi - lo)))
-    returned, local_ins, h1s, h3s = [], [], [], []
-    for (lo, hi), handle in zip(zip(bounds[:-1], bounds[1:]), sent):
+    sent = [link.issue(buffer[:, lo:hi].reshape(-1, model_dim), num_local * (hi - lo))  # every A1 first (Fig. 14)
+            for lo, hi in spans]
+    local = buffer.new_empty((num_local, p * rows, model_dim))
+    h1 = w1.new_empty((num_local, p * rows, hidden))
+    h3 = w1.new_empty((num_local, p * rows, hidden)) if w3 is not None else w1.new_empty(0)
+    h3s = _blocks(h3, bounds, p) if w3 is not None else [None] * r
+    returned = []
+    for (lo, hi), handle, x, h1_i, h3_i in zip(spans, sent, _blocks(local, bounds, p), _blocks(h1, bounds, p), h3s):
         n = hi - lo
-        recv = link.wait(handle).view(p, num_local, n, model_dim)
-        local_in = recv.transpose(0, 1).reshape(num_local, p * n, model_dim)
-        local_ins.append(local_in)
-        y, h1, h3 = experts_saving(local_in, w1, w2, w3, activation, b1, b2, b3, act_args)
-        h1s.append(h1)
-        if h3 is not None:
-            h3s.append(h3)
+        x.view(num_local, p, n, model_dim).copy_(link.wait(handle).view(p, num_local, n, model_dim).transpose(0, 1))
+        y = experts_saving_into(x, h1_i, h3_i, w1, w2, w3, activation, b1, b2, b3, act_args)
         back = y.view(num_local, p, n, model_dim).transpose(0, 1).reshape(-1, model_dim)
-        returned.append((link.issue(back, num_local * n), n))
-    outs = [link.wait(h).view(num_experts, n, model_dim) for h, n in returned]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+        returned.append(link.issue(back, num_local * n))  # this chunk's A2 at once
+    out = None if r == 1 else buffer.new_empty((num_experts, rows, model_dim), dtype=w1.dtype)
+    out = _gather(link, returned, bounds, out, (num_experts, model_dim))
     forward_s = time.perf_counter() - start
     table.record(rows, index, forward_s)
     call = _NEXT_CALL[0] = _NEXT_CALL[0] + 1
@@ -182,9 +220,6 @@ def adaptive_exchange(
         _CALLS.pop(next(iter(_CALLS)))
     _CALLS[call] = decision
     counters["adaptive_calls"] += 1
-    local, h1, h3 = (parts[0] if len(parts) == 1 else torch.cat(parts, 1) for parts in (local_ins, h1s, h3s or [None]))
-    if h3 is None:
-        h3 = h1.new_empty(0)
     choice = torch.tensor([index, call], dtype=torch.long, device=buffer.device)
     return out, local, h1, h3, choice
 
@@ -222,34 +257,36 @@ def adaptive_exchange_backward(
     num_local, total, model_dim = local_in.shape
     rows = total // p
     num_experts = num_local * p
-    params = [t for t in (w1, w2, w3, b1, b2, b3) if t is not None]
     bounds = chunk_bounds(rows, r)
+    spans = list(zip(bounds[:-1], bounds[1:]))
     start = time.perf_counter()
     grad_out = grad_out.to(w1.dtype)
     sent = [link.issue(grad_out[:, lo:hi].reshape(-1, model_dim), num_local * (hi - lo))  # A2's adjoint
-            for lo, hi in zip(bounds[:-1], bounds[1:])]
-    param_grads = [torch.zeros_like(t) for t in params]
+            for lo, hi in spans]
+    # the parameters' gradients, written by the first chunk and added to by the others
+    acc = [None if t is None else torch.empty_like(t) for t in (w1, w2, w3, b1, b2, b3)]
+    h3s = _blocks(h3, bounds, p) if w3 is not None else [None] * r
     returned = []
-    for (lo, hi), handle in zip(zip(bounds[:-1], bounds[1:]), sent):
+    for i, ((lo, hi), handle, x, h1_i, h3_i) in enumerate(zip(spans, sent, _blocks(local_in, bounds, p),
+                                                             _blocks(h1, bounds, p), h3s)):
         n = hi - lo
         grad_y = link.wait(handle).view(p, num_local, n, model_dim).transpose(0, 1).reshape(num_local, p * n,
-                                                                                           model_dim)
+                                                                                            model_dim)
         with _autograd_inside_op(), torch.enable_grad():
-            cols = slice(p * lo, p * hi)
-            grad_x, grads = experts_vjp(grad_y, local_in[:, cols], h1[:, cols], h3[:, cols] if w3 is not None else None,
-                                        w1, w2, w3, activation, b1, b2, b3, act_args)
-        for acc, g in zip(param_grads, (g for g in grads if g is not None)):
-            acc.add_(g)
+            h, grad_h1, grad_h3 = activation_vjp(grad_y, h1_i, h3_i, w2, activation, act_args)
+        grad_x = input_grad(grad_h1, grad_h3, w1, w3)
         back = grad_x.view(num_local, p, n, model_dim).transpose(0, 1).reshape(-1, model_dim)
-        returned.append((link.issue(back.to(local_in.dtype), num_local * n), n))  # A1's adjoint
-    outs = [link.wait(h).view(num_experts, n, model_dim) for h, n in returned]
-    grad_buffer = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+        returned.append(link.issue(back.to(local_in.dtype), num_local * n))  # A1's adjoint, before the weights'
+        accumulate_linear_grads(acc, i == 0, grad_y, x, h, grad_h1, grad_h3)
+    grad_buffer = None if r == 1 else local_in.new_empty((num_experts, rows, model_dim))
+    grad_buffer = _gather(link, returned, bounds, grad_buffer, (num_experts, model_dim))
     backward_s = time.perf_counter() - start
-    table.add(rows, index, backward_s)
     decision = _CALLS.pop(call, None)
+    if decision is None or decision.phase != "pinned":
+        table.add(rows, index, backward_s)
     if decision is not None:
         decision.backward_s = backward_s
-    return [grad_buffer.contiguous(), *param_grads]
+    return [grad_buffer, *(g for g in acc if g is not None)]
 
 
 @adaptive_exchange_backward.register_fake

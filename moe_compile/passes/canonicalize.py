@@ -162,7 +162,7 @@ def stale_reason(graph: Graph, region: MoERegion) -> str | None:
     weights = [w for linear in (experts.w1, experts.w2, experts.w3) if linear is not None
                for w in (*linear.weights, *linear.bias)]
     named = [*region.nodes, *region.inputs, *region.outputs, region.hidden, region.tokens, region.expert_ids,
-             region.gate_weights, region.output, *weights] + ([region.routed] if region.routed is not None else [])
+             region.gate_weights, region.output, *weights] + [n for n in (region.routed, region.kept) if n is not None]
     gone = sorted({n.name for n in named if n not in alive})
     if gone:
         return f"it read {', '.join(gone)}, no longer in the graph"
@@ -210,6 +210,9 @@ def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
     experts = region.experts
     with graph.inserting_before(output):
         tokens = env[region.tokens]
+        if len(shape_of(region.tokens)) != 2:   # a router on [B, S, M] (Switch's per sequence): the [T, M] rows
+            tokens = call("reshape", tokens, (-1, shape_of(region.tokens)[-1]), method=True)
+        rows = tokens
         if not isinstance(k, int):  # a runtime k (Tutel §5 top-ANY): read from the [T, k] ids, not a constant
             k = call(torch.ops.aten.sym_size.int, env[region.expert_ids], -1)
         ids = call("reshape", env[region.expert_ids], (-1, k), method=True)
@@ -217,6 +220,10 @@ def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
             weights = call(torch.gather, env[region.gate_weights], 1, call("long", ids, method=True))
         else:
             weights = call("reshape", env[region.gate_weights], (-1, k), method=True)
+        if region.kept is not None:   # Switch's per-sequence capacity: a dropped choice weighs 0 (capacity_router)
+            kept = call("sum", env[region.kept], -1, method=True)
+            weights = call(operator.mul, weights, call("to", call("reshape", kept, (-1, k), method=True),
+                                                        example_value(region.gate_weights).dtype, method=True))
         if region.scaled_before:   # expert(w · x): T·k scaled rows, one choice each, combined with weight 1
             model_dim = shape_of(region.tokens)[-1]
             tokens = call("reshape", call(operator.mul, call("unsqueeze", tokens, 1, method=True),
@@ -237,7 +244,7 @@ def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
         if region.scaled_before:   # [T·k, M] → the sum of each token's k outputs
             combined = call("sum", call("reshape", combined, (-1, k, model_dim), method=True), 1, method=True)
         combined = call("to", combined, example_value(routed).dtype, method=True)
-        if not _same_shape(shape_of(routed), shape_of(region.tokens)):
+        if not _same_shape(shape_of(routed), shape_of(rows)):
             combined = call("reshape_as", combined, env[region.hidden], method=True)
     old = env[routed]
     # an accumulator's in-place writers (``final.index_add_(0, rows, y)``) keep writing into it, now unread

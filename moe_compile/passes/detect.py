@@ -49,8 +49,9 @@ from .graph_utils import example_value, module_region, region_boundary, shape_of
 from .manager import PassResult
 from .checkpoint_bodies import checkpoint_bodies
 from .regions import MoERegion, NoMatch, Skip
+from .capacity_router import is_argmax, pass_through_copy, read_argmax_router
 from .routing import (
-    NotARouter, Router, capacity_argmax, expert_tokens, is_selection, read_router, router_part, same_size, scales_expert_input,
+    NotARouter, Router, expert_tokens, is_selection, read_router, router_part, same_size, scales_expert_input,
     selection_of,
 )
 from .state import moe_state
@@ -115,13 +116,13 @@ def find_moe_regions(graph: Graph) -> tuple[list[MoERegion], list[Skip]]:
     another router's ids or weights are computed from (a group top-k, a sparsemixer pick) is part of that
     router: not matched alone, not reported; neither is one that is no router (DEBUG line).
     """
-    selections = [n for n in graph.nodes if is_selection(n)]
+    selections = [n for n in graph.nodes if is_selection(n) or is_argmax(n)]
     routers: dict[Node, Router] = {}
     failures: dict[Node, NoMatch] = {}
     not_routers: dict[Node, NotARouter] = {}
     for selection in selections:
         try:
-            routers[selection] = read_router(selection)
+            routers[selection] = _read(selection)
         except NoMatch as e:
             failures[selection] = e
         except NotARouter as e:
@@ -159,7 +160,7 @@ def find_moe_regions(graph: Graph) -> tuple[list[MoERegion], list[Skip]]:
         try:
             region = _match(graph, router)
         except NoMatch as e:
-            if str(e).startswith(_NO_EXPERTS) and router.form.startswith("top-1 by max"):
+            if str(e).startswith(_NO_EXPERTS) and router.form.startswith(("top-1 by max", "top-1 by argmax")):
                 # a max over a linear's outputs with no experts after it (a classifier's prediction)
                 log.debug("moe_compile: %s in %s is not an MoE router: %s", selection.name, _module_name(selection), e)
                 continue
@@ -170,18 +171,13 @@ def find_moe_regions(graph: Graph) -> tuple[list[MoERegion], list[Skip]]:
             continue
         claimed.update(region.nodes)
         regions.append(region)
-    # token-dropping argmax routers (Switch, NLLB-MoE): named, never read (routing.capacity_argmax)
-    named = {s.name for s in skips} | {r.name for r in regions}
-    for node in graph.nodes:
-        layer = _module_name(node).rpartition(".")[0] or "<root>"   # the router's parent: the MoE layer
-        if node not in claimed and capacity_argmax(node) and layer not in named:
-            named.add(layer)
-            skips.append(Skip(layer, (
-                f"its router picks experts by argmax ({node.name}) and drops the tokens past an expert capacity by "
-                "their position in the batch (one-hot, cumsum: Switch Transformer's / NLLB-MoE's routers); not "
-                "rewritten: only top-k / max routers are read, whose layer is dropless or drops by the canonical "
-                "dispatch's capacity. The layer trains as written (equal to eager, not expert-parallel)")))
     return regions, skips
+
+
+def _read(selection: Node) -> Router:
+    """The router of a selection: a Switch ``argmax`` (:mod:`.capacity_router`) or a top-k / max / table
+    lookup (:mod:`.routing`)."""
+    return read_argmax_router(selection) if is_argmax(selection) else read_router(selection)
 
 
 def rematch(graph: Graph, region: MoERegion) -> MoERegion:
@@ -192,11 +188,11 @@ def rematch(graph: Graph, region: MoERegion) -> MoERegion:
     alive = set(graph.nodes)
     if region.expert_ids not in alive:  # erased with its router (an erased node's args are cleared)
         raise NoMatch(f"its router's top-k ids {region.expert_ids.name} are no longer in the graph")
-    selection = selection_of(region.expert_ids)
+    selection = region.expert_ids if is_argmax(region.expert_ids) else selection_of(region.expert_ids)
     if selection is None or selection not in alive:
         raise NoMatch(f"its router top-k (of {region.expert_ids.name}) is no longer in the graph")
     try:
-        router = read_router(selection)
+        router = _read(selection)
     except NotARouter as e:
         raise NoMatch(str(e)) from None
     fresh = _match(graph, router)
@@ -274,6 +270,13 @@ def _match(graph: Graph, router: Router) -> MoERegion:
             continue
         experts, expert_input = expert_mlp(region, router.num_experts, selection)
         tokens = expert_tokens(router, expert_input)
+        copy = pass_through_copy(region, tokens) if router.capacity is not None or router.kept is not None else None
+        if copy is not None:
+            raise NoMatch(
+                f"its dropped tokens pass through: the experts' outputs are written into a copy of the tokens "
+                f"({copy.name} = {tokens.name}.clone()), so a token past the expert capacity keeps its input (Switch "
+                "as older transformers versions write it); the canonical dispatch's dropped tokens add 0. Not "
+                "rewritten; the layer trains as written (equal to eager, not expert-parallel)")
         scaled_before = scales_expert_input(router, expert_input, tokens)
         in_shape = shape_of(expert_input)
         if scaled_before and in_shape is not None and len(in_shape) == 3 and same_size(
@@ -285,6 +288,8 @@ def _match(graph: Graph, router: Router) -> MoERegion:
             capacity, pattern = 0, "loop"
         else:
             capacity, pattern = 0, "sort"
+        if router.capacity is not None:   # Switch: the router drops past a fixed capacity (capacity_router)
+            capacity = router.capacity
         return MoERegion(
             name=name,
             pattern=pattern,
@@ -305,6 +310,7 @@ def _match(graph: Graph, router: Router) -> MoERegion:
                                  router.nodes, router.expert_ids),
             dense_weights=router.dense_weights,
             scaled_before=scaled_before,
+            kept=router.kept,
         )
     raise NoMatch(f"top-k {selection.name}: no enclosing module returns a tensor shaped like its input"
                   + (_SPLIT_HINT if _leaves_graph(selection) else ""))

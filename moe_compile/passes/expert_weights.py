@@ -96,7 +96,7 @@ def expert_mlp(region: list[Node], num_experts: int, topk: Node) -> tuple[Expert
             f"{len(downs)} reading another)"
         )
     down = downs[0]
-    h = strip(down.input, methods=_VIEWS)
+    h = _identity_dropout_input(strip(down.input, methods=_VIEWS))
     act_args: tuple[float, ...] = ()
     special = next(((name, found) for name, match in _GATED_FORMS if (found := match(h)) is not None), None)
     if special is not None:
@@ -128,6 +128,18 @@ def expert_mlp(region: list[Node], num_experts: int, topk: Node) -> tuple[Expert
 
 
 _VIEWS = ("to", "float", "contiguous", "unsqueeze", "squeeze", "view", "reshape")
+
+
+def _identity_dropout_input(h: object) -> object:
+    """What an expert MLP's dropout between its activation and its down projection reads, when that dropout
+    is the identity (``p = 0``, or not training: Switch Transformer's ``DenseActDense`` with
+    ``dropout_rate = 0``); ``h`` itself otherwise (a dropout that draws random numbers is no expert activation:
+    the layer is not matched)."""
+    if not is_call(h, F.dropout, torch.dropout, method=()):
+        return h
+    p = h.kwargs.get("p", h.args[1] if len(h.args) > 1 else 0.5)
+    training = h.kwargs.get("training", h.args[2] if len(h.args) > 2 else True)
+    return strip(h.args[0], methods=_VIEWS) if p == 0 or training is False else h
 _CLAMP = (torch.clamp, torch.clip)
 _ADD = (operator.add, torch.add)
 _MUL = (operator.mul, torch.mul)
@@ -440,17 +452,27 @@ def _indexed_expert_linear(node: Node, num_experts: int) -> str | None:
 def _indexed_weight(node: object) -> tuple[Node, int] | None:
     """(W, e) when ``node`` is ``W[e]``, one expert's ``[a, b]`` weight read by a constant index from a
     stacked ``[E, a, b]`` parameter ``W`` or a view of one (dbrx stores ``[E·F, H]``, its loop reads
-    ``w1.view(E, F, H)[e]``), else None."""
+    ``w1.view(E, F, H)[e]``) or its first rows (LongCat-Flash's ``gate_up_proj [E + Z, 2F, H]``, read
+    ``gate_up_proj[:E][e]``), else None."""
     if not (isinstance(node, Node) and node.op == "call_function" and node.target is operator.getitem
             and isinstance(node.args[1], int) and isinstance(node.args[0], Node)):
         return None
     base = node.args[0]
-    source = base.args[0] if is_call(base, method=("view", "reshape")) else base
+    source = base.args[0] if is_call(base, method=("view", "reshape")) or _leading_rows(base) else base
     shape = shape_of(base)
     if (isinstance(source, Node) and source.op in ("placeholder", "get_attr") and is_parameter(source)
             and shape is not None and len(shape) == 3):
         return base, node.args[1]
     return None
+
+
+def _leading_rows(node: Node) -> bool:
+    """``W[:n]``: the first n rows of ``W`` (a slice from 0 along dim 0, step 1)."""
+    if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2:
+        return False
+    index = node.args[1]
+    index = index[0] if isinstance(index, tuple) and len(index) == 1 else index
+    return isinstance(index, slice) and index.start in (None, 0) and index.step in (None, 1)
 
 
 def _weight_source(node: object) -> tuple[Node, bool, bool] | None:

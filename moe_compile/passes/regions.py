@@ -78,6 +78,9 @@ class MoERegion:
     #: ``x.repeat(E, 1) * scores``) rather than their outputs; canonicalize dispatches the ``T·k`` scaled
     #: rows one choice each and sums the k outputs of a token with weight 1
     scaled_before: bool = False
+    #: Switch's per-sequence capacity (:mod:`.capacity_router`): a 0/1 ``[.., E]`` mask of the kept choices;
+    #: canonicalize dispatches dropless and multiplies each token's weight by its row sum (0 for a dropped one)
+    kept: Node | None = None
 
 
 @dataclasses.dataclass(frozen=True)

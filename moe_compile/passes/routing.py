@@ -76,7 +76,7 @@ from .graph_utils import example_value, is_call, is_inplace, reachable, shape_of
 from .regions import NoMatch
 
 __all__ = [
-    "NotARouter", "Router", "capacity_argmax", "expert_tokens", "is_selection", "is_table_lookup", "read_router", "router_part", "same_size",
+    "NotARouter", "Router", "expert_tokens", "is_selection", "is_table_lookup", "read_router", "router_part", "same_size",
     "scales_expert_input", "selection_of",
 ]
 
@@ -101,6 +101,12 @@ class Router:
     form: str                       # how it routes, for the logs: "top-k", "top-1 by max, renormalised", ...
     #: ``gate_weights`` is a ``[T, E]`` tensor whose entries at the ids are the weights (dense scores)
     dense_weights: bool = False
+    #: a fixed expert capacity the router drops by, in token order (Switch's argmax router over all T tokens:
+    #: :mod:`.capacity_router`); None: the layer's own (from its ``[E, C, M]`` expert input, or dropless)
+    capacity: int | None = None
+    #: a 0/1 ``[.., E]`` mask of the choices the router keeps, when it drops by a capacity per sequence that the
+    #: canonical dispatch cannot express (the weights are multiplied by its rows: a dropped choice weighs 0)
+    kept: Node | None = None
 
 
 _CASTS = ("to", "type", "float", "double", "half", "bfloat16", "contiguous", "type_as")
@@ -131,23 +137,6 @@ def is_table_lookup(node: Node) -> bool:
     integer = lambda v: not v.is_floating_point() and not v.is_complex() and v.dtype is not torch.bool  # noqa: E731
     return (strip(table, methods=_CASTS).op in ("placeholder", "get_attr") and table_value.dim() == 2
             and integer(table_value) and integer(index_value) and value.dim() == 2)
-
-
-def capacity_argmax(node: Node) -> bool:
-    """A token-dropping top-1 router's ``argmax`` (Switch Transformer's, NLLB-MoE's top-2 as two argmaxes):
-    over the last dim of gate-linear ``[.., E]`` scores, its ids one-hot encoded over the E experts (then
-    positions by ``cumsum`` against an expert capacity). Not read as a router (:mod:`.detect` names the layer):
-    which tokens such a router drops depends on their order in the batch, a contract the canonical dispatch's
-    capacity does not share."""
-    if not is_call(node, torch.argmax, method=("argmax",)):
-        return False
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    shape = shape_of(node.args[0])
-    if shape is None or dim not in (-1, len(shape) - 1) or _gate_linear(node.args[0], shape[-1]) is None:
-        return False
-    one_hot = (F.one_hot, torch._C._nn.one_hot)
-    return any(is_call(u, *one_hot) for u in reachable([node], stop=lambda n: n is not node and not is_call(
-        n, method=_CASTS)))
 
 
 def selection_of(ids: Node) -> Node | None:
@@ -184,7 +173,7 @@ def read_router(selection: Node) -> Router:
     if ids0 is None:
         raise NoMatch(f"top-k {selection.name}: its values or indices are unused")
     ids = _extend_ids(ids0, num_tokens, num_experts)
-    skip = any(_skip_fill(n, num_experts) for n in reachable([ids], forward=False, stop=is_selection))
+    skip = max((_skip_fill(n, num_experts) for n in reachable([ids], forward=False, stop=is_selection)), default=0)
     ids_shape = shape_of(ids)
     top_k = 1 if len(ids_shape) == 1 else ids_shape[-1]
     if len(ids_shape) > 2 or not isinstance(top_k, (int, torch.SymInt)) or not same_size(ids_shape[0], num_tokens):
@@ -199,12 +188,13 @@ def read_router(selection: Node) -> Router:
     form = _describe(selection, selections, picks, chain, num_experts)
     if dense:
         form += ", values scattered into dense [T, E] scores"
-    if skip:   # the last class is a skip expert: its choices became expert 0 with weight 0; E - 1 real experts
-        if not any(_skip_fill(n, num_experts) for n in chain):
-            raise NoMatch(f"the expert ids of {selection.name} map a skip expert (id {num_experts - 1}) to 0, but "
-                          f"its gate weights are not zeroed there")
-        num_experts -= 1
-        form += ", a skip expert (its choices weight 0)"
+    if skip:   # the last `skip` classes are skip experts: their choices became expert 0 with weight 0
+        if not any(_skip_fill(n, num_experts) == skip for n in chain):
+            raise NoMatch(f"the expert ids of {selection.name} map {skip} skip expert(s) (ids from "
+                          f"{num_experts - skip}) to 0, but its gate weights are not zeroed there")
+        num_experts -= skip
+        form += (", a skip expert (its choices weight 0)" if skip == 1
+                 else f", {skip} zero-computation experts (their choices weight 0)")
     return Router(selection, selections, frozenset(nodes), gate, tokens, ids, weights, num_experts, top_k, form,
                   dense)
 
@@ -462,26 +452,35 @@ def _extend_ids(ids: Node, num_tokens, num_classes=None) -> Node:
         ids = nxt[0]
 
 
-def _skip_fill(node: Node, num_classes, ids: Node | None = None) -> bool:
+def _skip_fill(node: Node, num_classes, ids: Node | None = None) -> int:
     """``x.masked_fill(ids == E - 1, c)``: Zaya's skip expert, the router's last class (``E - 1`` of its
     ``E`` scores), that computes nothing: its choices' ids become a real expert (``c`` in ``[0, E - 1)``) and
-    their weights 0. ``ids``: only when ``node`` fills them (else: any ``x``, the weights with ``c = 0``)."""
+    their weights 0. ``x.masked_fill(ids >= E - Z, c)``: the last Z classes so (LongCat-Flash's
+    zero-computation experts, whose tokens the model adds back itself). Returns Z (0: no such fill).
+    ``ids``: only when ``node`` fills them (else: any ``x``, the weights with ``c = 0``)."""
     if num_classes is None or not is_call(node, torch.masked_fill, method=("masked_fill",)) or len(node.args) != 3:
-        return False
+        return 0
     source, mask, fill = node.args
     if ids is not None and source is not ids:
-        return False
-    if not (is_call(mask, operator.eq, torch.eq, method=("eq",)) and len(mask.args) == 2):
-        return False
-    chosen, cls = mask.args
+        return 0
+    if is_call(mask, operator.eq, torch.eq, method=("eq",)) and len(mask.args) == 2:
+        chosen, cls = mask.args
+        if not isinstance(cls, int) or not same_size(num_classes - 1, cls):
+            return 0
+        count = 1
+    elif is_call(mask, operator.ge, torch.ge, method=("ge",)) and len(mask.args) == 2:
+        chosen, cls = mask.args
+        if not isinstance(cls, int) or cls < 1 or not statically_known_true(num_classes - cls >= 1):
+            return 0
+        count = num_classes - cls
+    else:
+        return 0
     value = example_value(source)
-    if not isinstance(chosen, Node) or not isinstance(cls, int) or not same_size(num_classes - 1, cls):
-        return False
-    if example_value(chosen) is None or example_value(chosen).is_floating_point():
-        return False
+    if not isinstance(chosen, Node) or example_value(chosen) is None or example_value(chosen).is_floating_point():
+        return 0
     if value.is_floating_point():
-        return fill == 0
-    return isinstance(fill, int) and 0 <= fill < cls and source is chosen
+        return count if fill == 0 else 0
+    return count if isinstance(fill, int) and 0 <= fill < cls and source is chosen else 0
 
 
 def _ids_step(user: Node, ids: Node, num_tokens) -> bool:
@@ -589,6 +588,9 @@ def _weights_chain(start: Node, ids: Node, num_classes=None) -> list[Node]:
         nxt = [u for u in node.users if _weights_step(u, node, chain, ids)
                or (_skip_fill(u, num_classes) and u.args[0] is node
                    and u.args[1].args[0] in reachable([ids], forward=False, stop=is_selection))]
+        fills = [u for u in nxt if _skip_fill(u, num_classes)]
+        if len(nxt) > 1 and len(fills) == 1:   # the weights also read otherwise (LongCat-Flash: the zero-
+            nxt = fills                        # computation experts' tokens scaled by them): the experts' are filled
         if len(nxt) != 1:
             return chain
         chain.append(nxt[0])

@@ -37,10 +37,17 @@ own cost (target < 50 µs, Tutel's O(1)). :func:`write_decisions` saves them wit
 the tables as ``<debug_dir>/rank<r>/adaptive.json``, which ``python -m
 moe_compile.explain`` shows per layer (the choices per iteration, predicted vs
 measured).
+
+An internal knob for measurements, not a user option: inside ``with pinned_chunks(r):``
+every table returns its first candidate with that r (phase "pinned") and records
+nothing, so the op's own cost at a fixed r can be compared with the chunked exchange
+the graph builds for the same r (``benchmarks/adaptive.py --same-r``) without
+compiling anything else or disturbing the search of the unpinned calls.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import math
@@ -49,7 +56,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 __all__ = [
-    "AdaptiveTable", "Candidate", "Decision", "adaptive_table", "decisions", "log_decision",
+    "AdaptiveTable", "Candidate", "Decision", "adaptive_table", "decisions", "log_decision", "pinned_chunks",
     "reset_adaptive_tables", "tables", "write_decisions",
 ]
 
@@ -87,6 +94,20 @@ class Decision:
 
 
 _DECISIONS: collections.deque[Decision] = collections.deque(maxlen=MAX_DECISIONS)
+
+#: inside :func:`pinned_chunks`: the r every table returns (None: Tutel's search)
+_PINNED: list[int | None] = [None]
+
+
+@contextlib.contextmanager
+def pinned_chunks(r: int):
+    """Within the block every call of ``moe.adaptive_exchange`` runs its first candidate with ``r`` chunks
+    and records nothing in its table (measurements only: see the module docstring)."""
+    previous, _PINNED[0] = _PINNED[0], int(r)
+    try:
+        yield
+    finally:
+        _PINNED[0] = previous
 
 
 def decisions() -> list[Decision]:
@@ -138,6 +159,8 @@ class AdaptiveTable:
         O(1) in a settled bucket (one dict lookup; every ``refresh`` calls one agreed re-check); while a
         bucket explores, the next candidate in the fixed order; when its exploration ends, one ``agree``.
         """
+        if _PINNED[0] is not None:
+            return self._pinned(_PINNED[0]), "pinned", None
         b = self.bucket_of(rows)
         bucket = self.buckets.get(b)
         if bucket is None:
@@ -154,6 +177,13 @@ class AdaptiveTable:
                 return index, "explore", None
             self._settle(bucket, agree)
         return bucket.winner, "settled", bucket.score * rows
+
+    def _pinned(self, r: int) -> int:
+        for index, (chunks, _) in enumerate(self.candidates):
+            if chunks == r:
+                return index
+        raise ValueError(f"pinned_chunks({r}): layer {self.layer!r} chooses among r in "
+                         f"{sorted({c for c, _ in self.candidates})}")
 
     def _settle(self, bucket: _Bucket, agree) -> None:
         scores = [min(bucket.samples[i]) if bucket.samples[i] else math.inf for i in bucket.usable]
@@ -173,7 +203,7 @@ class AdaptiveTable:
     def record(self, rows: int, index: int, seconds: float) -> None:
         """A measurement of candidate ``index`` at ``rows`` (forward, or backward added to it)."""
         bucket = self.buckets.get(self.bucket_of(rows))
-        if bucket is None or index not in bucket.samples:
+        if bucket is None or index not in bucket.samples or _PINNED[0] is not None:
             return
         per_row = seconds / max(int(rows), 1)
         if bucket.winner is None:

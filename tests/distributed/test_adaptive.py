@@ -8,6 +8,8 @@ gradients as in tests/distributed/test_expert_parallel.py: this rank's experts h
 the group's sum); after the first step nothing recompiles (Dynamo's and our compile
 counters); the op explored several (r, algorithm) candidates and settled buckets,
 and every rank ran the same candidate at every call (they exchange together).
+The op pinned to each r (``pinned_chunks``) on experts with biases (gpt-oss's
+SwiGLU) and on plain GELU experts (no w3; with and without biases) equals eager too.
 """
 from __future__ import annotations
 
@@ -128,6 +130,54 @@ def _runtime_k(rank: int, world: int) -> int:
     return 1
 
 
+def _pinned_forms(rank: int, world: int) -> int:
+    """The op pinned to r = 1, 2, 4 (uneven chunks included) on biased gated experts (b1, b2, b3: gpt-oss's
+    interleaved gate/up), on plain GELU experts with biases (b1, b2, no w3) and without: output and every gradient equal eager."""
+    from moe_compile.schedule.adaptive import decisions, pinned_chunks, reset_adaptive_tables
+    from tests.models.gshard import GShardMoE
+    from tests.models.shared import SharedExpertMoE
+
+    forms = [("swiglu_oai biases", lambda: SharedExpertMoE(8, 8, 4, top_k=2, form="swiglu_oai", shared=None),
+              ("up", "down", "up_bias", "down_bias")),
+             ("gelu biases", lambda: SharedExpertMoE(8, 8, 4, top_k=2, form="gelu", shared=None),
+              ("up", "down", "up_bias", "down_bias")),
+             ("gelu", lambda: GShardMoE(8, 16, 4, top_k=2, capacity_factor=1.5, activation="gelu"), ("w1", "w2"))]
+    for name, build, expert_params in forms:
+        torch._dynamo.reset()
+        reset_adaptive_tables()
+        torch.manual_seed(0)
+        model = build()
+        eager = copy.deepcopy(model)
+        compiled = torch.compile(model, backend="moe", fullgraph=True,
+                                 options={"ep_group": "world", "inner": "eager", "num_chunks": "adaptive"})
+        local = slice(rank * 4 // world, (rank + 1) * 4 // world)
+        for step, r in enumerate((1, 2, 4)):
+            gen = torch.Generator().manual_seed(10 * step + rank)
+            x = torch.randn(2, 11, 8, generator=gen) * 2
+            x_c, x_e = x.clone().requires_grad_(), x.clone().requires_grad_()
+            with pinned_chunks(r):
+                out_c = compiled(x_c)
+            assert decisions()[-1].chunks == r and decisions()[-1].phase == "pinned", decisions()[-1]
+            out_e = eager(x_e)
+            what = f"{name} r={r} rank {rank}"
+            torch.testing.assert_close(out_c, out_e, **TOL, msg=lambda m: f"{what} output: {m}")
+            (out_c ** 2).sum().backward()
+            (out_e ** 2).sum().backward()
+            torch.testing.assert_close(x_c.grad, x_e.grad, **TOL, msg=lambda m: f"{what} input grad: {m}")
+            eager_params = dict(eager.named_parameters())
+            for pname, p in model.named_parameters():
+                expected = eager_params[pname].grad.clone()
+                if pname in expert_params:
+                    dist.all_reduce(expected)
+                    mine = torch.zeros_like(expected)
+                    mine[local] = expected[local]
+                    expected = mine
+                torch.testing.assert_close(p.grad, expected, **GRAD_TOL, msg=lambda m: f"{what} grad {pname}: {m}")
+            model.zero_grad(set_to_none=True)
+            eager.zero_grad(set_to_none=True)
+    return 1
+
+
 def _cases_2(rank: int, world: int) -> list:
     out = [_steps(rank, world, 8, {"num_chunks": "adaptive"}, rounds=5)]
     out.append(_steps(rank, world, 4, {"num_chunks": "adaptive", "all_to_all": "adaptive", "ranks_per_node": 1},
@@ -135,6 +185,7 @@ def _cases_2(rank: int, world: int) -> list:
     out.append(_steps(rank, world, 8, {"num_chunks": "adaptive",
                                        "emulate_link": {"alpha_us": 200, "gbps": 0.5}}, rounds=2))
     out.append(_runtime_k(rank, world))
+    out.append(_pinned_forms(rank, world))
     return out
 
 
@@ -147,8 +198,8 @@ def _check(result: dict, algorithms: int = 1) -> None:
 def test_adaptive_2_ranks():
     results = spawn(_cases_2, 2, timeout=560)
     assert results[0] == results[1]
-    chunks_only, both, emulated, runtime_k = results[0]
-    assert runtime_k == 1
+    chunks_only, both, emulated, runtime_k, pinned = results[0]
+    assert runtime_k == 1 and pinned == 1
     _check(chunks_only)
     assert "settled" in chunks_only["phases"], chunks_only
     _check(both, algorithms=2)

@@ -15,7 +15,9 @@ expert, ``bmm`` on the gathered stacked weights, ``index_add`` back: dropless, a
 | :class:`ScoresBeforeMoE` | sigmoid of the top-k logits, multiplied into the sorted tokens *before* the experts, the outputs summed unweighted | torchtitan's ``score_before_experts`` (its Llama 4) |
 | :class:`HashMoE` | hash routing: each token id's experts a fixed row of a ``[V, k]`` table (a buffer), weights the sigmoid scores gathered at them, renormalised, scaled; no selection over scores | DeepSeek-V4's first layers (§2.1) |
 | :class:`SkipExpertMoE` | a router MLP (its gate linear reads no token tensor) over ``[B, S, E + 1]`` scores: the last class a skip expert, its choices sent to expert 0 with weight 0 | Zaya |
+| :class:`ZeroExpertsMoE` | top-k over E + Z classes, the last Z zero-computation experts (the token itself): their choices sent to expert 0 with weight 0 (``ids >= E``), the token added back scaled by their weights | LongCat-Flash (as ``moe_compile.hf.prepare`` writes its experts) |
 | :class:`SharedGammaMoE` | one gate linear for E routed and 1 shared expert; the k gathered logits and the shared one normalised together (``sigmoid`` / their sum, via ``logsigmoid`` and ``logsumexp``); the shared expert scaled by its share | Inkling |
+| :class:`SwitchCapacityMoE` | top-1 by ``argmax`` of the softmax, one-hot, ``cumsum`` positions ``<= C``: the tokens past an expert's capacity dropped (output 0), over all tokens or per sequence; weight the max probability; a ``ModuleList`` of ReLU experts looped over the kept one-hot | Switch Transformer (§2.1-2.2), transformers' ``SwitchTransformersSparseMLP`` |
 | :class:`DenseScoresMoE` | top-k logits scattered into ``-inf`` ``[T, E]`` scores, ``sigmoid``; every expert runs every token scaled by its score (``einsum`` over ``[E, T, M]``), summed over the experts | Llama 4 as transformers writes it |
 
 :class:`IndexedAttentionBlock` puts an attention whose key selection is a ``topk`` over ``[B, S, S]``
@@ -202,6 +204,26 @@ class SkipExpertMoE(_RoutedMoE):
         return out.reshape(x.shape)
 
 
+class ZeroExpertsMoE(_RoutedMoE):
+    """``forward(x)``: E routed SwiGLU experts and Z zero-computation experts (ids E .. E + Z - 1, whose output
+    is the token itself); the gate linear scores E + Z classes."""
+
+    def __init__(self, model_dim, hidden_dim, num_experts=4, zero_experts=2, top_k=2):
+        super().__init__(model_dim, hidden_dim, num_experts, top_k)
+        self.router = nn.Linear(model_dim, num_experts + zero_experts, bias=False)
+
+    def route(self, x):
+        weights, ids = torch.topk(torch.softmax(self.router(x), dim=-1), self.top_k, dim=-1)
+        return ids, weights
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        ids, weights = self.route(tokens)
+        identity = ids >= self.num_experts
+        out = self.experts(tokens, ids.masked_fill(identity, 0), weights.masked_fill(identity, 0))
+        return (out + tokens * (weights * identity).sum(-1, keepdim=True)).reshape(x.shape)
+
+
 class SharedGammaMoE(_RoutedMoE):
     """``forward(x)``: routed experts plus a shared SwiGLU expert, all weighted by one normalisation of the
     gate linear's E + 1 logits (the k chosen routed ones and the shared one)."""
@@ -278,3 +300,36 @@ class IndexedAttentionBlock(nn.Module):
         att = (q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])).masked_fill(~allowed, float("-inf"))
         x = x + att.softmax(-1) @ v
         return x + self.moe(x)
+
+
+class SwitchCapacityMoE(nn.Module):
+    """Switch Transformer's token-dropping top-1 layer, as transformers writes it: the argmax of the softmax
+    probabilities one-hot encoded, each token's position among its expert's tokens a ``cumsum``, those past
+    ``capacity`` dropped (their routed output 0), the kept ones scaled by their expert's probability.
+    ``per_sequence``: the router reads ``[B, S, M]`` and the positions run over each sequence (transformers'
+    "expert capacity is accounted per sequence"); else the ``[T, M]`` tokens, all in one order."""
+
+    def __init__(self, model_dim, hidden_dim, num_experts=4, capacity=3, per_sequence=False):
+        super().__init__()
+        self.num_experts, self.capacity, self.per_sequence = num_experts, capacity, per_sequence
+        self.classifier = nn.Linear(model_dim, num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(model_dim, hidden_dim, bias=False), nn.ReLU(), nn.Linear(hidden_dim, model_dim, bias=False))
+            for _ in range(num_experts))
+
+    def route(self, x):
+        probs = torch.softmax(self.classifier(x), dim=-1)
+        hot = F.one_hot(torch.argmax(probs, dim=-1), num_classes=self.num_experts)
+        kept = hot * (torch.cumsum(hot, dim=-2) <= self.capacity)
+        return kept, probs.max(dim=-1).values
+
+    def forward(self, x):
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        kept, weight = self.route(x if self.per_sequence else tokens)
+        kept, weight = kept.reshape(-1, self.num_experts), weight.reshape(-1)
+        out = torch.zeros_like(tokens)
+        for e, expert in enumerate(self.experts):
+            rows = torch.where(kept[:, e])[0]
+            out.index_add_(0, rows, expert(tokens[rows]) * weight[rows, None])
+        return out.reshape(shape)

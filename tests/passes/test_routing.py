@@ -11,14 +11,13 @@ import logging
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import moe_compile
 from tests.helpers import CausalLMLogits
 from tests.models.routers import (
     BiasCorrectedMoE, DenseScoresMoE, GroupLimitedMoE, HashRouted, IndexedAttentionBlock, NoisyTopkMoE, ScoresBeforeMoE,
-    SharedGammaMoE, SkipExpertMoE, SoftmaxAfterTopkMoE, SwitchMaxMoE, TwoPickMoE,
+    SharedGammaMoE, SkipExpertMoE, SoftmaxAfterTopkMoE, SwitchMaxMoE, TwoPickMoE, ZeroExpertsMoE,
 )
 
 
@@ -127,54 +126,23 @@ def test_skip_expert_router_is_found_and_rewritten(tmp_path, caplog):
     assert _dispatches(tmp_path) == 1
 
 
-class _CapacityRouter(nn.Module):
-    def __init__(self, model_dim, num_experts, capacity):
-        super().__init__()
-        self.classifier = nn.Linear(model_dim, num_experts, bias=False)
-        self.num_experts, self.capacity = num_experts, capacity
-
-    def forward(self, x):
-        probs = torch.softmax(self.classifier(x), dim=-1)
-        mask = F.one_hot(torch.argmax(probs, dim=-1), num_classes=self.num_experts)
-        mask = mask * (torch.cumsum(mask, dim=-2) <= self.capacity)
-        return mask, probs.max(dim=-1).values.unsqueeze(-1)
-
-
-class _SwitchCapacityLayer(nn.Module):
-    """Switch Transformer's token-dropping top-1 layer (argmax, one-hot, cumsum positions against a capacity),
-    its experts a ModuleList applied to each expert's masked tokens."""
-
-    def __init__(self, model_dim=16, hidden=24, num_experts=4, capacity=3):
-        super().__init__()
-        self.router = _CapacityRouter(model_dim, num_experts, capacity)
-        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(model_dim, hidden), nn.ReLU(), nn.Linear(hidden, model_dim))
-                                     for _ in range(num_experts))
-
-    def forward(self, x):
-        mask, weight = self.router(x)
-        out = x.clone()
-        for e, expert in enumerate(self.experts):
-            chosen = mask[..., e].unsqueeze(-1).to(x.dtype)
-            out = out * (1 - chosen) + expert(x) * chosen
-        return out * weight
-
-
-def test_capacity_argmax_router_is_named(caplog):
-    """A token-dropping argmax router (Switch / NLLB-MoE) is not read, but its layer is named at WARNING (it
-    was left eager without a word); the model still equals eager. An argmax of a classifier's logits (no
-    one-hot of experts after it) is no router and says nothing."""
-    caplog.set_level(logging.WARNING, logger="moe_compile")
+def test_zero_computation_experts_are_read(tmp_path, caplog):
+    """LongCat-Flash's zero-computation experts: a top-k over E + Z classes whose last Z are the token itself;
+    read as E real experts (the Z filled to expert 0 with weight 0), the tokens added back as written; rewritten
+    and equal to eager on a batch that chooses them."""
+    caplog.set_level(logging.INFO, logger="moe_compile")
     torch.manual_seed(0)
-    _compare(nn.Sequential(_SwitchCapacityLayer()), torch.randn(2, 6, 16), train=False)
-    (warning,) = _messages(caplog, logging.WARNING)
-    assert "MoE-like layer 0 left unchanged: its router picks experts by argmax" in warning, warning
-    caplog.clear()
-    torch._dynamo.reset()
-    head = nn.Linear(16, 5)
-    compiled = torch.compile(lambda x: torch.argmax(head(x), dim=-1), backend="moe", fullgraph=True)
-    x = torch.randn(3, 16)
-    torch.testing.assert_close(compiled(x), torch.argmax(head(x), dim=-1))
+    model = ZeroExpertsMoE(16, 24)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        ids, _ = model.route(x.reshape(-1, 16))
+    assert (ids >= 4).any() and (ids < 4).any(), "the test needs zero-computation experts chosen and not"
+    _compare(model, x, train=False, tmp_path=tmp_path)
+    assert moe_compile.counters["regions_rewritten"] == moe_compile.counters["regions_found"] == 1
     assert not _messages(caplog, logging.WARNING)
+    found = [m for m in _messages(caplog, logging.INFO) if "found" in m]
+    assert any("E=4, k=2" in m and "2 zero-computation experts (their choices weight 0))" in m for m in found), found
+    assert _dispatches(tmp_path) == 1
 
 
 class _TablePairs(nn.Module):

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from moe_compile.config import ConfigError, MoECompileConfig
-from moe_compile.schedule.adaptive import AdaptiveTable
+from moe_compile.schedule.adaptive import AdaptiveTable, pinned_chunks
 
 CANDIDATES = ((1, "flat"), (2, "flat"), (4, "flat"), (8, "flat"))
 
@@ -44,6 +44,21 @@ def test_candidates_with_more_chunks_than_rows_are_not_tried():
     table = AdaptiveTable("moe_0", CANDIDATES, trials=1)
     tried = {table.candidates[_run(table, 3, lambda r: 1.0)[0]][0] for _ in range(4)}
     assert tried == {1, 2}  # bucket [2, 3]: r = 4 and 8 would give empty chunks
+
+
+def test_pinned_chunks_runs_that_r_and_records_nothing():
+    """Inside ``pinned_chunks(r)`` every call runs r's candidate (phase "pinned", even where the search would
+    not try r) and leaves the search untouched: afterwards the bucket explores from its first candidate."""
+    table = AdaptiveTable("moe_0", CANDIDATES, trials=1)
+    with pinned_chunks(4):
+        pinned = [_run(table, rows, lambda r: 1.0) for rows in (40, 40, 3)]
+    assert [(table.candidates[i][0], phase) for i, phase, _ in pinned] == [(4, "pinned")] * 3
+    assert table.buckets == {}
+    assert table.candidates[_run(table, 40, lambda r: 1.0)[0]][0] == 1
+    with pytest.raises(ValueError, match=r"pinned_chunks\(3\).*\[1, 2, 4, 8\]"):
+        with pinned_chunks(3):
+            table.choose(40, _identity)
+    assert table.choose(40, _identity)[1] == "explore"  # the pin ends with its block, also on an error
 
 
 def test_ranks_agree_on_the_winner():

@@ -1,0 +1,205 @@
+"""Switch Transformer's token-dropping top-1 router: ``argmax``, one-hot, ``cumsum`` positions against a capacity.
+
+Switch (Fedus et al. 2021, §2.1-2.2) routes each token to the argmax of its softmax router
+probabilities and gives every expert a fixed *expert capacity* C: the tokens that chose an
+expert are kept in their order in the batch until C of them are, the others are dropped (their
+routed output is 0; the residual connection carries them). This is GShard's / Tutel's capacity
+(Tutel §2.1 eq. 1: ``C = f · k · T / E``, a choice past C dropped in token order, k-major) at
+k = 1, so it is exactly the canonical dispatch with a fixed capacity::
+
+    Before (transformers' SwitchTransformersTop1Router, then its experts over the kept one-hot):
+        probs = softmax(linear(x, W_gate))                  # [B, S, E]
+        hot = one_hot(argmax(probs, -1), E)                 # [B, S, E]
+        kept = hot * (cumsum(hot, dim=-2) <= C)             # a token's position among its expert's, <= C
+        w = max(probs, -1).values                           # the chosen expert's probability
+        y[t] = w[t] · expert_e(x[t]) if kept[t, e] else 0
+
+    Read (a Router): selection = argmax, expert_ids = its ids (k = 1), gate_weights = w,
+        capacity = C when the cumsum runs over all the T = B·S tokens ([T, E] scores, or B = 1):
+            moe.dispatch(x, ids, E, C) keeps the first C tokens of each expert in token order, as Switch;
+        kept = the masked one-hot when it runs per sequence (dim -2 of [B, S, E], B > 1: transformers'
+            "expert capacity is accounted per sequence"), a group capacity the canonical dispatch has no
+            argument for: the layer is dispatched dropless and each token's weight multiplied by its row of
+            ``kept`` (1 kept, 0 dropped), so a dropped token adds 0 and gets no gradient, as in eager.
+
+Older transformers versions (and Switch's Mesh-TensorFlow code) let a dropped token pass through the
+layer scaled by its router probability instead (the experts' outputs written into a copy of the tokens,
+:func:`pass_through_copy`); such a layer computes something else than the canonical form: :mod:`.detect`
+names it (NoMatch), and the region check (``canonicalize.verify``) would leave it as written anyway.
+
+An ``argmax`` whose ids no one-hot of the experts reads (a classifier's prediction) is no router
+(:class:`~.routing.NotARouter`); a one-hot whose ``cumsum`` is compared in a form this module does not
+read is :class:`~.regions.NoMatch` naming it (never read as dropless). Only reads the graph.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Node
+
+from .graph_utils import is_call, reachable, shape_of, strip
+from .regions import NoMatch
+from .routing import _CASTS, NotARouter, Router, _gate_linear, _is_linear_like, _router_nodes, same_size
+
+__all__ = ["CapacityMask", "capacity_mask", "is_argmax", "pass_through_copy", "read_argmax_router"]
+
+_ONE_HOT = (F.one_hot, torch._C._nn.one_hot)
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityMask:
+    """``kept = hot * (cumsum(hot, dim) <= capacity)`` read off the graph."""
+
+    kept: Node            # the masked one-hot [.., E] (int or bool 0/1)
+    capacity: int         # C: positions 1..C are kept
+    per_sequence: bool    # the cumsum runs over dim -2 of [B, S, E] with B > 1 (a capacity per sequence)
+
+
+def is_argmax(node: Node) -> bool:
+    """``argmax`` over a dim (never the global one)."""
+    if not is_call(node, torch.argmax, method=("argmax",)):
+        return False
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    return isinstance(dim, int)
+
+
+def _users(node: Node) -> list[Node]:
+    """``node``'s users, seen through casts (``.to(dtype)``, ``.long()``)."""
+    out = []
+    for user in node.users:
+        out.extend(_users(user) if is_call(user, method=_CASTS) and user.args[0] is node else [user])
+    return out
+
+
+def _constant(node: Node, position: int):
+    arg = node.args[position] if len(node.args) > position else None
+    return arg if isinstance(arg, (int, float)) and not isinstance(arg, bool) else None
+
+
+def _dim(node: Node, default=None):
+    return node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else default)
+
+
+def capacity_mask(ids: Node, num_experts) -> CapacityMask | None:
+    """The capacity mask of top-1 ``ids`` (see the module), None when no one-hot of them is cumsummed;
+    NoMatch when one is, in a form not read here."""
+    for hot in _users(ids):
+        if not is_call(hot, *_ONE_HOT, method=("one_hot",)):
+            continue
+        shape = shape_of(hot)
+        for cumsum in _users(hot):
+            if not is_call(cumsum, torch.cumsum, method=("cumsum",)):
+                continue
+            dim = _dim(cumsum)
+            if shape is None or len(shape) not in (2, 3) or dim not in (len(shape) - 2, -2):
+                raise NoMatch(f"the expert one-hot {hot.name} is cumsummed ({cumsum.name}) over dim {dim} of "
+                              f"{list(shape or ())}, not over the tokens of [T, E] or [B, S, E]")
+            for compare in _users(cumsum):
+                if compare.args[0] is not cumsum and strip(compare.args[0], methods=_CASTS) is not cumsum:
+                    continue
+                limit = _constant(compare, 1)
+                if is_call(compare, operator.le, torch.le, method=("le",)) and isinstance(limit, int):
+                    capacity = limit
+                elif is_call(compare, operator.lt, torch.lt, method=("lt",)) and isinstance(limit, int):
+                    capacity = limit - 1
+                else:
+                    raise NoMatch(f"the positions {cumsum.name} of the expert one-hot {hot.name} are compared by "
+                                  f"{compare.name}, not `positions <= C` with a constant capacity C")
+                for kept in _users(compare):
+                    others = [strip(a, methods=_CASTS) for a in kept.args if isinstance(a, Node) and a is not compare
+                              and strip(a, methods=_CASTS) is not compare]
+                    if is_call(kept, operator.mul, torch.mul, operator.and_, method=("mul",)) and others == [hot]:
+                        per_sequence = len(shape) == 3 and not same_size(shape[0], 1)
+                        if capacity < 1:
+                            raise NoMatch(f"the expert capacity of {compare.name} is {capacity}: every token dropped")
+                        return CapacityMask(kept, capacity, per_sequence)
+                raise NoMatch(f"the capacity test {compare.name} does not mask the expert one-hot {hot.name} "
+                              "(`one_hot * (positions <= C)`)")
+    return None
+
+
+def _first_pick(scores: Node) -> bool:
+    """The scores are masked where an earlier argmax's one-hot is set (``logits.masked_fill(hot.bool(), -inf)``):
+    this argmax is the second pick of a two-argmax router."""
+    scores = strip(scores, methods=_CASTS)
+    if not is_call(scores, torch.masked_fill, method=("masked_fill", "masked_fill_")) or len(scores.args) < 2:
+        return False
+    mask = strip(scores.args[1], methods=(*_CASTS, "bool"))
+    return is_call(mask, *_ONE_HOT, method=("one_hot",)) and is_argmax(strip(mask.args[0], methods=_CASTS))
+
+
+def pass_through_copy(region: list[Node], tokens: Node) -> Node | None:
+    """The copy of the tokens the layer writes its experts' outputs into (``next = x.clone()`` then
+    ``next[rows] = expert(x[rows])``, ``index_put``): the Switch form whose dropped tokens pass through (older
+    transformers versions, Mesh TensorFlow), or None."""
+    members = set(region)
+    for node in region:
+        if not (is_call(node, torch.clone, method=("clone",)) and strip(node.args[0], methods=_CASTS) is tokens):
+            continue
+        for user in node.users:
+            if user in members and user.args and user.args[0] is node and (
+                    user.target is operator.setitem
+                    or is_call(user, torch.index_put, method=("index_put", "index_put_", "index_copy", "index_copy_"))):
+                return node
+    return None
+
+
+def _weights(argmax: Node, scores: Node) -> Node | None:
+    """The chosen expert's score: ``max(scores, dim).values`` or ``scores.gather(dim, ids.unsqueeze(dim))``."""
+    for user in scores.users:
+        if is_call(user, torch.max, method=("max",)) and _dim(user) == _dim(argmax):
+            values = next((u for u in user.users if u.target is operator.getitem and u.args[1] == 0), None)
+            if values is not None:
+                return values
+        if is_call(user, torch.gather, method=("gather",)):
+            index = user.kwargs.get("index", user.args[2] if len(user.args) > 2 else None)
+            if isinstance(index, Node) and strip(index.args[0] if index.args else None, methods=_CASTS) is argmax:
+                return user
+    return None
+
+
+def read_argmax_router(argmax: Node) -> Router:
+    """The Switch router whose selection is ``argmax`` (see the module); NotARouter / NoMatch otherwise."""
+    scores = argmax.args[0]
+    shape = shape_of(scores)
+    dim = _dim(argmax)
+    if shape is None or dim not in (-1, len(shape) - 1):
+        raise NotARouter(f"{argmax.name}: not an argmax over the last dim of [.., E] scores")
+    num_experts = shape[-1]
+    gate = _gate_linear(scores, num_experts)
+    if gate is None:
+        raise NotARouter(f"{argmax.name}: an argmax over scores that no gate linear computes")
+    hots = [u for u in _users(argmax) if is_call(u, *_ONE_HOT, method=("one_hot",))]
+    if not hots:
+        raise NotARouter(f"{argmax.name}: an argmax whose ids no one-hot of the experts reads (a prediction)")
+    if _first_pick(scores):
+        raise NotARouter(f"{argmax.name}: the second pick of a two-argmax router (read with its first pick)")
+    second = next((n for n in reachable(hots, stop=lambda n: n not in hots and (is_argmax(n) or _is_linear_like(n)))
+                   if is_argmax(n)), None)
+    if second is not None:
+        raise NoMatch(
+            f"its router picks a second expert by a second argmax ({second.name}) over the scores without the first "
+            f"({argmax.name}): NLLB-MoE's top-2 router, its capacity positions of the second choices counted after "
+            "all first choices and its weights renormalised over the kept choices, is not read (only Switch's "
+            "top-1 argmax router is); the layer trains as written (equal to eager, not expert-parallel)")
+    mask = capacity_mask(argmax, num_experts)
+    weights = _weights(argmax, scores)
+    if weights is None:
+        raise NoMatch(f"the argmax router {argmax.name} has no gate weight: neither max({scores.name}, -1).values "
+                      f"nor {scores.name}.gather(-1, ids) is used")
+    form = "top-1 by argmax"
+    capacity = None
+    kept = None
+    if mask is not None and mask.per_sequence:
+        kept = mask.kept
+        form += f", capacity {mask.capacity} per sequence (tokens past it weigh 0)"
+    elif mask is not None:
+        capacity = mask.capacity
+        form += f", capacity {mask.capacity}"
+    nodes = _router_nodes(gate, [argmax, weights, scores])
+    tokens = strip(gate.args[0], methods=_CASTS)
+    return Router(argmax, (argmax,), frozenset(nodes), gate, tokens, argmax, weights, num_experts, 1, form,
+                  capacity=capacity, kept=kept)
