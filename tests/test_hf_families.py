@@ -44,6 +44,8 @@ EP_LEFT_OUT = {
     "qwen3_next": "its gated delta rule (the backward that needs passes/safe_views.py) is qwen3_5_moe's, in the spawn; "
                   "the slowest linear attention",
     "lara_mini": "qwen3_next's gated delta rule and a top-k router like those in the spawn; slow linear attention",
+    "diffusion_gemma": "gemma4's router (its per-expert scale) and experts, in the spawn; passed the same 2-rank check "
+                       "by hand when it became rewritten (gemma4, diffusion_gemma, jetmoe: 149 s on a loaded 2-core box)",
 }
 EP_FAMILIES = [f for f in REWRITTEN if f not in EP_LEFT_OUT]
 

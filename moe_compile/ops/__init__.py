@@ -6,7 +6,8 @@ Importing this package registers:
   (Tutel §4.2 fast encode, O(T·k·M), never a ``[T, E, C]`` one-hot);
 - ``torch.ops.moe.capacity`` the buffer rows a batch needs (agreed over the EP group);
 - ``torch.ops.moe.combine``   ``[E, C, M]`` → weighted tokens (fast decode);
-- ``torch.ops.moe.experts``   batched expert MLP over ``[E, C, M]``;
+- ``torch.ops.moe.experts``   batched expert MLP over ``[E, C, M]``; ``experts_peers`` the same on an
+  expert-parallel rank's received buffer ``[P, El, R, M]``, its matmuls ``moe.peer_bmm``;
 - ``torch.ops.moe.chunk_rows`` / ``cat_rows`` / ``split_rows``: the buffer split along
   capacity into r chunks and joined back (ScheMoE §4 partitioning);
 - ``torch.ops.moe.esp_dump`` / ``esp_combine``: Parm's local dump and local combine
@@ -24,7 +25,8 @@ from .dispatch import (
 )
 from .chunk import cat_rows, chunk_bounds, chunk_rows, split_rows
 from .esp import esp_combine, esp_dump
-from .experts import ACTIVATIONS, GATED, check_activation, experts, experts_torch
+from .experts import ACTIVATIONS, GATED, check_activation, experts, experts_peers_torch, experts_torch
+from .peer_bmm import peer_bmm, peer_bmm_weight_grad
 
 __all__ = [
     "ACTIVATIONS",
@@ -43,7 +45,10 @@ __all__ = [
     "esp_dump",
     "expert_locations",
     "experts",
+    "experts_peers_torch",
     "experts_torch",
     "needed_capacity",
+    "peer_bmm",
+    "peer_bmm_weight_grad",
     "split_rows",
 ]

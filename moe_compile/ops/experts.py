@@ -24,6 +24,11 @@ Registered as a CompositeImplicitAutograd op: it shows as ``moe.experts`` in the
 stage-1 graph (dumps, and the expert-parallel / chunk passes find it by name) and
 AOTAutograd decomposes it into ``bmm`` + activation, deriving a backward that
 saves activations instead of recomputing them.
+
+``moe::experts_peers`` is the same MLP on an expert-parallel rank's received buffer in the
+all-to-all's peer-major layout ``[P, El, R, M]`` (what ``passes/emit_exchange.py`` emits):
+its matmuls are ``moe.peer_bmm`` (:mod:`.peer_bmm`), so the exchange needs no transposing
+copy of the buffer on either side of the experts, forward or backward.
 """
 from __future__ import annotations
 
@@ -33,7 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["ACTIVATIONS", "GATED", "check_activation", "experts", "experts_torch"]
+from .peer_bmm import autocast_peer_bmm
+
+__all__ = ["ACTIVATIONS", "GATED", "check_activation", "experts", "experts_peers_torch", "experts_torch"]
 
 #: ``act(g)``, then ``⊙ u`` when the MLP is gated (``w3`` given)
 ACTIVATIONS = {
@@ -80,10 +87,11 @@ GATED = {
 }
 
 _lib = torch.library.Library("moe", "FRAGMENT")
-_lib.define(
-    "experts(Tensor x, Tensor w1, Tensor w2, Tensor? w3, str activation, Tensor? b1=None, Tensor? b2=None, "
-    "Tensor? b3=None, float[] act_args=[]) -> Tensor"
-)
+for _name in ("experts", "experts_peers"):
+    _lib.define(
+        f"{_name}(Tensor x, Tensor w1, Tensor w2, Tensor? w3, str activation, Tensor? b1=None, Tensor? b2=None, "
+        "Tensor? b3=None, float[] act_args=[]) -> Tensor"
+    )
 
 
 def check_activation(activation: str, act_args: Sequence[float] = (), gated: bool = True, where: str = "moe.experts"):
@@ -106,24 +114,40 @@ def _add_bias(h: Tensor, bias: Tensor | None) -> Tensor:
     return h if bias is None else h + bias.to(h.dtype).unsqueeze(1)
 
 
+def _mlp(matmul, x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, activation: str, b1: Tensor | None,
+         b2: Tensor | None, b3: Tensor | None, act_args: Sequence[float]) -> Tensor:
+    """The expert MLP with ``matmul(rows, weightᵀ)`` as its batched matmul (``bmm`` or ``peer_bmm``)."""
+    check_activation(activation, act_args, gated=w3 is not None)
+    dtype = w1.dtype
+    x = x.to(dtype)
+    h1 = _add_bias(matmul(x, w1.transpose(1, 2)), b1)
+    if activation in GATED:
+        h = GATED[activation][0](h1, _add_bias(matmul(x, w3.transpose(1, 2)), b3), *act_args)
+    else:
+        h = ACTIVATIONS[activation](h1)
+        if w3 is not None:
+            h = h * _add_bias(matmul(x, w3.transpose(1, 2)), b3)
+    return _add_bias(matmul(h, w2.transpose(1, 2)), b2)
+
+
 def experts_torch(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, activation: str,
                   b1: Tensor | None = None, b2: Tensor | None = None, b3: Tensor | None = None,
                   act_args: Sequence[float] = ()) -> Tensor:
     """Reference: ``[E, C, M]`` → ``[E, C, M]``, one MLP per expert."""
-    check_activation(activation, act_args, gated=w3 is not None)
-    dtype = w1.dtype
-    x = x.to(dtype)
-    h1 = _add_bias(torch.bmm(x, w1.transpose(1, 2)), b1)
-    if activation in GATED:
-        h = GATED[activation][0](h1, _add_bias(torch.bmm(x, w3.transpose(1, 2)), b3), *act_args)
-    else:
-        h = ACTIVATIONS[activation](h1)
-        if w3 is not None:
-            h = h * _add_bias(torch.bmm(x, w3.transpose(1, 2)), b3)
-    return _add_bias(torch.bmm(h, w2.transpose(1, 2)), b2)
+    return _mlp(torch.bmm, x, w1, w2, w3, activation, b1, b2, b3, act_args)
+
+
+def experts_peers_torch(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, activation: str,
+                        b1: Tensor | None = None, b2: Tensor | None = None, b3: Tensor | None = None,
+                        act_args: Sequence[float] = ()) -> Tensor:
+    """The same MLP on the all-to-all's peer-major layout: ``[P, El, R, M]`` → ``[P, El, R, M]``
+    (``out[p] = experts_torch(x[p], ...)``; every matmul a ``moe.peer_bmm``, :mod:`.peer_bmm`, in the autocast
+    dtype under ``torch.autocast`` as ``bmm`` would be)."""
+    return _mlp(autocast_peer_bmm, x, w1, w2, w3, activation, b1, b2, b3, act_args)
 
 
 _lib.impl("experts", experts_torch, "CompositeImplicitAutograd")
+_lib.impl("experts_peers", experts_peers_torch, "CompositeImplicitAutograd")
 
 
 def experts(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None = None, activation: str = "relu",

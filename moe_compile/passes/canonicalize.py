@@ -509,8 +509,15 @@ def _probe(node: Node, region: MoERegion, equal: int, gen: torch.Generator):
 
 
 def _scalar_input(node: Node) -> torch.Tensor:
-    """The value a 0-d graph input had when Dynamo traced (``GraphArg.example``), as a tensor."""
+    """The value a 0-d graph input had when Dynamo traced (``GraphArg.example``), as a tensor; for a 0-d
+    tensor the graph builds from constants before the layer (``torch.tensor(512)``), that tensor."""
+    if node.op == "call_function" and node.target in _CONSTANT_FACTORIES and not node.all_input_nodes:
+        return node.target(*node.args, **node.kwargs)
     return _traced_input(node, "a scalar")
+
+
+#: factories whose result only their constant arguments decide (no random draw, no input)
+_CONSTANT_FACTORIES = (torch.tensor, torch.scalar_tensor, torch.full, torch.zeros, torch.ones)
 
 
 def _traced_input(node: Node, what: str) -> torch.Tensor:

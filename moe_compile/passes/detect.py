@@ -268,7 +268,7 @@ def _match(graph: Graph, router: Router) -> MoERegion:
         output, hidden = _layer_output(inputs, outputs)
         if output is None:
             continue
-        experts, expert_input = expert_mlp(region, router.num_experts, selection)
+        experts, expert_input = expert_mlp(region, router.num_experts, selection, router.gate_weights)
         tokens = expert_tokens(router, expert_input)
         copy = pass_through_copy(region, tokens) if router.capacity is not None or router.kept is not None else None
         if copy is not None:

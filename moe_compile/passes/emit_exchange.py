@@ -443,10 +443,10 @@ class Emitter:
         return self.call(torch.ops.moe.decompress.default, received, cfg.compressor, self.plan.model_dim, dtype,
                          "torch", task=decompress)
 
-    def experts(self, local_in: Node) -> Node:
-        """``moe.experts`` on ``[El, n, M]`` with the local weights."""
-        node = self.call(torch.ops.moe.experts.default, local_in, *self.experts_args, task="E",
-                         kwargs=dict(self.experts_node.kwargs))
+    def experts(self, local_in: Node, op=torch.ops.moe.experts.default) -> Node:
+        """``moe.experts`` on ``[El, n, M]`` (or ``moe.experts_peers`` on ``[P, El, R, M]``) with the local
+        weights."""
+        node = self.call(op, local_in, *self.experts_args, task="E", kwargs=dict(self.experts_node.kwargs))
         for key, value in self.experts_node.meta.items():
             if key not in _VALUE_META and key != TASK_META:
                 node.meta.setdefault(key, value)
@@ -463,12 +463,12 @@ class Emitter:
 
 
 def emit_ep(emit: Emitter, buffer: Node) -> Node:
-    """A1 → local experts → A2 over the EP group (Tutel §2.2; ScheMoE §3 A1 / A2)::
+    """A1 → local experts → A2 over the EP group (Tutel §2.2; ScheMoE §3 A1 / A2), the experts on the
+    received buffer as it lies, peer-major (``moe.experts_peers``: no transposing copy either side)::
 
         recv = all_to_all(buf.reshape(-1, M))                         # [P·El·R, M]
-        xl   = recv.view(P, El, R, M).transpose(0, 1).reshape(El, P·R, M)
-        yl   = moe.experts(xl, w_local...)
-        y    = all_to_all(yl.view(El, P, R, M).transpose(0, 1).reshape(-1, M)).view(E, R, M)
+        yl   = moe.experts_peers(recv.view(P, El, R, M), w_local...)  # [P, El, R, M]
+        y    = all_to_all(yl.view(-1, M)).view(E, R, M)
     """
     plan, call = emit.plan, emit.call
     group, num_local, model_dim = plan.group, plan.num_local, plan.model_dim
@@ -476,13 +476,9 @@ def emit_ep(emit: Emitter, buffer: Node) -> Node:
     per_peer = call(operator.mul, rows_per_expert, num_local, task="C1")
     send = call("reshape", buffer, (-1, model_dim), method=True, task="C1")
     recv = emit.exchange_rows(send, per_peer, plan.token_dtype, first=True)
-    recv = call("view", recv, (group.size, num_local, rows_per_expert, model_dim), method=True, task="D1")
-    local_in = call("reshape", call("transpose", recv, 0, 1, method=True, task="D1"), (num_local, -1, model_dim),
-                    method=True, task="D1")
-    experts = emit.experts(local_in)
-    back = call("view", experts, (num_local, group.size, rows_per_expert, model_dim), method=True, task="C2")
-    send_back = call("reshape", call("transpose", back, 0, 1, method=True, task="C2"), (-1, model_dim),
-                     method=True, task="C2")
+    local_in = call("view", recv, (group.size, num_local, rows_per_expert, model_dim), method=True, task="D1")
+    experts = emit.experts(local_in, torch.ops.moe.experts_peers.default)
+    send_back = call("reshape", experts, (-1, model_dim), method=True, task="C2")
     returned = emit.exchange_rows(send_back, per_peer, plan.expert_dtype, first=False)
     return call("view", returned, (plan.num_experts, rows_per_expert, model_dim), method=True, task="D2")
 

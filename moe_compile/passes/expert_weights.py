@@ -10,8 +10,13 @@ gathered by the expert ids), in any of the forms models write::
     bmm(x, W1[ids]) | bmm(W1[ids], x[..., None])   # sort + gather: stacked, either operand order
     _grouped_mm(x, W1, offs)                   # transformers' grouped_mm: stacked [E, in, out]
     linear(x_e, experts[e].w1.weight) | x_e @ W  # loop over a ModuleList: E weights [out, in] (or [in, out])
+    cat([linear(x.split(sizes)[e], W1[e]) for e in range(E)])   # JetMoe's parallel experts: E blocks of rows
 
     → ExpertLinear(weights=(W1,) or (w1_0, .., w1_{E-1}), transposed, rows)
+
+Not an expert MLP, named in the layer's WARNING: an output row normalised before the gate weights weigh
+it (MuseSpark's post-expert norm), a matmul or an attention between the linears (JetMoe's mixture of
+attention heads).
 
 A fused ``gate_up`` projection split by ``chunk(2, -1)`` gives ``w1`` and ``w3``
 as row slices of one weight. Per-expert weights are found by parameter name
@@ -53,11 +58,13 @@ class _Linear:
     bias: Node | None = None  # the bias parameter ([E, out] stacked, [out] per expert)
 
 
-def expert_mlp(region: list[Node], num_experts: int, topk: Node) -> tuple[ExpertMLP, Node]:
+def expert_mlp(region: list[Node], num_experts: int, topk: Node,
+               gate_weights: Node | None = None) -> tuple[ExpertMLP, Node]:
     """Read the expert function: ``down(act(up1(x)) [* up3(x)])`` over expert-indexed weights.
 
     Only linears downstream of the router's ``topk`` are expert candidates (the
-    router's own linear, or a shared layer before it, never is).
+    router's own linear, or a shared layer before it, never is). With ``gate_weights``, an expert
+    output normalised per row before they weigh it is no such function (:func:`_row_reduction_after`).
     """
     after_router = reachable(topk.users)
     linears = []
@@ -67,16 +74,19 @@ def expert_mlp(region: list[Node], num_experts: int, topk: Node) -> tuple[Expert
         lin = _as_linear(node, num_experts)
         if lin is not None:
             linears.append(lin)
-    # JetMoe's parallel experts: F.linear(rows_i, W[i]) per expert over split rows, then cat
+    # JetMoe's parallel experts: F.linear(rows_e, W[e]) per expert over split rows, then cat: each linear stands
+    # for the whole cat, over the whole split input
+    linears = [_parallel_linear(lin, num_experts) or lin for lin in linears]
     indexed = [lin.node for lin in linears if _indexed_weight(lin.weight) is not None and _split_item(lin.input)]
     if not linears or indexed:
         indexed = indexed or [n for n in region if n in after_router and _indexed_expert_linear(n, num_experts)]
         if indexed:
             raise NoMatch(
                 f"its expert linears read one expert's weight by a constant index ({indexed[0].name} reads "
-                f"{_indexed_expert_linear(indexed[0], num_experts)}, one linear per expert over split rows, as "
-                "JetMoe's parallel experts do); only expert weights gathered by the expert ids, stacked [E, ...] "
-                "in bmm / grouped_mm / einsum, per-expert parameters, or W[e] rows chosen by torch.where are read"
+                f"{_indexed_expert_linear(indexed[0], num_experts)}) over split rows, but are not the {num_experts} "
+                "linears of one split, concatenated back in expert order (JetMoe's parallel experts); only expert "
+                "weights gathered by the expert ids, stacked [E, ...] in bmm / grouped_mm / einsum, per-expert "
+                "parameters, W[e] rows chosen by torch.where, or W[e] on the e-th block of split rows are read"
             )
         raise NoMatch("no expert linear layers (linear / matmul / bmm / einsum / grouped_mm on expert weights)")
     stacked = [lin for lin in linears if lin.stacked]
@@ -96,6 +106,22 @@ def expert_mlp(region: list[Node], num_experts: int, topk: Node) -> tuple[Expert
             f"{len(downs)} reading another)"
         )
     down = downs[0]
+    reduction = _row_reduction_after(down.output, gate_weights, set(region)) if gate_weights is not None else None
+    if reduction is not None:
+        raise NoMatch(
+            f"its experts normalise each output row before the gate weights weigh it ({reduction.name} = "
+            f"{_op_name(reduction)} over the features of the down projection {down.node.name}'s output: a "
+            "post-expert norm, as MuseSpark's post_expert_norm); moe.experts computes down(act(up(x))) with no "
+            "post-expert norm, so the layer is not rewritten"
+        )
+    between = _mixing_op_between([lin.output for lin in template if lin is not down], down.input, set(region))
+    if between is not None:
+        raise NoMatch(
+            f"its expert linears are not one MLP: between the first ones and the last ({down.node.name}) the rows "
+            f"pass through {between.name} = {_op_name(between)}, which mixes them with other tensors (JetMoe's "
+            "mixture of attention heads: the experts are query and output projections around an attention); not "
+            "an expert MLP, so the layer is not rewritten"
+        )
     h = _identity_dropout_input(strip(down.input, methods=_VIEWS))
     act_args: tuple[float, ...] = ()
     special = next(((name, found) for name, match in _GATED_FORMS if (found := match(h)) is not None), None)
@@ -129,6 +155,50 @@ def expert_mlp(region: list[Node], num_experts: int, topk: Node) -> tuple[Expert
 
 _VIEWS = ("to", "float", "contiguous", "unsqueeze", "squeeze", "view", "reshape")
 
+#: reductions over a row's features (a norm's statistics), as functions and as methods
+_ROW_REDUCTIONS = (torch.mean, torch.sum, torch.var, torch.std, torch.norm, torch.linalg.vector_norm, torch.amax,
+                   torch.logsumexp)
+_ROW_REDUCTION_METHODS = ("mean", "sum", "var", "std", "norm", "amax", "logsumexp")
+_ROW_NORMS = (F.layer_norm, F.rms_norm, F.normalize)
+
+
+def _row_reduction_after(down_output: Node, gate_weights: Node, members: set[Node]) -> Node | None:
+    """A reduction over the last dim (or a layer / RMS norm) computed from the down projection's output
+    before it meets the gate weights: the experts' rows normalised (MuseSpark's ``post_expert_norm``, an
+    RMSNorm of each expert's output), which ``moe.experts`` does not compute. None when the output goes
+    to its weighting through row-wise math only (a bias, casts, the un-permutation)."""
+    weighted = reachable([gate_weights], stop=lambda n: n not in members)
+    before = reachable([down_output], stop=lambda n: n in weighted or n not in members) - weighted
+    for node in sorted(before):
+        if is_call(node, *_ROW_NORMS):
+            return node
+        if not is_call(node, *_ROW_REDUCTIONS, method=_ROW_REDUCTION_METHODS):
+            continue
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        shape = shape_of(node.args[0])
+        dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+        if shape is not None and any(isinstance(d, int) and d in (-1, len(shape) - 1) for d in dims):
+            return node
+    return None
+
+
+#: ops that combine rows with other tensors: between an expert MLP's linears there is none (an attention is)
+_MIXING = (*LINEAR, *MATMUL, torch.bmm, *_EINSUM, F.scaled_dot_product_attention, torch.baddbmm)
+
+
+def _mixing_op_between(starts: list[Node], end: Node, members: set[Node]) -> Node | None:
+    """The first node on a path from ``starts`` (the first expert linears' outputs) to ``end`` (the last
+    linear's input) that is a matmul / linear / attention: ``end`` is then no activation of the first linears'
+    outputs. None when every path is elementwise math, views, chunks and row permutations."""
+    after = reachable(starts, stop=lambda n: n not in members) & members
+    before = reachable([end], forward=False, stop=lambda n: n not in members) & members
+    on_path = sorted((after & before) - set(starts))
+    return next((n for n in on_path if is_call(n, *_MIXING, method=("matmul", "bmm"))), None)
+
+
+def _op_name(node: Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+
 
 def _identity_dropout_input(h: object) -> object:
     """What an expert MLP's dropout between its activation and its down projection reads, when that dropout
@@ -140,6 +210,8 @@ def _identity_dropout_input(h: object) -> object:
     p = h.kwargs.get("p", h.args[1] if len(h.args) > 1 else 0.5)
     training = h.kwargs.get("training", h.args[2] if len(h.args) > 2 else True)
     return strip(h.args[0], methods=_VIEWS) if p == 0 or training is False else h
+
+
 _CLAMP = (torch.clamp, torch.clip)
 _ADD = (operator.add, torch.add)
 _MUL = (operator.mul, torch.mul)
@@ -426,6 +498,39 @@ def _as_linear(node: Node, num_experts: int) -> _Linear | None:
     if "grouped_mm" in name:
         return _on_weight(node, args[0], args[1], True, num_experts)
     return None
+
+
+def _parallel_linear(lin: _Linear, num_experts: int) -> _Linear | None:
+    """JetMoe's parallel experts, one linear per expert on its block of rows sorted by expert::
+
+        parts = x.split(expert_size, dim=0)                            # expert_size: rows per expert
+        y = cat([F.linear(parts[e], W[e]) for e in range(E)], dim=0)
+
+    For expert e's linear: the same linear with ``x`` as its input and the ``cat`` as its output (what the
+    activation and the next linear read), or None when ``lin`` is not one of E such linears: the e-th item of a
+    ``split`` along the rows read by ``W[e]`` of one stacked ``[E, out, in]`` weight, the E outputs concatenated
+    along the rows in expert order."""
+    indexed = _indexed_weight(lin.weight)
+    if indexed is None or not _split_item(lin.input) or lin.bias is not None or lin.output is not lin.node:
+        return None
+    base, expert = indexed
+    item = strip(lin.input, methods=_VIEWS)
+    split = item.args[0]
+    cats = [u for u in lin.node.users if is_call(u, torch.cat, torch.concat) and
+            (u.args[1] if len(u.args) > 1 else u.kwargs.get("dim", 0)) == 0]
+    if expert != item.args[1] or len(cats) != 1 or not isinstance(cats[0].args[0], (list, tuple)):
+        return None
+    parts = list(cats[0].args[0])
+    if len(parts) != num_experts or parts[expert] is not lin.node:
+        return None
+    for e, part in enumerate(parts):   # the e-th linear: W[e] of the same weight on the e-th item of the same split
+        if not (isinstance(part, Node) and part.target in LINEAR and len(part.args) >= 2):
+            return None
+        other, rows = _indexed_weight(part.args[1]), strip(part.args[0], methods=_VIEWS)
+        if (other is None or other[0] is not base or other[1] != e or not _split_item(rows)
+                or rows.args[0] is not split or rows.args[1] != e):
+            return None
+    return dataclasses.replace(lin, input=split.args[0], output=cats[0])
 
 
 def _split_item(node: object) -> bool:

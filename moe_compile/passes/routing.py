@@ -35,8 +35,8 @@ What is recognised, and how:
   (weights from the unbiased scores when the bias served selection only) through
   routing-only math: casts, reshapes, scaling, renormalisation by their own sum, ``sigmoid`` of the
   top-k logits (Llama 4), ``softmax`` over the k choices (softmax after the top-k), ``cat`` of per-pick
-  weights. The walk stops before anything that reads the expert ids otherwise (a
-  capacity mask): dropping is the dispatch's job.
+  weights, a learned scale per expert read at the ids (Gemma 4's ``w * per_expert_scale[ids]``). The walk
+  stops before anything that reads the expert ids otherwise (a capacity mask): dropping is the dispatch's job.
 * **Dense scores** (Llama 4): the selection's values scattered into a ``[T, E]`` tensor that holds a
   constant everywhere else (``full_like(logits, -inf).scatter_(1, ids, vals)``), then elementwise math
   (``sigmoid``) or a softmax over the experts: the gate weights are that ``[T, E]`` tensor read at the
@@ -47,13 +47,16 @@ What is recognised, and how:
 * **Skip expert** (Zaya): scores ``[B, S, E + 1]`` (T = B·S) whose last class computes nothing; its choices'
   ids and weights are ``masked_fill``-ed to a real expert and 0 (:func:`_skip_fill`): E real experts. A
   router MLP's gate reads no token tensor: the tokens are the ``[T, M]`` rows the experts gather.
+* **Product keys** (Doge's CDMoE): a top-k over sums of another top-k's values, the ids gathered from combined
+  key indices, is named (:func:`_product_keys`), not read: its experts are no expert MLP either.
 * **Inner selections**, those the router's ids or weights are computed from (the
   group top-k of group-limited routing, sparsemixer's first pick, its threshold
   ``max``), belong to the router of the final selection: neither matched alone nor
   reported.
 * **Tokens** are what the gate linear reads, before casts; when the experts read an
   earlier tensor (Switch input jitter: the router reads ``x * uniform(1 ± eps)``, the
-  experts ``x``) that one (:func:`expert_tokens`).
+  experts ``x``) that one (:func:`expert_tokens`); a product whose other factor is computed from ``x``
+  (an RMSNorm's ``x * rsqrt(mean(x²))``, Gemma 4's router norm) is no jitter: the experts' own input then.
 
 Contract: only reads the graph. A selection with a gate linear that does not match
 raises :class:`~moe_compile.passes.regions.NoMatch` naming the node where matching
@@ -163,6 +166,16 @@ def read_router(selection: Node) -> Router:
     if gate is None:
         if len(shape) != 2:
             raise NotARouter(f"{selection.name}: a selection over {len(shape)}-d scores that no gate linear computes")
+        keys = _product_keys(selection)
+        if keys is not None:
+            inner, linear = keys
+            raise NoMatch(
+                f"its router uses product keys (Doge's CDMoE: {selection.name} selects from sums of the values of "
+                f"{inner.name}, a top-k over the {shape_of(linear)[-1]} scores of the gate linear {linear.name} split "
+                f"in two key sets, and the expert ids are gathered from the combined indices): the ids are no top-k "
+                f"over [T, {shape[dim]}] gate scores, and its experts (one-neuron rows of embedding tables, the "
+                "gate weights applied before the up table, the k choices summed by a matmul) are no expert MLP of "
+                "moe.experts; not rewritten")
         raise NoMatch(f"the top-k scores do not come from a gate linear layer ({selection.name} selects from "
                       f"{strip(scores).name}, which no linear on a [{shape[dim]}, M] gate weight computes)")
     if dim not in (-1, len(shape) - 1):
@@ -237,17 +250,23 @@ def _read_hash_router(lookup: Node) -> Router:
 
 
 def expert_tokens(router: Router, expert_input: Node) -> Node:
-    """The ``[T, M]`` tokens the experts read: the gate linear's input, or the tensor it was jittered from.
+    """The ``[T, M]`` tokens the experts read: the rows they gather (:func:`_gathered_rows`), else the gate
+    linear's input, or the tensor it was jittered from.
 
     Switch input jitter multiplies the router's input by ``uniform(1 - eps, 1 + eps)`` while the experts read
     the tokens as they were: walk back through such products (same shape) to the first tensor that the
     expert input reads other than through the router.
     """
+    rows = _gathered_rows(expert_input, router)
+    if rows is not None:   # what the experts index is what they read, whatever the gate reads
+        return rows
     candidates = [router.tokens]          # the gate's input, then what each product of it multiplies
     shape = shape_of(router.tokens)
     node = router.tokens
     while is_call(node, operator.mul, operator.imul, torch.mul, method=("mul", "mul_")):
         same = [strip(a, methods=_CASTS) for a in node.args if isinstance(a, Node) and _same_shape(shape_of(a), shape)]
+        if len(same) == 1 and _computed_from(node, same[0]):
+            break   # a norm (``x * rsqrt(mean(x²))``) or a gate of x itself, not noise: x is not the tokens
         candidates += same
         if len(same) != 1:
             break
@@ -256,15 +275,40 @@ def expert_tokens(router: Router, expert_input: Node) -> Node:
     beside_router = reachable([expert_input], forward=False,
                               stop=lambda n: n is router.gate or n in router.nodes or n < earliest)
     found = next((c for c in candidates if c in beside_router), None)
-    return found if found is not None else _gathered_rows(expert_input, router) or router.tokens
+    return found if found is not None else router.tokens
+
+
+#: factories whose values do not depend on their input's values (``empty_like(x).uniform_(..)``: noise)
+_SHAPE_ONLY = (torch.empty_like, torch.zeros_like, torch.ones_like, torch.rand_like, torch.randn_like, torch.full_like)
+
+
+def _computed_from(product: Node, factor: Node) -> bool:
+    """Whether another factor of ``product`` is computed from the values of ``factor`` (RMSNorm's
+    ``x * pow(mean(x²) + eps, -0.5)``); Switch's jitter ``x * empty_like(x).uniform_(..)`` reads x's shape only."""
+    others = [a for a in product.args if isinstance(a, Node) and strip(a, methods=_CASTS) is not factor]
+    def shape_only(n: Node) -> bool:
+        return is_call(n, *_SHAPE_ONLY, method=("new_empty", "new_zeros", "new_ones", "new_full"))
+
+    return any(factor in _ancestors([a], stop=lambda n: n is factor or shape_only(n)) for a in others)
+
+
+def _repeated_rows(node: Node) -> bool:
+    """``x.repeat_interleave(k, dim=0)`` / ``torch.repeat_interleave(x, k, dim=0)``: each row k times."""
+    if not is_call(node, torch.repeat_interleave, method=("repeat_interleave",)):
+        return False
+    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
+    return dim == 0 and isinstance(node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats"), int)
 
 
 def _gathered_rows(expert_input: Node, router: Router) -> Node | None:
-    """When the router is a deeper MLP (Zaya's: a down projection, norm, two GELU linears, then the gate
-    linear) its gate reads no token tensor: the ``[T, M]`` tensor whose rows the experts gather
-    (``x[rows]``, through casts), walking back from the expert input."""
+    """The ``[T, M]`` tensor whose rows the experts gather (``x[rows]``, or each row k times,
+    ``x.repeat_interleave(k, dim=0)``: transformers' batched_mm), through casts, walking back from the
+    expert input; None when they read no such rows (GShard's einsum dispatch). It need not be the gate's
+    input: Zaya's router is a deeper MLP whose gate reads no token tensor, MuseSpark's experts read their own
+    projection ``pre_expert_norm(pre_expert_proj(x))`` (``[T, M']``), Gemma 4's another norm of x."""
     node = strip(expert_input, methods=_CASTS)
-    while node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], Node):
+    while node.op in ("call_function", "call_method") and (
+            (node.target is operator.getitem and isinstance(node.args[1], Node)) or _repeated_rows(node)):
         node = strip(node.args[0], methods=_CASTS)
     shape, ids_shape = shape_of(node), shape_of(router.expert_ids)
     if node is expert_input or shape is None or len(shape) != 2 or not ids_shape or not same_size(shape[0], ids_shape[0]):
@@ -355,6 +399,25 @@ def _gate_linear(scores: Node, num_experts) -> Node | None:
     return None
 
 
+def _product_keys(selection: Node) -> tuple[Node, Node] | None:
+    """(the inner top-k, the gate linear) when ``selection`` is product-key routing (Lample et al. 2019, Doge's
+    CDMoE): its scores are computed from the values of another top-k over a parameter linear's scores, and its
+    indices gather the expert ids from an integer table of combined key indices; else None."""
+    positions = _getitem(selection, 1)
+    if positions is None or not any(_gather_index(u) is positions and not example_value(u).is_floating_point()
+                                    for u in positions.users):
+        return None
+    for inner in sorted(router_part(selection) - {selection}, reverse=True):
+        if _getitem(inner, 0) is None:
+            continue
+        below = _ancestors([inner.args[0]], stop=_is_linear_like)
+        linear = next((n for n in sorted(below, reverse=True) if is_call(n, *LINEAR, *MATMUL) and len(n.args) > 1
+                       and _on_parameter(n.args[1])), None)
+        if linear is not None:
+            return inner, linear
+    return None
+
+
 def _first_features(node: Node, count) -> bool:
     """``x[..., :count]`` (or ``x[..., :-n]`` leaving ``count``): the first ``count`` of x's last-dim features."""
     if node.op != "call_function" or node.target is not operator.getitem or not isinstance(node.args[1], tuple):
@@ -435,6 +498,9 @@ def _describe(selection: Node, selections: tuple[Node, ...], picks: list[Node], 
         kinds.append("softmax after the selection")
     if any(is_call(n, operator.truediv, operator.itruediv, torch.div, method=("div", "div_")) for n in chain):
         kinds.append("renormalised")
+    ids = _getitem(selection, 1)
+    if ids is not None and any(isinstance(a, Node) and _per_expert_scale(a, ids, n) for n in chain for a in n.args):
+        kinds.append("a per-expert scale")
     return ", ".join(kinds)
 
 
@@ -636,15 +702,34 @@ def _weights_step(user: Node, node: Node, chain: list[Node], ids: Node) -> bool:
 
 
 def _reads_ids_only_through(user: Node, chain: list[Node], ids: Node) -> bool:
-    """``user`` reads the expert ids other than through the weights ``chain`` (a capacity mask does)."""
+    """``user`` reads the expert ids other than through the weights ``chain`` (a capacity mask does); a
+    per-expert scale read at the ids (:func:`_per_expert_scale`) is routing math, not such a read."""
     cut = set(chain)
+    scaled = is_call(user, operator.mul, operator.imul, torch.mul, method=("mul", "mul_"))
     for other in user.all_input_nodes:
-        if other in cut:
+        if other in cut or (scaled and _per_expert_scale(other, ids, chain[-1])):
             continue
         # nothing before the ids in the graph's order can read them: the walk stops there
         if ids in reachable([other], forward=False, stop=lambda n: n in cut or n < ids):
             return True
     return False
+
+
+def _per_expert_scale(node: Node, ids: Node, weights: Node) -> bool:
+    """``node`` is a learned scale per expert read at the expert ids, shaped like the weights (Gemma 4's
+    ``top_k_weights * per_expert_scale[top_k_index]``): a float ``[E]`` parameter or buffer indexed by
+    ``ids`` or by what they are reshaped from. It depends on the ids only through the choice itself, as the
+    weights do (a capacity mask, by contrast, reads their order in the batch)."""
+    node = strip(node, methods=_CASTS)
+    if not (isinstance(node, Node) and node.op == "call_function" and node.target is operator.getitem
+            and len(node.args) == 2 and isinstance(node.args[1], Node)):
+        return False
+    table, index = strip(node.args[0], methods=_CASTS), node.args[1]
+    value, shape = example_value(table), shape_of(table)
+    return (_on_parameter(table) and isinstance(value, torch.Tensor) and value.is_floating_point()
+            and shape is not None and len(shape) == 1
+            and index in reachable([ids], forward=False, stop=is_selection)
+            and _same_shape(shape_of(node), shape_of(weights)))
 
 
 def _is_autograd_function(node: Node) -> bool:

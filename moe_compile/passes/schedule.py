@@ -88,6 +88,7 @@ import heapq
 import torch
 from torch.fx import GraphModule, Node
 
+from .. import ops  # noqa: F401  (registers torch.ops.moe.peer_bmm*)
 from ..collectives.nodes import is_all_to_all, is_wait
 from ..config import SCHEDULES, ConfigError
 from ..counters import counters
@@ -97,7 +98,7 @@ from .graph_utils import reachable
 from .manager import PassResult
 from .state import moe_state
 
-__all__ = ["Chain", "SchedulePass", "find_chains", "label_tasks"]
+__all__ = ["EXPERT_MATMULS", "Chain", "SchedulePass", "find_chains", "label_tasks"]
 
 
 def _wait_of(issue: Node) -> Node | None:
@@ -193,10 +194,13 @@ def _attribute(chain: Chain) -> None:
     chain.post = [n for n in reachable(w2.users, stop=_is_join_or_barrier) if not _is_join_or_barrier(n)]
 
 
-_EXPERT_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default,
-                   torch.ops.aten.addmm.default}
+#: the expert matmuls of an exchange chain's middle (``moe.peer_bmm`` / ``peer_bmm_weight_grad``: the experts
+#: on the received peer-major buffer, ``ops/peer_bmm.py``)
+EXPERT_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default,
+                  torch.ops.aten.addmm.default, torch.ops.moe.peer_bmm.default,
+                  torch.ops.moe.peer_bmm_weight_grad.default}
 if hasattr(torch.ops.aten, "_grouped_mm"):
-    _EXPERT_MATMULS.add(torch.ops.aten._grouped_mm.default)
+    EXPERT_MATMULS.add(torch.ops.aten._grouped_mm.default)
 
 
 def label_tasks(chains: list[Chain]) -> int:
@@ -231,7 +235,7 @@ def _split_mid(mid: list[Node]) -> tuple[list[Node], list[Node], list[Node]]:
     """D1 / E / C2 of a chain's middle: E is the expert matmuls and every node on a path between two of
     them; D1 what comes before E, C2 what comes after (all of it is E when there is no matmul)."""
     inside = set(mid)
-    matmuls = {n for n in mid if n.op == "call_function" and n.target in _EXPERT_MATMULS}
+    matmuls = {n for n in mid if n.op == "call_function" and n.target in EXPERT_MATMULS}
     if not matmuls:
         return [], list(mid), []
     after = reachable([u for m in matmuls for u in m.users if u in inside],

@@ -9,6 +9,7 @@ expert, ``bmm`` on the gathered stacked weights, ``index_add`` back: dropless, a
 | :class:`GroupLimitedMoE` | sigmoid scores, a selection-only bias, top-k groups of E/G experts (each group scored by its 2 best), top-k experts within them, weights gathered from the unbiased scores, renormalised, scaled | DeepSeek-V3 (§2.1.2 of its report), GLM-4.5, dots.llm1 |
 | :class:`BiasCorrectedMoE` | softmax scores, a selection-only bias, no groups; weights gathered, renormalised (clamped sum), scaled | ERNIE 4.5, MiniMax-M2, AFMoE |
 | :class:`SoftmaxAfterTopkMoE` | top-k of the raw logits, softmax over the k | Granite MoE, Cohere2 MoE, Mixtral's paper form |
+| :class:`PerExpertScaleMoE` | softmax of a gate that reads its own RMS-normed, scaled tokens (the experts another norm of them); top-k renormalised, times a learned scale per expert read at the ids | Gemma 4, DiffusionGemma |
 | :class:`SwitchMaxMoE` | top-1 by ``max`` of the softmax, optionally with input jitter (training) | Switch Transformer (Fedus et al. 2021, §2.1) |
 | :class:`NoisyTopkMoE` | noisy top-k gating: logits + N(0, 1)·softplus(noise linear) in training | Shazeer et al. 2017, §3.1 |
 | :class:`TwoPickMoE` | two sequential ``max`` picks, the second over the scores without the first, weights a softmax of each, concatenated; no ``topk`` | PhiMoE's sparsemixer (eval form) |
@@ -115,6 +116,33 @@ class SoftmaxAfterTopkMoE(_RoutedMoE):
     def route(self, x):
         logits, ids = self.router(x).topk(self.top_k, dim=1)
         return ids, torch.softmax(logits, dim=1, dtype=torch.float32).type_as(x)
+
+
+def _rms_norm(x, weight=None, eps=1e-6):
+    normed = x.float() * torch.pow(x.float().pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    return (normed if weight is None else normed * weight.float()).type_as(x)
+
+
+class PerExpertScaleMoE(_RoutedMoE):
+    """Gemma 4's router: the gate reads its own RMS-normed, scaled copy of the tokens, the experts another norm
+    of them; the renormalised top-k weights multiplied by a learned scale per expert read at the ids."""
+
+    def __init__(self, model_dim, hidden_dim, num_experts=6, top_k=2):
+        super().__init__(model_dim, hidden_dim, num_experts, top_k)
+        self.scale = nn.Parameter(1 + 0.1 * torch.randn(model_dim))
+        self.per_expert_scale = nn.Parameter(1 + 0.5 * torch.randn(num_experts))
+        self.expert_norm = nn.Parameter(1 + 0.1 * torch.randn(model_dim))
+
+    def route(self, x):
+        probs = F.softmax(self.router(_rms_norm(x) * self.scale * x.shape[-1] ** -0.5), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        weights /= weights.sum(dim=-1, keepdim=True)
+        return ids, weights * self.per_expert_scale[ids]
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        ids, weights = self.route(tokens)
+        return self.experts(_rms_norm(tokens, self.expert_norm), ids, weights).reshape(x.shape)
 
 
 class SwitchMaxMoE(_RoutedMoE):

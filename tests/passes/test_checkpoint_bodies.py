@@ -102,7 +102,7 @@ def test_layer_inside_checkpoint_is_expert_parallel(fake_group, tmp_path, model,
     assert moe_compile.counters["regions_expert_parallel"] == 1, dict(moe_compile.counters)
     (body,) = tmp_path.glob("rank0/graph*/*_wrap_body_0_exchange_after.py")
     code = body.read_text()
-    assert "moe.dispatch.default" in code and "moe.experts.default" in code
+    assert "moe.dispatch.default" in code and "moe.experts_peers.default" in code
     assert code.count("all_to_all_single.default(") == 2, code      # A1 and A2, inside the checkpoint body
     summary = (body.parent / "summary.json").read_text()
     assert '"stage1:wrap_body_0"' in summary and '"ep_size": 2' in summary

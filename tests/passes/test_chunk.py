@@ -4,7 +4,7 @@ On the fake process group (no process spawned) a pass registered right after
 ``chunk`` records the Dynamo graph. For r chunks it must hold one
 ``moe.chunk_rows(buffer, r)`` read by r getitems, per chunk one A1 and one A2
 all-to-all (plus C1/C2 compress and D1/D2 decompress with a compressor) around one
-``moe.experts``, and one ``moe.cat_rows`` joining the r results; every inserted
+``moe.experts_peers``, and one ``moe.cat_rows`` joining the r results; every inserted
 node is tagged with its ScheMoE task and chunk (``moe_compile.tasks.TaskLabel``).
 r = 1 inserts no chunk op. ``num_chunks="auto"`` takes r from the plan
 (:func:`moe_compile.schedule.plan.plan_layer`): r = 2 without fitted cost models,
@@ -31,7 +31,7 @@ from tests.passes.test_expert_parallel import fake_group  # noqa: F401  (fixture
 
 CHUNK_ROWS = torch.ops.moe.chunk_rows.default
 CAT_ROWS = torch.ops.moe.cat_rows.default
-EXPERTS = torch.ops.moe.experts.default
+EXPERTS = torch.ops.moe.experts_peers.default  # the experts on the received peer-major buffer
 
 # GShardMoE(8, 16, 4, top_k=2) on 12 tokens: fixed capacity C = ceil(2 · 1.0 · 12 / 4) = 6 rows per expert
 MODEL_DIM, HIDDEN, TOKENS = 8, 16, 12

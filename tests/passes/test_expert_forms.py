@@ -157,27 +157,100 @@ def test_a_rejected_layer_names_the_first_op_that_differs(caplog):
     assert "the first op that differs: the routed output index_add = index_add" in message, message
 
 
-def test_parallel_experts_by_constant_index_are_named(caplog):
-    """JetMoe's parallel experts: one ``F.linear(rows_i, W[i])`` per expert over split rows. Not read (the
-    WARNING says why); the layer stays as written and equal to eager."""
-    class ParallelExperts(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.router = torch.nn.Linear(8, 4, bias=False)
-            self.w_in = torch.nn.Parameter(torch.randn(4, 12, 8) / 3)
-            self.w_out = torch.nn.Parameter(torch.randn(4, 8, 12) / 3)
+class _ParallelExperts(torch.nn.Module):
+    """JetMoe's parallel experts: the (token, choice) rows sorted by expert, split into one block per expert,
+    ``F.linear(block_e, W[e])`` each, concatenated back; ``attention``: JetMoe's mixture of attention heads,
+    an attention over the rows between the two expert linears instead of an activation."""
 
-        def forward(self, x):
-            weights, chosen = torch.topk(torch.softmax(self.router(x), -1), 1, dim=-1)
-            order = torch.argsort(chosen.reshape(-1), stable=True)
-            parts = x[order].split([3, 2, 3, 2])
-            h = torch.cat([F.linear(p, self.w_in[i]) for i, p in enumerate(parts)])
-            parts = F.relu(h).split([3, 2, 3, 2])
-            y = torch.cat([F.linear(p, self.w_out[i]) for i, p in enumerate(parts)]) * weights.reshape(-1)[order, None]
-            return torch.zeros_like(x).index_add(0, order, y)
+    def __init__(self, attention: bool = False):
+        super().__init__()
+        self.attention = attention
+        self.router = torch.nn.Linear(8, 4, bias=False)
+        self.w_in = torch.nn.Parameter(torch.randn(4, 12, 8) / 3)
+        self.w_out = torch.nn.Parameter(torch.randn(4, 8, 12) / 3)
 
+    def forward(self, x):
+        weights, chosen = torch.topk(torch.softmax(self.router(x), -1), 2, dim=-1)
+        order = torch.argsort(chosen.reshape(-1), stable=True)
+        sizes = torch.zeros(x.shape[0], 4).scatter(1, chosen, 1).long().sum(0).tolist()   # rows per expert
+        parts = x[order // 2].split(sizes)
+        h = torch.cat([F.linear(p, self.w_in[i]) for i, p in enumerate(parts)])
+        if self.attention:
+            h = F.scaled_dot_product_attention(h[None], h[None], h[None])[0]
+        else:
+            h = F.relu(h)
+        parts = h.split(sizes)
+        y = torch.cat([F.linear(p, self.w_out[i]) for i, p in enumerate(parts)]) * weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add(0, order // 2, y)
+
+
+def test_parallel_experts_over_split_rows_are_rewritten(caplog):
+    """JetMoe's parallel experts (one ``F.linear(rows_e, W[e])`` per expert over split rows, then ``cat``) are
+    read as the stacked ``W``: the layer is rewritten, equal to eager forward and backward."""
+    torch.manual_seed(0)
     caplog.set_level(logging.WARNING, logger="moe_compile")
-    compile_and_compare(ParallelExperts(), torch.randn(10, 8), **TOL)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):   # the rows per expert: .tolist()
+        compile_and_compare(_ParallelExperts(), torch.randn(10, 8), **TOL)
+    assert moe_compile.counters["regions_rewritten"] == 1, dict(moe_compile.counters)
+    assert not [r for r in caplog.records if "left unchanged" in r.getMessage()]
+
+
+def test_attention_between_parallel_experts_is_named(caplog):
+    """JetMoe's mixture of attention heads: the expert linears around an attention are no expert MLP; the
+    WARNING names the attention and the layer stays as written, equal to eager."""
+    torch.manual_seed(0)
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        compile_and_compare(_ParallelExperts(attention=True), torch.randn(10, 8), **TOL)
     assert moe_compile.counters["regions_rewritten"] == 0
     (message,) = [r.getMessage() for r in caplog.records if "left unchanged" in r.getMessage()]
-    assert "read one expert's weight by a constant index" in message and "w_in_[0]" in message, message
+    assert "are not one MLP" in message and "= scaled_dot_product_attention" in message, message
+
+
+class _ProjectedExperts(torch.nn.Module):
+    """MuseSpark's layer, written by hand: the router reads the tokens ``[T, 8]``, the experts their own
+    projection ``norm(x P)`` of width 12, each token repeated k times (transformers' batched_mm), the routed
+    ``[T, 12]`` result projected back to 8; ``post_norm``: each expert's output RMS-normed before the weights."""
+
+    def __init__(self, post_norm: bool):
+        super().__init__()
+        self.post_norm = post_norm
+        self.router = torch.nn.Linear(8, 4, bias=False)
+        self.pre_proj = torch.nn.Linear(8, 12, bias=False)
+        self.post_proj = torch.nn.Linear(12, 8, bias=False)
+        self.w_in = torch.nn.Parameter(torch.randn(4, 16, 12) / 3)
+        self.w_out = torch.nn.Parameter(torch.randn(4, 12, 16) / 4)
+
+    def forward(self, x):
+        weights, chosen = torch.topk(torch.sigmoid(self.router(x)), 2, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        h = self.pre_proj(x)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+        ids = chosen.reshape(-1)
+        up = torch.bmm(self.w_in[ids], h.repeat_interleave(2, dim=0).unsqueeze(-1)).squeeze(-1)
+        y = torch.bmm(self.w_out[ids], F.silu(up).unsqueeze(-1)).squeeze(-1)
+        if self.post_norm:
+            y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-8)
+        y = (y * weights.reshape(-1, 1)).view(-1, 2, 12).sum(1)
+        return self.post_proj(y)
+
+
+def test_experts_on_their_own_projection_of_the_tokens(caplog):
+    """The experts read ``norm(x P)`` (width 12), not the router's input (width 8), each row repeated k times:
+    the dispatch reads the projection, the projection back stays after the canonical ops; equal to eager."""
+    torch.manual_seed(0)
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    compile_and_compare(_ProjectedExperts(post_norm=False), torch.randn(10, 8), **TOL)
+    assert moe_compile.counters["regions_rewritten"] == 1, dict(moe_compile.counters)
+    assert not [r for r in caplog.records if "left unchanged" in r.getMessage()]
+
+
+def test_post_expert_norm_is_named(caplog):
+    """MuseSpark's post-expert norm (each expert's output RMS-normed before the gate weights): moe.experts has
+    none; the WARNING names the norm's reduction and the layer stays as written, equal to eager."""
+    torch.manual_seed(0)
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    compile_and_compare(_ProjectedExperts(post_norm=True), torch.randn(10, 8), **TOL)
+    assert moe_compile.counters["regions_rewritten"] == 0
+    (message,) = [r.getMessage() for r in caplog.records if "left unchanged" in r.getMessage()]
+    assert "normalise each output row before the gate weights" in message and "= mean over" in message, message

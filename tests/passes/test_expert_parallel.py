@@ -67,12 +67,13 @@ def test_forward_and_backward_each_hold_two_all_to_alls(fake_group, aot_graphs, 
 
 
 def test_dynamo_graph_order(fake_group, tmp_path):
-    """dispatch → all_to_all → local experts → all_to_all → combine, the experts on [El, P·R, M]."""
+    """dispatch → all_to_all → local experts → all_to_all → combine, the experts on the received [P, El, R, M]."""
     fake_group(4, rank=1)
     _train_step(GShardMoE(8, 16, 8, top_k=2), torch.randn(12, 8), {"ep_group": "world", "debug_dir": str(tmp_path)})
     code = next(tmp_path.glob("rank*/graph*/*_exchange_after.py")).read_text()
     order = ["moe.capacity.default", "_c10d_functional.all_reduce.default", "moe.dispatch.default",
-             "all_to_all_single.default", "moe.experts.default", "all_to_all_single.default", "moe.combine.default"]
+             "all_to_all_single.default", "moe.experts_peers.default", "all_to_all_single.default",
+             "moe.combine.default"]
     at = 0
     for op in order:
         at = code.index(op, at)
@@ -293,3 +294,26 @@ def test_every_node_of_a_layer_carries_its_fake_value(fake_group, model, options
         moe_compile.unregister_pass("check_values")
     ((count, missing),) = seen
     assert count > 20 and missing == [], (count, missing)
+
+
+COPIES = {torch.ops.aten.clone.default, torch.ops.aten.copy.default, torch.ops.aten._to_copy.default}
+
+
+@pytest.mark.parametrize("model, matrices", [
+    (GShardMoE(8, 16, 4, top_k=2), 2), (SortMoE(8, 16, 4, top_k=1), 3), (LoopMoE(8, 16, 4, top_k=2), 3),
+], ids=["gshard", "sort-gated", "loop-gated"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_experts_run_on_the_received_buffer_without_copies(fake_group, aot_graphs, model, matrices, world_size):
+    """Issue 19: the experts read the first all-to-all's buffer as it arrives (peer-major) and write the
+    buffer the second one sends: no transposing copy either side of them, forward or backward; their
+    matmuls are ``moe.peer_bmm`` (one per expert matrix in the forward; in the backward one per matrix for
+    the input gradients and one ``peer_bmm_weight_grad`` per matrix)."""
+    fake_group(world_size)
+    _train_step(model, torch.randn(2, 8, 8, requires_grad=True), {"ep_group": "world"})
+    forward, backward = aot_graphs
+    for gm in (forward, backward):
+        assert _count(gm, COPIES) == 0, [n.format_node() for n in gm.graph.nodes if n.target in COPIES]
+        assert _count(gm, {torch.ops.aten.bmm.default}) == 0
+    assert _count(forward, {torch.ops.moe.peer_bmm.default}) == matrices
+    assert _count(backward, {torch.ops.moe.peer_bmm.default}) == matrices
+    assert _count(backward, {torch.ops.moe.peer_bmm_weight_grad.default}) == matrices

@@ -11,13 +11,14 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import moe_compile
 from tests.helpers import CausalLMLogits
 from tests.models.routers import (
-    BiasCorrectedMoE, DenseScoresMoE, GroupLimitedMoE, HashRouted, IndexedAttentionBlock, NoisyTopkMoE, ScoresBeforeMoE,
-    SharedGammaMoE, SkipExpertMoE, SoftmaxAfterTopkMoE, SwitchMaxMoE, TwoPickMoE, ZeroExpertsMoE,
+    BiasCorrectedMoE, DenseScoresMoE, GroupLimitedMoE, HashRouted, IndexedAttentionBlock, NoisyTopkMoE, PerExpertScaleMoE,
+    ScoresBeforeMoE, SharedGammaMoE, SkipExpertMoE, SoftmaxAfterTopkMoE, SwitchMaxMoE, TwoPickMoE, ZeroExpertsMoE,
 )
 
 
@@ -65,6 +66,8 @@ FORMS = {
     "bias-corrected": (lambda: BiasCorrectedMoE(16, 24), False,
                        "top-k, selection-only bias, weights gathered from the unbiased scores, renormalised"),
     "softmax-after-topk": (lambda: SoftmaxAfterTopkMoE(16, 24, 6), False, "top-k, softmax after the selection"),
+    # Gemma 4: the router's RMSNorm (x · rsqrt(mean(x²))) is no input jitter: the experts read their own norm
+    "per-expert-scale": (lambda: PerExpertScaleMoE(16, 24), False, "top-k, renormalised, a per-expert scale"),
     "switch-max": (lambda: SwitchMaxMoE(16, 24), False, "top-1 by max"),
     "switch-max-jitter": (lambda: SwitchMaxMoE(16, 24, jitter=0.2), True, "top-1 by max"),
     "noisy-topk": (lambda: NoisyTopkMoE(16, 24), True, "top-k, softmax after the selection"),
@@ -143,6 +146,42 @@ def test_zero_computation_experts_are_read(tmp_path, caplog):
     found = [m for m in _messages(caplog, logging.INFO) if "found" in m]
     assert any("E=4, k=2" in m and "2 zero-computation experts (their choices weight 0))" in m for m in found), found
     assert _dispatches(tmp_path) == 1
+
+
+class _ProductKeyMoE(nn.Module):
+    """Product-key routing over E = n² one-neuron experts (Doge's CDMoE, per token here): a top-k over each of
+    two key sets of a gate linear's ``[T, 2n]`` scores, a top-k over their pairwise sums, the expert ids gathered
+    from the combined indices; each expert an embedding row pair, ``up[e] · act(down[e] · x)``."""
+
+    def __init__(self, model_dim=16, keys=4, top_k=2):
+        super().__init__()
+        self.keys, self.top_k = keys, top_k
+        self.router = nn.Linear(model_dim, 2 * keys, bias=False)
+        self.down = nn.Embedding(keys * keys, model_dim)
+        self.up = nn.Embedding(keys * keys, model_dim)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        (sx, sy), (ix, iy) = self.router(x).view(-1, 2, self.keys).transpose(0, 1).topk(self.keys, dim=-1)
+        scores = (sx.unsqueeze(-1) + sy.unsqueeze(-2)).flatten(1)
+        combined = (ix.unsqueeze(-1) * self.keys + iy.unsqueeze(-2)).flatten(1)
+        top, positions = scores.topk(self.top_k, dim=-1)
+        ids = combined.gather(-1, positions)
+        h = F.silu(torch.matmul(self.down(ids), x.unsqueeze(-1)).squeeze(-1)) * top.softmax(-1)
+        return torch.matmul(h.unsqueeze(1), self.up(ids)).reshape(shape)
+
+
+def test_product_key_router_is_named(caplog):
+    """Product-key routing is named precisely at WARNING (not "no gate linear"); the layer stays as written,
+    equal to eager forward and backward."""
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    torch.manual_seed(0)
+    _compare(_ProductKeyMoE(), torch.randn(2, 5, 16), train=False)
+    assert moe_compile.counters["regions_rewritten"] == 0
+    (warning,) = _messages(caplog, logging.WARNING)
+    assert "its router uses product keys" in warning, warning
+    assert "the expert ids are gathered from the combined" in warning, warning
 
 
 class _TablePairs(nn.Module):

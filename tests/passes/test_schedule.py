@@ -29,12 +29,12 @@ from torch.fx import GraphModule, Node
 
 import moe_compile
 from moe_compile import ConfigError
-from moe_compile.passes.schedule import SchedulePass
+from moe_compile.passes.schedule import EXPERT_MATMULS, SchedulePass
 from tests.models.gshard import GShardMoE
 from tests.passes.chunked import A2A, COMPRESS, DECOMPRESS, WAIT, ancestors, calls, record_after, train_step
 from tests.passes.test_expert_parallel import fake_group  # noqa: F401  (fixture; aot_graphs is in tests/conftest.py)
 
-MATMULS = {torch.ops.aten.bmm.default, torch.ops.aten.mm.default, torch.ops.aten.baddbmm.default}
+MATMULS = EXPERT_MATMULS
 CHUNK_SOURCES = {torch.ops.moe.chunk_rows.default, torch.ops.moe.split_rows.default}
 SCHEDULES = ["optimal", "sequential", "tutel", "fastermoe"]
 

@@ -33,6 +33,8 @@ from tests.passes.test_expert_parallel import fake_group  # noqa: F401  (fixture
 
 ON_STREAM = torch.ops.moe.on_stream.default
 CHUNK_SOURCES = {torch.ops.moe.chunk_rows.default, torch.ops.moe.split_rows.default}
+#: the experts' matmuls on the received peer-major buffer (ops/peer_bmm.py), by the name the streams log
+EXPERT_OPS = {"moe.peer_bmm.default", "moe.peer_bmm_weight_grad.default"}
 
 
 @contextlib.contextmanager
@@ -161,7 +163,7 @@ def test_rewritten_graphs_keep_the_schedule_order(fake_group, aot_graphs, compre
     assert {s for op, s in ran if op in ("moe.compress.default", "moe.decompress.default")} == (
         {"comm"} if compressed else set())
     assert {s for op, s in ran if "all_to_all" in op} == {"comm"}
-    assert {s for op, s in ran if op == "aten.bmm.default"} == {"compute"}, "experts on the compute stream"
+    assert {s for op, s in ran if op in EXPERT_OPS} == {"compute"}, "experts on the compute stream"
     assert ("moe.compress.default", "comm") in ran or not compressed
 
 
@@ -323,7 +325,7 @@ def _check_ranks(rank, world_size, cases):
             assert error <= OUTPUT_BOUND[compressor], (compressor, chunks, float(error))
         assert moe_compile.counters["stream_groups"] > 0
         ran.append(sorted({(op, s) for op, s in checked.log
-                           if op in ("moe.compress.default", "aten.bmm.default") or "all_to_all" in op}))
+                           if op == "moe.compress.default" or op in EXPERT_OPS or "all_to_all" in op}))
     return ran
 
 
@@ -331,9 +333,9 @@ def _check_results(cases, results):
     for ran in results:
         for (compressor, _), seen in zip(cases, ran):
             a2a = ("_c10d_functional.all_to_all_single.default", "comm")
-            assert a2a in seen and ("aten.bmm.default", "compute") in seen
+            assert a2a in seen and ("moe.peer_bmm.default", "compute") in seen
             assert (("moe.compress.default", "comm") in seen) == (compressor == "int8")
-            assert all(s == "comm" for op, s in seen if op != "aten.bmm.default")
+            assert all(s == "comm" for op, s in seen if op not in EXPERT_OPS)
 
 
 @pytest.mark.distributed
