@@ -34,6 +34,23 @@ def assert_grads_match(model: torch.nn.Module, reference: torch.nn.Module, tol: 
                                    msg=lambda m: f"{what} grad {name}: {m}")
 
 
+def assert_summed_grads_match(model: torch.nn.Module, reference: torch.nn.Module, tol: dict, what: str) -> int:
+    """Every parameter's gradient of ``model``, summed over the default process group (what DDP's all-reduce
+    gives), equals the summed gradient of ``reference``'s parameter at the same position (a missing gradient
+    counts as zeros on either side). Returns how many parameters were compared."""
+    import torch.distributed as dist
+
+    checked = 0
+    for (name, p_c), (_, p_e) in zip(model.named_parameters(), reference.named_parameters()):
+        g_c = torch.zeros_like(p_c) if p_c.grad is None else p_c.grad.clone()
+        g_e = torch.zeros_like(p_e) if p_e.grad is None else p_e.grad.clone()
+        dist.all_reduce(g_c)
+        dist.all_reduce(g_e)
+        torch.testing.assert_close(g_c, g_e, **tol, msg=lambda m: f"{what} grad of {name} summed over ranks: {m}")
+        checked += 1
+    return checked
+
+
 def compile_and_compare(model, *inputs, options=None, rtol=None, atol=None, dynamic=False):
     """Run ``model`` eagerly and compiled with backend "moe"; assert outputs and all grads equal.
 

@@ -33,6 +33,7 @@ import moe_compile.backend
 from moe_compile.collectives.nodes import is_all_to_all
 from examples.moe_transformer import MoETransformer
 from moe_compile.passes import PassResult
+from tests.helpers import assert_summed_grads_match
 from tests.models.gshard import GShardMoE
 from tests.models.loop import LoopMoE
 from tests.models.sort import SortMoE
@@ -180,8 +181,6 @@ def _ep_varying_lengths(rank: int, world_size: int) -> dict:
     """4 layers of each pattern, expert-parallel on 2 real ranks, a new sequence length every step (each
     rank its own): outputs and input gradients equal eager on each rank, and every gradient summed over the
     ranks equals eager's sum (a rank holds the gradient of its experts for every rank's tokens)."""
-    import torch.distributed as dist
-
     out = {}
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
         for pattern in ("transformer", "gshard", "sort", "loop"):
@@ -204,13 +203,7 @@ def _ep_varying_lengths(rank: int, world_size: int) -> dict:
                 if x_e.grad is not None:
                     torch.testing.assert_close(x_c.grad, x_e.grad, rtol=1e-4, atol=1e-5,
                                                msg=lambda m: f"{what} input grad: {m}")
-                for (name, p_c), (_, p_e) in zip(model.named_parameters(), eager.named_parameters()):
-                    g_c = torch.zeros_like(p_c) if p_c.grad is None else p_c.grad.clone()
-                    g_e = p_e.grad.clone()
-                    dist.all_reduce(g_c)
-                    dist.all_reduce(g_e)
-                    torch.testing.assert_close(g_c, g_e, rtol=1e-4, atol=1e-5,
-                                               msg=lambda m: f"{what} grad of {name} summed over ranks: {m}")
+                assert_summed_grads_match(model, eager, dict(rtol=1e-4, atol=1e-5), what)
             out[pattern] = {k: moe_compile.counters[k] for k in ("graphs", "regions_expert_parallel", "regions_skipped")}
     return out
 

@@ -38,6 +38,20 @@ def _batch(model, rank: int, step: int, skew: float) -> torch.Tensor:
     return x + skew * direction / direction.norm()
 
 
+def _assert_grads_equal_eager(model, eager, expert_params, local: slice, what: str) -> None:
+    """Every gradient equals eager's; a replicated stacked expert weight (``expert_params``) holds the group's
+    sum in this rank's rows (``local``) and zeros elsewhere."""
+    eager_params = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        expected = eager_params[name].grad.clone()
+        if name in expert_params:
+            dist.all_reduce(expected)
+            mine = torch.zeros_like(expected)
+            mine[local] = expected[local]
+            expected = mine
+        torch.testing.assert_close(p.grad, expected, **GRAD_TOL, msg=lambda m: f"{what} grad {name}: {m}")
+
+
 def _steps(rank: int, world: int, num_experts: int, options: dict, rounds: int) -> dict:
     import moe_compile
     from moe_compile.schedule.adaptive import decisions, reset_adaptive_tables
@@ -67,14 +81,7 @@ def _steps(rank: int, world: int, num_experts: int, options: dict, rounds: int) 
         (out_c ** 2).sum().backward()
         (out_e ** 2).sum().backward()
         torch.testing.assert_close(x_c.grad, x_e.grad, **TOL, msg=lambda m: f"{what} input grad: {m}")
-        for name, p in model.named_parameters():
-            expected = dict(eager.named_parameters())[name].grad.clone()
-            if name in ("w1", "w2", "w3"):  # replicated stacked experts: this rank's rows hold the group's sum
-                dist.all_reduce(expected)
-                mine = torch.zeros_like(expected)
-                mine[local] = expected[local]
-                expected = mine
-            torch.testing.assert_close(p.grad, expected, **GRAD_TOL, msg=lambda m: f"{what} grad {name}: {m}")
+        _assert_grads_equal_eager(model, eager, ("w1", "w2", "w3"), local, what)
         rows.append(decisions()[-1].rows)
         if step == 0:
             graphs_after_warmup = (torch._dynamo.utils.counters["stats"]["unique_graphs"],
@@ -164,15 +171,7 @@ def _pinned_forms(rank: int, world: int) -> int:
             (out_c ** 2).sum().backward()
             (out_e ** 2).sum().backward()
             torch.testing.assert_close(x_c.grad, x_e.grad, **TOL, msg=lambda m: f"{what} input grad: {m}")
-            eager_params = dict(eager.named_parameters())
-            for pname, p in model.named_parameters():
-                expected = eager_params[pname].grad.clone()
-                if pname in expert_params:
-                    dist.all_reduce(expected)
-                    mine = torch.zeros_like(expected)
-                    mine[local] = expected[local]
-                    expected = mine
-                torch.testing.assert_close(p.grad, expected, **GRAD_TOL, msg=lambda m: f"{what} grad {pname}: {m}")
+            _assert_grads_equal_eager(model, eager, expert_params, local, what)
             model.zero_grad(set_to_none=True)
             eager.zero_grad(set_to_none=True)
     return 1

@@ -13,9 +13,9 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from moe_compile.testing import spawn
+from tests.helpers import assert_summed_grads_match
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -68,15 +68,7 @@ def _run(rank: int, world_size: int) -> int:
     (out_c ** 2).sum().backward()
     (out_e ** 2).sum().backward()
     torch.testing.assert_close(x_c.grad, x_e.grad, **TOL, msg=lambda m: f"rank {rank} input grad: {m}")
-    checked = 0
-    for (name, p_c), (_, p_e) in zip(model.named_parameters(), eager.named_parameters()):
-        g_c = p_c.grad.clone() if p_c.grad is not None else torch.zeros_like(p_c)
-        g_e = p_e.grad.clone() if p_e.grad is not None else torch.zeros_like(p_e)
-        dist.all_reduce(g_c)
-        dist.all_reduce(g_e)
-        torch.testing.assert_close(g_c, g_e, **TOL, msg=lambda m: f"rank {rank} summed grad of {name}: {m}")
-        checked += 1
-    return checked
+    return assert_summed_grads_match(model, eager, TOL, f"rank {rank}")
 
 
 def test_switch_capacity_expert_parallel_2_ranks():
