@@ -287,7 +287,8 @@ def timeline_issue_points(gm: GraphModule, buckets: Sequence, asap: Sequence[Nod
     points = place_buckets(gm, timeline, earliest, seconds)
     output = gm.graph.output_node()
     plan.report["timeline"] = gm.meta[TIMELINE_META] = {
-        "compute_s": timeline.end, "unbacked_rows": fallback, "per_mac_s": experts.beta, "per_op_s": experts.alpha, "all_to_alls": len(timeline.exchanges),
+        "compute_s": timeline.end, "unbacked_rows": fallback, "per_mac_s": experts.beta, "per_op_s": experts.alpha,
+        "all_to_alls": len(timeline.exchanges),
         "link_s": sum(e.finish - e.start for e in timeline.exchanges), "bucket_s": seconds,
         "at_end": sum(1 for p in points if p is output)}
     return points
