@@ -63,8 +63,10 @@ def _compressed_cases(rank: int, world_size: int) -> int:
         ref = _compressed_step(rank, world_size, compressor, "optimal", 1)
         for schedule, chunks in (("optimal", 3), ("tutel", 2)):
             got = _compressed_step(rank, world_size, compressor, schedule, chunks)
+            # equal up to fp32 rounding, not bit for bit: the experts multiply each block's routed rows
+            # (filled) in one GEMM per block, and a chunk's blocks hold fewer rows than the whole buffer's
             for a, b in zip(got[:2], ref[:2]):
-                torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{compressor} {schedule}: {m}")
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{compressor} {schedule}: {m}")
             for name in ref[2]:
                 torch.testing.assert_close(got[2][name], ref[2][name], rtol=1e-6, atol=1e-7,
                                            msg=lambda m: f"{compressor} {schedule} grad {name}: {m}")
