@@ -119,6 +119,9 @@ class GradSyncPlan:
     layer_plans: tuple = ()
     #: ``options["emulate_link"]`` (a ``Link``): the buckets' all-reduces go over the emulated link too
     link: object = None
+    #: ``options["dp_backward_compute_ms"]`` in seconds: the measured Σ compute of one backward that
+    #: ``dp_placement="timeline"`` calibrates its estimate to (:func:`moe_compile.schedule.grad_timeline.calibrate`)
+    backward_compute_s: float | None = None
     #: what the pass did, for ``summary.json`` / ``schedule.json``: the buckets, where each was issued, the assignment
     report: dict = dataclasses.field(default_factory=dict)
 
@@ -190,7 +193,8 @@ def plan_grad_sync(cfg: MoECompileConfig, gm: GraphModule, example_inputs: Seque
             averaged.append(i)
     return GradSyncPlan(group, tuple(averaged), tuple(divided), names, len(example_inputs), num_plain,
                         tuple(divided_subclass), int(cfg.dp_bucket_mb * 2**20), DPPlacement(cfg.dp_placement),
-                        cfg.cost_models, tuple(layer_plans), _link(cfg))
+                        cfg.cost_models, tuple(layer_plans), _link(cfg),
+                        None if cfg.dp_backward_compute_ms is None else cfg.dp_backward_compute_ms / 1e3)
 
 
 def _link(cfg: MoECompileConfig):

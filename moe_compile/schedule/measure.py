@@ -34,6 +34,11 @@ Events (seconds from the start of that graph call; forward and backward separate
   prediction (the gradient of A2 is ``A1``, see the ``schedule`` pass); chunks
   keep their forward index, so the backward runs chunk r first.
 
+Σ compute of a whole graph call (:meth:`TaskMeasurement.compute_ms`): the same interpreter also times every
+computing node of the graph (:func:`moe_compile.schedule.grad_timeline.is_compute`: not a view, a wait or a
+collective's issue) and sums them; ``compute_ms("backward")`` is what ``options["dp_backward_compute_ms"]``
+calibrates ``dp_placement="timeline"`` with (FSMoE's performance models are fitted to measured times).
+
 A graph called more than once in one measurement keeps its last call. Not
 supported: the Inductor inner compiler (its output code has no FX nodes to time):
 the measurement then stays empty and says so once. Weight-gradient matmuls of the
@@ -90,6 +95,8 @@ class TaskMeasurement:
         self.timelines: dict[tuple[str, str], Simulation] = {}
         self.sources: dict[tuple[str, str], _Source] = {}
         self.bookings: list = []
+        #: (graph id, phase) → Σ seconds of the computing nodes of that graph's last call
+        self.compute: dict[tuple[int | None, str], float] = {}
 
     def __enter__(self) -> TaskMeasurement:
         global _ACTIVE
@@ -128,6 +135,16 @@ class TaskMeasurement:
             relative = (measured.makespan - p) / p if p else None
             out[key] = TimelineError(key[0], key[1], p, measured.makespan, relative)
         return out
+
+    def compute_ms(self, phase: str = "backward") -> float | None:
+        """Milliseconds of compute of ``phase`` ("forward" / "backward"), summed over the graphs measured in this
+        block (each graph's last call; one graph for a model compiled whole), the collectives and their waits
+        excluded; None when no such graph ran. Pass ``compute_ms("backward")`` as
+        ``options["dp_backward_compute_ms"]`` to calibrate ``dp_placement="timeline"``."""
+        if phase not in ("forward", "backward"):
+            raise ValueError(f"compute_ms: phase={phase!r}: expected 'forward' or 'backward'")
+        values = [seconds for (_, p), seconds in self.compute.items() if p == phase]
+        return sum(values) * 1e3 if values else None
 
     def write(self, debug_dir: str | Path) -> list[Path]:
         """Add ``measured`` to each measured layer of ``<debug_dir>/rank<r>/graph<id>/schedule.json`` (written
@@ -231,7 +248,10 @@ class _TaskTimer:
                 waits = [u for u in node.users if is_wait(u)]
                 if waits:
                     self.waits[node] = waits[0]
-        self.watched = set(labels) | set(self.waits.values())
+        from .grad_timeline import is_compute
+
+        self.computing = {n for n in gm.graph.nodes if is_compute(n)}
+        self.watched = set(labels) | set(self.waits.values()) | self.computing
         self.names = self._layer_names()
         self.schedule = moe_state(gm).schedule
 
@@ -273,6 +293,8 @@ class _TaskTimer:
 
         origin = time.perf_counter()
         result = Interpreter(gm).run(*args)
+        measurement.compute[(self.graph_id, self.phase)] = sum(end - start for n, (start, end) in times.items()
+                                                               if n in self.computing)
         measurement._record(self.phase, self.graph_id, self.plans, self._timelines(origin, times, booked))
         return result
 

@@ -12,6 +12,7 @@ the sequential schedule overlaps nothing.
 from __future__ import annotations
 
 import json
+import time
 import warnings
 
 import pytest
@@ -108,9 +109,18 @@ def test_measured_step_equals_unmeasured_and_writes_dumps(fake_group, tmp_path):
     plain = _step(compiled, x)
     plain_grads = _grads(model, x)
     model.zero_grad()
+    assert moe_compile.measure_tasks().compute_ms("backward") is None     # nothing measured yet
     with moe_compile.measure_tasks() as m:
+        start = time.perf_counter()
         measured = _step(compiled, x)
+        wall_ms = (time.perf_counter() - start) * 1e3
     torch.testing.assert_close(measured, plain, rtol=0, atol=0)
+    # Σ compute of each phase's graph (what options["dp_backward_compute_ms"] takes): within the step's wall time
+    assert sorted(phase for _, phase in m.compute) == ["backward", "forward"]
+    assert 0 < m.compute_ms("forward") and 0 < m.compute_ms("backward")
+    assert m.compute_ms("forward") + m.compute_ms("backward") <= wall_ms
+    with pytest.raises(ValueError, match="phase"):
+        m.compute_ms("bwd")
     for name, grad in _grads(model, x).items():
         torch.testing.assert_close(grad, plain_grads[name], rtol=0, atol=0)
 
