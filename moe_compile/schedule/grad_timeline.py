@@ -74,10 +74,11 @@ would need a profiler run that the Inductor inner compiler cannot give per FX no
 calibration the estimate's Σ compute equals the measured value (up to rounding), so the link's idle time between
 all-to-alls is priced at the measured speed, and buckets that fit there are issued inside the backward.
 
-Every rank must see the same cost models (the same file, or values agreed across the ranks before it is
-written): the placement is computed on each rank, and ranks that place the buckets differently issue
-their collectives in different orders and hang (as with "fsmoe"; ``benchmarks/grad_sync_step.py`` agrees
-its experts timing across the ranks for this reason).
+The placement is computed on each rank from its own cost models (and ``dp_backward_compute_ms``); ranks that
+placed the buckets differently would issue their collectives in different orders and hang (as with "fsmoe"),
+so the ``grad_sync`` pass makes every rank adopt rank 0's placement (:mod:`.grad_agree`). The same models on
+every rank (one file; ``benchmarks/grad_sync_step.py`` agrees its experts timing across the ranks) still
+matter for the placement to be the one each rank's machine would choose.
 
 Why a new ``dp_placement`` value ("timeline") and not a change of "fsmoe": "fsmoe" stays the paper's
 placement, a reference that the benchmark (``benchmarks/grad_sync_step.py``) compares against and whose
@@ -351,5 +352,7 @@ def timeline_issue_points(gm: GraphModule, buckets: Sequence, asap: Sequence[Nod
         "per_op_s": per_node, "calibration": None if calibration is None else dataclasses.asdict(calibration),
         "all_to_alls": len(timeline.exchanges),
         "link_s": sum(e.finish - e.start for e in timeline.exchanges), "bucket_s": seconds,
-        "at_end": sum(1 for p in points if p is output)}
+        "at_end": sum(1 for p in points if p is output),
+        "before_last_all_to_all": sum(1 for p in points if timeline.exchanges
+                                      and order[p] <= order[timeline.exchanges[-1].node])}
     return points
