@@ -209,8 +209,9 @@ class MoECompileConfig:
     #: all-to-all, moe_compile/schedule/grad_timeline.py).
     dp_placement: DPPlacement = DPPlacement.ASAP
     #: The measured compute time (milliseconds, a number > 0) of one backward of the compiled graph,
-    #: its collectives excluded: ``dp_placement="timeline"`` scales its compute estimate so that its sum
-    #: over the backward graph equals it (FSMoE's performance models are fitted to measured times).
+    #: the time blocked in its collectives' waits excluded: ``dp_placement="timeline"`` scales its
+    #: compute estimate so that its sum over the backward graph equals it (FSMoE's performance models
+    #: are fitted to measured times).
     #: Measure it with ``moe_compile.measure_tasks()`` around a training step
     #: (``TaskMeasurement.compute_ms("backward")``). None = the estimate from the ``experts`` cost model.
     dp_backward_compute_ms: float | None = None

@@ -65,8 +65,8 @@ backward compute, the estimate saw a fraction of it), so the estimate books ever
 idle link time before it, and leaves most buckets after the last all-to-all. FSMoE fits each task's α-β model
 (``t_exp = α_exp + n_exp · β_exp``, its "Performance Model") to measured times; what the package can measure of
 a whole backward is one number, its compute (``moe_compile.measure_tasks()``:
-``TaskMeasurement.compute_ms("backward")``, the sum of the computing nodes' times of a timed backward graph, the
-collectives and their waits excluded), so the calibration is one scale factor ``s = measured / Σ estimate``
+``TaskMeasurement.compute_ms("backward")``, the backward graph call's wall time minus its time blocked in waits:
+what this estimate's compute clock ``t`` models), so the calibration is one scale factor ``s = measured / Σ estimate``
 applied to both ``per_mac`` and ``per_node``. Why one factor and not per-op-kind costs from a profile: the
 placement needs *where* the compute falls between the all-to-alls and *how long* it is in total; the model gives
 the first (matmul-heavy stretches against elementwise ones), the measurement the second, and a per-op profile

@@ -34,10 +34,15 @@ Events (seconds from the start of that graph call; forward and backward separate
   prediction (the gradient of A2 is ``A1``, see the ``schedule`` pass); chunks
   keep their forward index, so the backward runs chunk r first.
 
-Σ compute of a whole graph call (:meth:`TaskMeasurement.compute_ms`): the same interpreter also times every
-computing node of the graph (:func:`moe_compile.schedule.grad_timeline.is_compute`: not a view, a wait or a
-collective's issue) and sums them; ``compute_ms("backward")`` is what ``options["dp_backward_compute_ms"]``
-calibrates ``dp_placement="timeline"`` with (FSMoE's performance models are fitted to measured times).
+The compute thread's time in a whole graph call (:meth:`TaskMeasurement.compute_ms`): the call's wall time
+minus the time it spent blocked in the waits of its collectives (the same interpreter times every ``wait_tensor``).
+That is what the timeline estimate's compute clock models (it advances on every op and stalls only in waits:
+:mod:`moe_compile.schedule.grad_timeline`), so ``compute_ms("backward")`` is what
+``options["dp_backward_compute_ms"]`` calibrates ``dp_placement="timeline"`` with (FSMoE's performance models are
+fitted to measured times). It counts the views, the collectives' issue and the interpreter's own cost per node
+(a few µs) as compute; the sum of the computing ops alone would miss most of it (issue 20: on the 2-core CPU of
+``benchmarks/grad_sync_step.py`` the ops were ~9 ms of a ~35 ms backward call, the waits ~30 ms of the rest
+on a free link, the views and issues most of the remainder).
 
 A graph called more than once in one measurement keeps its last call. Not
 supported: the Inductor inner compiler (its output code has no FX nodes to time):
@@ -95,7 +100,7 @@ class TaskMeasurement:
         self.timelines: dict[tuple[str, str], Simulation] = {}
         self.sources: dict[tuple[str, str], _Source] = {}
         self.bookings: list = []
-        #: (graph id, phase) → Σ seconds of the computing nodes of that graph's last call
+        #: (graph id, phase) → seconds of that graph's last call not blocked in a wait (the compute thread's time)
         self.compute: dict[tuple[int | None, str], float] = {}
 
     def __enter__(self) -> TaskMeasurement:
@@ -137,9 +142,9 @@ class TaskMeasurement:
         return out
 
     def compute_ms(self, phase: str = "backward") -> float | None:
-        """Milliseconds of compute of ``phase`` ("forward" / "backward"), summed over the graphs measured in this
-        block (each graph's last call; one graph for a model compiled whole), the collectives and their waits
-        excluded; None when no such graph ran. Pass ``compute_ms("backward")`` as
+        """Milliseconds of compute of ``phase`` ("forward" / "backward"): each graph call's wall time minus its
+        time blocked in waits, summed over the graphs measured in this block (each graph's last call; one graph
+        for a model compiled whole); None when no such graph ran. Pass ``compute_ms("backward")`` as
         ``options["dp_backward_compute_ms"]`` to calibrate ``dp_placement="timeline"``."""
         if phase not in ("forward", "backward"):
             raise ValueError(f"compute_ms: phase={phase!r}: expected 'forward' or 'backward'")
@@ -248,10 +253,8 @@ class _TaskTimer:
                 waits = [u for u in node.users if is_wait(u)]
                 if waits:
                     self.waits[node] = waits[0]
-        from .grad_timeline import is_compute
-
-        self.computing = {n for n in gm.graph.nodes if is_compute(n)}
-        self.watched = set(labels) | set(self.waits.values()) | self.computing
+        self.all_waits = {n for n in gm.graph.nodes if is_wait(n)}
+        self.watched = set(labels) | set(self.waits.values()) | self.all_waits
         self.names = self._layer_names()
         self.schedule = moe_state(gm).schedule
 
@@ -293,8 +296,9 @@ class _TaskTimer:
 
         origin = time.perf_counter()
         result = Interpreter(gm).run(*args)
-        measurement.compute[(self.graph_id, self.phase)] = sum(end - start for n, (start, end) in times.items()
-                                                               if n in self.computing)
+        wall = time.perf_counter() - origin
+        blocked = sum(end - start for n, (start, end) in times.items() if n in self.all_waits)
+        measurement.compute[(self.graph_id, self.phase)] = wall - blocked
         measurement._record(self.phase, self.graph_id, self.plans, self._timelines(origin, times, booked))
         return result
 

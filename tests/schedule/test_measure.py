@@ -250,7 +250,8 @@ def _measured_steps(rank: int, world_size: int, models_path: str, debug_dir: str
         m.write(debug_dir)
         result[schedule] = {"timelines": {k: v.to_dict() for k, v in m.timelines.items()},
                             "wall": {"forward": forward_wall, "backward": backward_wall},
-                            "error": {k: e.relative for k, e in m.error().items()}}
+                            "error": {k: e.relative for k, e in m.error().items()},
+                            "compute_ms": {p: m.compute_ms(p) for p in ("forward", "backward")}}
         torch._dynamo.reset()
     return result
 
@@ -275,6 +276,10 @@ def test_measured_timelines_on_two_ranks_with_a_slow_link(tmp_path):
                 assert all(e.end - e.start >= 0.019 for e in comm), (schedule, phase, comm)
                 wall = result[schedule]["wall"][phase]
                 assert MAKESPAN_SHARE * wall <= sim["makespan"] <= wall, (schedule, phase, sim["makespan"], wall)
+                # the compute thread's time (what dp_backward_compute_ms takes): the call minus its time blocked in
+                # waits; 4 exchanges of >= 20 ms on one FIFO link keep it blocked for well over 40 ms of them
+                compute_ms = result[schedule]["compute_ms"][phase]
+                assert 0 < compute_ms <= wall * 1e3 - 40, (phase, compute_ms, wall)
                 assert result[schedule]["error"][(layer, phase)] is not None
                 # the chunk that runs second (backward: chunk 1) has its A1 on the link while the first one's
                 # E computes (the pipelining Theorem 1 is about)
