@@ -32,9 +32,16 @@ same process:
     the schedule overlaps with the other chunks' expert compute (gloo runs a collective
     on its own thread).
 ``GEMM bound``
-    the six expert GEMMs of the step alone, with the shapes the compiled layer gives
-    them on this rank (``E/P`` experts of ``P·C`` rows, ``C = ⌈k·f·T/E⌉``): two in the
-    forward, four in the backward, ``torch.bmm`` on preallocated operands.
+    the six expert GEMMs of the step alone, on the rows the compiled layer multiplies on
+    this rank: for each of its ``E/P`` experts and each peer's block of ``C = ⌈k·f·T/E⌉``
+    rows, the block's routed rows only (the capacity buffer's padding is skipped,
+    ``moe.peer_bmm``'s ``filled``; every rank's routing is recomputed here from the
+    seeded batches); two in the forward, four in the backward, ``torch.mm`` per block on
+    preallocated operands, as the layer runs them.
+``GEMM bound, padded``
+    the same six GEMMs over every row of the capacity buffer (``E/P`` experts of ``P·C``
+    rows, ``torch.bmm``): what a layer that computes its padding (Tutel, DeepSpeed-MoE)
+    multiplies.
 
 With ``--peer-python PATH`` (a Python environment with Tutel and DeepSpeed, see
 benchmarks/README.md), the same step of Tutel's ``moe_layer`` and of DeepSpeed-MoE's
@@ -97,6 +104,7 @@ REPLICATED = "compiled EP, replicated"
 SHARDED = "compiled EP, sharded"
 DENSE = "eager layer, all experts local"
 GEMM = "GEMM bound"
+GEMM_PADDED = "GEMM bound, padded"
 PEERS = {"tutel": "Tutel moe_layer", "deepspeed": "DeepSpeed-MoE"}
 COMPILED = {INDUCTOR, COMPILED_1, REPLICATED, SHARDED}
 
@@ -127,8 +135,7 @@ def _build(rank: int, world_size: int, args: argparse.Namespace):
     torch.manual_seed(args.seed)  # the same parameters on every rank
     dense = GShardMoE(args.model_dim, args.hidden_dim, args.experts, top_k=args.top_k,
                       capacity_factor=args.capacity_factor)
-    gen = torch.Generator().manual_seed(args.seed + 1000 + rank)
-    x = torch.randn(args.tokens, args.model_dim, generator=gen)
+    x = _batch(rank, args)
 
     layers: dict = {}
     shard_s, kept = 0.0, []
@@ -157,12 +164,36 @@ def _build(rank: int, world_size: int, args: argparse.Namespace):
                                                options={**options, "schedule": "sequential"})
         if args.dense:
             layers[DENSE] = dense
-    layers[GEMM] = _gemm_step(world_size, args)
+    layers[GEMM] = _gemm_step(world_size, args, _received_rows(dense, rank, world_size, args))
+    layers[GEMM_PADDED] = _gemm_step(world_size, args)
     return layers, x, shard_s, kept
 
 
-def _gemm_step(world_size: int, args: argparse.Namespace):
-    """The six expert GEMMs of one step on this rank, alone: ``step()`` → (forward s, step s)."""
+def _batch(rank: int, args: argparse.Namespace) -> torch.Tensor:
+    """Rank ``rank``'s batch (seeded by its rank)."""
+    gen = torch.Generator().manual_seed(args.seed + 1000 + rank)
+    return torch.randn(args.tokens, args.model_dim, generator=gen)
+
+
+def _received_rows(dense, rank: int, world_size: int, args: argparse.Namespace) -> list[list[int]]:
+    """``[P][El]``: the routed rows of each peer's block for this rank's experts (GShard's routing of every
+    rank's seeded batch: top-k of the softmax gate, kept by the capacity in GShard's priority)."""
+    from moe_compile.ops.dispatch import expert_locations
+
+    local = args.experts // world_size
+    rows = []
+    with torch.no_grad():
+        for peer in range(world_size):
+            ids = torch.topk(torch.softmax(dense.wg(_batch(peer, args)), -1), args.top_k, dim=-1).indices
+            locations, _ = expert_locations(ids, args.experts, capacity(args))
+            filled = torch.ops.moe.filled_rows(ids, locations, args.experts)
+            rows.append(filled[rank * local:(rank + 1) * local].tolist())
+    return rows
+
+
+def _gemm_step(world_size: int, args: argparse.Namespace, filled: list[list[int]] | None = None):
+    """The six expert GEMMs of one step on this rank, alone: ``step()`` → (forward s, step s); over every
+    row (``filled`` None) or over each block's first ``filled[p][e]`` rows."""
     local, rows = args.experts // world_size, world_size * capacity(args)
     gen = torch.Generator().manual_seed(args.seed + 7)
     m, h = args.model_dim, args.hidden_dim
@@ -170,6 +201,8 @@ def _gemm_step(world_size: int, args: argparse.Namespace):
     w1 = torch.randn(local, m, h, generator=gen)          # GShard's layout: x @ w1, a @ w2
     w2 = torch.randn(local, h, m, generator=gen)
     grad_y = torch.randn(local, rows, m, generator=gen)
+    if filled is not None:
+        return _filled_gemm_step(world_size, args, filled, xin, w1, w2, grad_y)
 
     def step():
         start = time.perf_counter()
@@ -180,6 +213,46 @@ def _gemm_step(world_size: int, args: argparse.Namespace):
         torch.bmm(a.transpose(1, 2), grad_y)                  # grad w2 [El, H, M]
         torch.bmm(xin.transpose(1, 2), grad_a)                # grad w1 [El, M, H]
         torch.bmm(grad_a, w1.transpose(1, 2))                 # grad x  [El, R, M]
+        return fwd - start, time.perf_counter() - start
+
+    return step
+
+
+def _filled_gemm_step(world_size: int, args: argparse.Namespace, filled: list[list[int]], xin, w1, w2, grad_y):
+    """The six GEMMs per (peer, expert) block on its routed rows, into preallocated outputs (``moe.peer_bmm``'s
+    loops); the weight gradients summed over the peers by ``addmm_``."""
+    local, c = args.experts // world_size, capacity(args)
+    blocks = [(p, e, filled[p][e]) for p in range(world_size) for e in range(local) if filled[p][e]]
+    x = xin.view(local, world_size, c, -1)
+    g = grad_y.view(local, world_size, c, -1)
+    a = torch.empty(local, world_size, c, args.hidden_dim)
+    y, grad_x = torch.empty_like(x), torch.empty_like(x)
+    grad_a = torch.empty_like(a)
+    grad_w1, grad_w2 = torch.empty_like(w1), torch.empty_like(w2)
+
+    def step():
+        start = time.perf_counter()
+        for p, e, n in blocks:
+            torch.mm(x[e, p, :n], w1[e], out=a[e, p, :n])
+        for p, e, n in blocks:
+            torch.mm(a[e, p, :n], w2[e], out=y[e, p, :n])
+        fwd = time.perf_counter()
+        for p, e, n in blocks:
+            torch.mm(g[e, p, :n], w2[e].t(), out=grad_a[e, p, :n])
+        for weight_grad, left, right in ((grad_w2, a, g), (grad_w1, x, grad_a)):
+            for e in range(local):
+                first = True
+                for p in range(world_size):
+                    n = filled[p][e]
+                    if not n:
+                        continue
+                    if first:
+                        torch.mm(left[e, p, :n].t(), right[e, p, :n], out=weight_grad[e])
+                        first = False
+                    else:
+                        weight_grad[e].addmm_(left[e, p, :n].t(), right[e, p, :n])
+        for p, e, n in blocks:
+            torch.mm(grad_a[e, p, :n], w1[e].t(), out=grad_x[e, p, :n])
         return fwd - start, time.perf_counter() - start
 
     return step

@@ -3,7 +3,7 @@
     torch.compile(model, backend="moe", fullgraph=True, options={...})
 
 Pipeline (:mod:`moe_compile.passes.pipeline`, DESIGN.md): stage-1 passes on the
-Dynamo graph (detect, canonicalize, sample_placement, expert_parallel, pause_mp, chunk, exchange),
+Dynamo graph (detect, canonicalize, sample_placement, expert_parallel, pause_mp, chunk, exchange, filled_rows),
 then AOTAutograd, whose forward and backward graphs each run the stage-2 passes
 and then the inner compiler: ``"eager"`` (the AOTAutograd graphs run as they are,
 the default on CPU) or ``"inductor"`` (the default on CUDA).

@@ -5,11 +5,12 @@ Importing this package registers:
 - ``torch.ops.moe.dispatch``  tokens → ``[E, C, M]`` expert buffer + locations
   (Tutel §4.2 fast encode, O(T·k·M), never a ``[T, E, C]`` one-hot);
 - ``torch.ops.moe.capacity`` the buffer rows a batch needs (agreed over the EP group);
+  ``filled_rows`` each expert's rows up to its last routed one (the rest is padding the experts skip);
 - ``torch.ops.moe.combine``   ``[E, C, M]`` → weighted tokens (fast decode);
 - ``torch.ops.moe.experts``   batched expert MLP over ``[E, C, M]``; ``experts_peers`` the same on an
   expert-parallel rank's received buffer ``[P, El, R, M]``, its matmuls ``moe.peer_bmm``;
 - ``torch.ops.moe.chunk_rows`` / ``cat_rows`` / ``split_rows``: the buffer split along
-  capacity into r chunks and joined back (ScheMoE §4 partitioning);
+  capacity into r chunks and joined back (ScheMoE §4 partitioning); ``chunk_filled`` a chunk's routed rows;
 - ``torch.ops.moe.esp_dump`` / ``esp_combine``: Parm's local dump and local combine
   around the fused EP&ESP-AlltoAll (Parm §III-C).
 """
@@ -21,9 +22,10 @@ from .dispatch import (
     dispatch_torch,
     dropped_tokens,
     expert_locations,
+    filled_rows,
     needed_capacity,
 )
-from .chunk import cat_rows, chunk_bounds, chunk_rows, split_rows
+from .chunk import cat_rows, chunk_bounds, chunk_filled, chunk_rows, split_rows
 from .esp import esp_combine, esp_dump
 from .experts import ACTIVATIONS, GATED, check_activation, experts, experts_peers_torch, experts_torch
 from .peer_bmm import peer_bmm, peer_bmm_weight_grad
@@ -34,6 +36,7 @@ __all__ = [
     "capacity",
     "cat_rows",
     "chunk_bounds",
+    "chunk_filled",
     "chunk_rows",
     "check_activation",
     "combine",
@@ -47,6 +50,7 @@ __all__ = [
     "experts",
     "experts_peers_torch",
     "experts_torch",
+    "filled_rows",
     "needed_capacity",
     "peer_bmm",
     "peer_bmm_weight_grad",

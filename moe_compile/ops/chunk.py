@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["cat_rows", "chunk_bounds", "chunk_rows", "split_rows"]
+__all__ = ["cat_rows", "chunk_bounds", "chunk_filled", "chunk_rows", "split_rows"]
 
 
 def chunk_bounds(rows: int, chunks: int) -> list[int]:
@@ -48,6 +48,21 @@ def chunk_rows(x: Tensor, chunks: int) -> list[Tensor]:
 def _chunk_rows_fake(x, chunks):
     ctx = torch.library.get_ctx()
     return [x.new_empty(x.shape[0], ctx.new_dynamic_size(), *x.shape[2:]) for _ in range(chunks)]
+
+
+@torch.library.custom_op("moe::chunk_filled", mutates_args=())
+def chunk_filled(filled: Tensor, rows: int, chunks: int, index: int) -> Tensor:
+    """The routed rows of chunk ``index`` (0-based) of :func:`chunk_rows`, from the whole buffer's ``filled``
+    (rows up to each block's last routed one, :func:`moe_compile.ops.dispatch.filled_rows`): the prefix's part
+    that falls in the chunk's rows ``[lo, hi)``, ``clamp(filled - lo, 0, hi - lo)``."""
+    bounds = chunk_bounds(rows, chunks)
+    lo, hi = bounds[index], bounds[index + 1]
+    return (filled - lo).clamp(min=0, max=hi - lo)
+
+
+@chunk_filled.register_fake
+def _chunk_filled_fake(filled, rows, chunks, index):
+    return torch.empty_like(filled)
 
 
 @torch.library.custom_op("moe::cat_rows", mutates_args=())

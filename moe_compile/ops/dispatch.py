@@ -52,6 +52,7 @@ __all__ = [
     "dispatch_torch",
     "dropped_tokens",
     "expert_locations",
+    "filled_rows",
     "needed_capacity",
 ]
 
@@ -180,6 +181,25 @@ def combine_torch(expert_out: Tensor, expert_ids: Tensor, locations: Tensor, gat
     # [T, 1, k] @ [T, k, M]: a weighted sum of each token's k rows (einsum "tkm,tk->tm" picks the transposed
     # [T, M, k] @ [T, k, 1], matrix-vector products that are 20-50x slower on CPU)
     return torch.bmm(weights.unsqueeze(1), rows).squeeze(1)
+
+
+@torch.library.custom_op("moe::filled_rows", mutates_args=())
+def filled_rows(expert_ids: Tensor, locations: Tensor, num_experts: int) -> Tensor:
+    """Rows of each expert's buffer up to its last routed choice: ``[E]`` int64, ``1 + max`` kept location (0
+    for an expert nothing reached).
+
+    With GShard's priority the kept locations of an expert are ``0 .. n_e - 1`` (Tutel §2.1 eq. 1), so its rows
+    past ``n_e`` are padding: zero in the dispatch buffer, never read by :func:`combine`. The experts skip them
+    (``filled`` of ``moe.peer_bmm``, :mod:`.peer_bmm`). Dropped choices (location -1) count for nothing.
+    """
+    values = (locations.reshape(-1) + 1).clamp(min=0)
+    out = torch.zeros(num_experts, dtype=torch.long, device=locations.device)
+    return out.scatter_reduce_(0, expert_ids.reshape(-1).long(), values, "amax")
+
+
+@filled_rows.register_fake
+def _filled_rows_fake(expert_ids, locations, num_experts):
+    return locations.new_empty((num_experts,), dtype=torch.long)
 
 
 # --------------------------------------------------------------------------- dispatch

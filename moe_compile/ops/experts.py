@@ -87,11 +87,10 @@ GATED = {
 }
 
 _lib = torch.library.Library("moe", "FRAGMENT")
-for _name in ("experts", "experts_peers"):
-    _lib.define(
-        f"{_name}(Tensor x, Tensor w1, Tensor w2, Tensor? w3, str activation, Tensor? b1=None, Tensor? b2=None, "
-        "Tensor? b3=None, float[] act_args=[]) -> Tensor"
-    )
+_SCHEMA = ("(Tensor x, Tensor w1, Tensor w2, Tensor? w3, str activation, Tensor? b1=None, Tensor? b2=None, "
+           "Tensor? b3=None, float[] act_args=[]{}) -> Tensor")
+_lib.define("experts" + _SCHEMA.format(""))
+_lib.define("experts_peers" + _SCHEMA.format(", Tensor? filled=None"))
 
 
 def check_activation(activation: str, act_args: Sequence[float] = (), gated: bool = True, where: str = "moe.experts"):
@@ -139,11 +138,15 @@ def experts_torch(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, activati
 
 def experts_peers_torch(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, activation: str,
                         b1: Tensor | None = None, b2: Tensor | None = None, b3: Tensor | None = None,
-                        act_args: Sequence[float] = ()) -> Tensor:
+                        act_args: Sequence[float] = (), filled: Tensor | None = None) -> Tensor:
     """The same MLP on the all-to-all's peer-major layout: ``[P, El, R, M]`` → ``[P, El, R, M]``
     (``out[p] = experts_torch(x[p], ...)``; every matmul a ``moe.peer_bmm``, :mod:`.peer_bmm`, in the autocast
-    dtype under ``torch.autocast`` as ``bmm`` would be)."""
-    return _mlp(autocast_peer_bmm, x, w1, w2, w3, activation, b1, b2, b3, act_args)
+    dtype under ``torch.autocast`` as ``bmm`` would be). ``filled [P, El]``: each block's routed rows, a prefix;
+    the padding past it is not computed and its output rows are left as nothing reads them (:mod:`.peer_bmm`)."""
+    def matmul(rows: Tensor, weight: Tensor) -> Tensor:
+        return autocast_peer_bmm(rows, weight, filled)
+
+    return _mlp(matmul, x, w1, w2, w3, activation, b1, b2, b3, act_args)
 
 
 _lib.impl("experts", experts_torch, "CompositeImplicitAutograd")

@@ -19,8 +19,9 @@ After (rank r, El = E / P local experts; Tutel §2.2, ScheMoE §3-4)::
     rows = wait_tensor(all_reduce(need, "max", ep))              # agreed over the group: R
     buf, loc = moe.dispatch(x, ids, E, C, rows)                 # [E, R, M]
     w1l = w1[r·El:(r+1)·El] ...                                 # or the local shard (shard_experts)
+    filled = received_filled(...)                               # [P, El] routed rows of each received block
     b1, b2 = moe.chunk_rows(buf, 2)                             # chunks along capacity (plan.chunks)
-    y_i = D2(A2(C2(experts_local(D1(A1(C1(b_i)))))))            # per chunk i, tagged TaskLabel(layer, i, task)
+    y_i = D2(A2(C2(experts_local(D1(A1(C1(b_i))), filled_i))))  # per chunk i, tagged TaskLabel(layer, i, task)
     y = moe.cat_rows([y1, y2], R)
     out = moe.combine(y, ids, loc, w)
 
@@ -70,7 +71,7 @@ from ..collectives import model_parallel  # noqa: F401  (registers torch.ops.moe
 from ..collectives.emulated import Link, emit_emulated_all_to_all
 from ..collectives.group import EPGroup
 from ..collectives.model_parallel import grad_scale
-from ..collectives.nodes import WAIT, emit_all_gather, emit_all_reduce_max, emit_all_to_all, is_all_to_all
+from ..collectives.nodes import WAIT, emit_all_gather, emit_all_reduce_max, emit_all_to_all, emit_wait, is_all_to_all
 from ..config import ConfigError, MoECompileConfig
 from ..counters import counters
 from ..debug import log
@@ -83,7 +84,7 @@ from .manager import PassResult
 from .mp_split import batch_kept, mask_dropped, split_tokens
 from .state import moe_state
 
-__all__ = ["SAA_PIECES", "Emitter", "Exchange", "build_layer", "emit_backward_degree"]
+__all__ = ["SAA_PIECES", "Emitter", "Exchange", "build_layer", "emit_backward_degree", "received_filled"]
 
 #: S2 without chunks returns in this many pieces of rows, so that the MP-AllGather of one piece
 #: runs while the next piece's all-to-all does (Parm §III-D, SAA; Parm splits by peer, Fig. 5).
@@ -206,10 +207,12 @@ def build_layer(gm: GraphModule, plan: ExchangePlan, cfg: MoECompileConfig, loca
             output = _adaptive(graph, plan, cfg, experts, experts_args, meta)
         elif plan.backward_chunks is not None and plan.backward_chunks != plan.chunks:
             output = emit_backward_degree(graph, plan, cfg, experts, experts_args, meta)
-        elif plan.chunks == 1:
-            output = Emitter(graph, plan, cfg, experts, experts_args, chunk=1).exchange(layer.buffer)
         else:
-            output = _chunked(graph, plan, cfg, experts, experts_args, meta)
+            filled = received_filled(graph, plan, meta) if plan.pause == "ep" else None
+            if plan.chunks == 1:
+                output = Emitter(graph, plan, cfg, experts, experts_args, chunk=1, filled=filled).exchange(layer.buffer)
+            else:
+                output = _chunked(graph, plan, cfg, experts, experts_args, meta, filled)
     combine.replace_input_with(experts, output)
     graph.erase_node(experts)
     overlap_independent(graph, plan)
@@ -276,16 +279,45 @@ def _scaled(graph: Graph, weight: Node | None, scale: float, meta: dict) -> Node
         return insert_node(graph, grad_scale, weight, scale, meta=meta)
 
 
-def _chunked(graph: Graph, plan: ExchangePlan, cfg, experts: Node, experts_args: tuple, meta: dict) -> Node:
-    """ScheMoE §4 / Tutel §3.3: the buffer split along capacity into r chunks, each exchanged on its own."""
+def received_filled(graph: Graph, plan: ExchangePlan, meta: dict) -> Node:
+    """``[P, El]``: the routed rows of every peer's block for this rank's experts, so that the experts skip the
+    padding rows they receive (``filled`` of :mod:`moe_compile.ops.peer_bmm`)::
+
+        filled = moe.filled_rows(ids, loc, E)                     # [E]: this rank's routed rows per expert
+        every  = wait_tensor(all_gather_into_tensor(filled, P))   # [P·E]: every peer's (E + 1 int64 per rank)
+        mine   = every.view(P, E)[:, r·El:(r+1)·El]               # [P, El]: what this rank receives
+    """
+    group, local = plan.group, plan.num_local
+    dispatch = plan.layer.dispatch
+    locations = next(u for u in dispatch.users if u.target is operator.getitem and u.args[1] == 1)
+    whole = {**meta, TASK_META: TaskLabel(plan.name, 0, "C1")}
+    filled = insert_node(graph, torch.ops.moe.filled_rows.default, dispatch.args[1], locations, plan.num_experts,
+                         meta=whole)
+    issued = emit_all_gather(graph, filled, group.size, group.name)
+    every = emit_wait(graph, issued)
+    for node in (issued, every):
+        node.meta.update(whole)
+        propagate(node)
+    every = insert_node(graph, torch.ops.aten.view.default, every, [group.size, plan.num_experts], meta=whole)
+    lo = group.rank * local
+    return insert_node(graph, torch.ops.aten.slice.Tensor, every, 1, lo, lo + local, meta=whole)
+
+
+def _chunked(graph: Graph, plan: ExchangePlan, cfg, experts: Node, experts_args: tuple, meta: dict,
+             filled: Node | None = None) -> Node:
+    """ScheMoE §4 / Tutel §3.3: the buffer split along capacity into r chunks, each exchanged on its own
+    (``filled``: the routed rows of the whole buffer's blocks, each chunk's part given to its experts)."""
     buffer = plan.layer.buffer
     whole = {**meta, TASK_META: TaskLabel(plan.name, 0, "C1")}
     total = insert_node(graph, torch.ops.aten.sym_size.int, buffer, 1, meta=meta)
     parts = insert_node(graph, torch.ops.moe.chunk_rows.default, buffer, plan.chunks, meta=whole)
     outputs = []
     for i in range(1, plan.chunks + 1):
+        label = {**meta, TASK_META: TaskLabel(plan.name, i, "C1")}
         part = insert_node(graph, operator.getitem, parts, i - 1, meta={TASK_META: TaskLabel(plan.name, i, "C1")})
-        outputs.append(Emitter(graph, plan, cfg, experts, experts_args, chunk=i).exchange(part))
+        part_filled = None if filled is None else insert_node(
+            graph, torch.ops.moe.chunk_filled.default, filled, total, plan.chunks, i - 1, meta=label)
+        outputs.append(Emitter(graph, plan, cfg, experts, experts_args, chunk=i, filled=part_filled).exchange(part))
     return insert_node(graph, torch.ops.moe.cat_rows.default, outputs, total, meta={**meta, TASK_META: TaskLabel(plan.name, 0, "D2")})
 
 
@@ -400,8 +432,9 @@ class Emitter:
     meta, its :class:`TaskLabel` and ``meta["val"]``."""
 
     def __init__(self, graph: Graph, plan: ExchangePlan, cfg: MoECompileConfig, experts: Node,
-                 experts_args: tuple, chunk: int):
+                 experts_args: tuple, chunk: int, filled: Node | None = None):
         self.graph, self.plan, self.cfg, self.chunk = graph, plan, cfg, chunk
+        self.filled = filled  # [P, El]: the routed rows of the chunk's received blocks (plain EP), or None
         self.experts_node, self.experts_args = experts, experts_args
         self.meta = {k: plan.layer.dispatch.meta[k] for k in _LAYER_META if k in plan.layer.dispatch.meta}
 
@@ -444,9 +477,12 @@ class Emitter:
                          "torch", task=decompress)
 
     def experts(self, local_in: Node, op=torch.ops.moe.experts.default) -> Node:
-        """``moe.experts`` on ``[El, n, M]`` (or ``moe.experts_peers`` on ``[P, El, R, M]``) with the local
-        weights."""
-        node = self.call(op, local_in, *self.experts_args, task="E", kwargs=dict(self.experts_node.kwargs))
+        """``moe.experts`` on ``[El, n, M]`` (or ``moe.experts_peers`` on ``[P, El, R, M]``, skipping the padding
+        rows past ``self.filled``) with the local weights."""
+        kwargs = dict(self.experts_node.kwargs)
+        if op is torch.ops.moe.experts_peers.default and self.filled is not None:
+            kwargs["filled"] = self.filled
+        node = self.call(op, local_in, *self.experts_args, task="E", kwargs=kwargs)
         for key, value in self.experts_node.meta.items():
             if key not in _VALUE_META and key != TASK_META:
                 node.meta.setdefault(key, value)
@@ -467,8 +503,11 @@ def emit_ep(emit: Emitter, buffer: Node) -> Node:
     received buffer as it lies, peer-major (``moe.experts_peers``: no transposing copy either side)::
 
         recv = all_to_all(buf.reshape(-1, M))                         # [P·El·R, M]
-        yl   = moe.experts_peers(recv.view(P, El, R, M), w_local...)  # [P, El, R, M]
+        yl   = moe.experts_peers(recv.view(P, El, R, M), w_local..., filled=filled)  # [P, El, R, M]
         y    = all_to_all(yl.view(-1, M)).view(E, R, M)
+
+    (``filled``: :func:`received_filled`, the routed rows of each received block; the padding past them is
+    exchanged but not computed.)
     """
     plan, call = emit.plan, emit.call
     group, num_local, model_dim = plan.group, plan.num_local, plan.model_dim

@@ -5,10 +5,10 @@ Stage 1 runs on Dynamo's graph (torch IR, before AOTAutograd); each pass
 either decides (writes the per-layer plans of ``gm.meta["moe"]``,
 :mod:`.state`) or builds from what was decided::
 
-    detect → canonicalize → [sample_placement] → expert_parallel → pause_mp → chunk → exchange
-    (find)   (rewrite to     (plan: group,     (plan:      (plan:  (build every plan's
-              moe.dispatch/   layout,           Parm's      r)      exchange, once)
-              experts/        algorithm)        schedule)
+    detect → canonicalize → [sample_placement] → expert_parallel → pause_mp → chunk → exchange → filled_rows
+    (find)   (rewrite to     (plan: group,     (plan:      (plan:  (build every plan's  (the layers left
+              moe.dispatch/   layout,           Parm's      r)      exchange, once)      on this rank skip
+              experts/        algorithm)        schedule)                                their padding rows)
               combine)
 
 Stage 2 runs on each of AOTAutograd's forward and backward graphs (aten IR) and
@@ -30,6 +30,7 @@ from .dead_collectives import DropDeadCollectives
 from .detect import Detect
 from .emit_exchange import Exchange
 from .expert_parallel import ExpertParallel
+from .filled_rows import FilledRows
 from .grad_sync import GradSync, GradSyncPlan
 from .lower import Lower
 from .pause_mp import PauseMP
@@ -40,7 +41,8 @@ from .streams import StreamsPass
 __all__ = ["STAGE1", "STAGE2", "stage1_passes", "stage2_passes"]
 
 #: the built-in passes of stage 1 (Dynamo graph), in the order they run
-STAGE1 = ("detect", "canonicalize", "sample_placement", "expert_parallel", "pause_mp", "chunk", "exchange")
+STAGE1 = ("detect", "canonicalize", "sample_placement", "expert_parallel", "pause_mp", "chunk", "exchange",
+          "filled_rows")
 #: the built-in passes of stage 2 (each AOTAutograd graph), in the order they run
 STAGE2 = ("drop_dead_collectives", "schedule", "lower", "streams", "grad_sync")
 
@@ -54,7 +56,7 @@ def stage1_passes(cfg: MoECompileConfig, body: bool = False) -> list:
     layout = resolve_layout(cfg.ep_group, cfg.esp_group, cfg.mp_group) if group is not None else None
     passes = [Detect(expert_parallel=group is not None, report_empty=not body), Canonicalize(cfg), SamplePlacement(cfg, group, body=body),
               ExpertParallel(cfg, group, layout),
-              PauseMP(cfg), Chunk(cfg), Exchange(cfg, group)]
+              PauseMP(cfg), Chunk(cfg), Exchange(cfg, group), FilledRows()]
     assert tuple(p.name for p in passes) == STAGE1
     return passes
 

@@ -178,3 +178,15 @@ def test_compiled_data_dependent_rows_match_eager(chunks):
         assert eager_grads[2].abs().sum() > 0, "the chunked path must carry gradient"
     assert seen_rows[0] < seen_rows[1] == 7
     assert backend.frame_count == 1, "R is data-dependent: a new R must not recompile"
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(0, 23), chunks=st.integers(1, 6), data=st.data())
+def test_chunk_filled_splits_each_blocks_routed_prefix(rows, chunks, data):
+    """Chunk i's routed rows are the part of the block's prefix [0, filled) in the chunk's rows: they add up
+    to filled, and none exceeds its chunk's size."""
+    filled = torch.tensor(data.draw(st.lists(st.integers(0, rows), min_size=1, max_size=6)))
+    parts = [torch.ops.moe.chunk_filled(filled, rows, chunks, i) for i in range(chunks)]
+    assert torch.equal(sum(parts), filled)
+    for part, size in zip(parts, expected_sizes(rows, chunks)):
+        assert int(part.min()) >= 0 and int(part.max()) <= size

@@ -293,3 +293,18 @@ def test_padding_rows_are_zero_whatever_the_gathered_rows_hold():
     expected = gate_weights.double().unsqueeze(-1) * grad_y.unsqueeze(1)  # [T, k, M]
     torch.testing.assert_close(grad_out[expert_ids[kept], locations[kept]], expected[kept], equal_nan=True)
     assert grad_w[1:].isfinite().all()
+
+
+@pytest.mark.parametrize("capacity", [3, 0, -4])
+def test_filled_rows_is_each_experts_kept_load(capacity):
+    """GShard's priority fills an expert's slots from 0: the rows up to its last routed choice are its kept
+    load, min(load, C) (0 for an expert nothing reached); dropped choices count for nothing."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 5, (17, 2), generator=gen)
+    ids[ids == 4] = 3  # expert 4 gets nothing
+    locations = torch.ops.moe.dispatch(torch.randn(17, 6), ids, 5, capacity)[1]
+    filled = torch.ops.moe.filled_rows(ids, locations, 5)
+    loads = torch.bincount(ids.reshape(-1), minlength=5)
+    limit = {3: 3, 0: int(loads.max()), -4: min(int(loads.max()), 4)}[capacity]
+    assert filled.tolist() == loads.clamp(max=limit).tolist() and filled[4] == 0
+    torch.library.opcheck(torch.ops.moe.filled_rows.default, (ids, locations, 5))

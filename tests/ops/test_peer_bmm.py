@@ -118,3 +118,87 @@ def test_experts_peers_under_autocast_multiply_in_the_autocast_dtype():
     got, expected = torch.autograd.grad(y, (x, w1, w2), grad), torch.autograd.grad(ref, (x, w1, w2), grad)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- filled rows
+
+
+def _padded(gen, filled, *shape):
+    """A ``[P, El, R, K]`` buffer whose rows past ``filled[p, e]`` are zero (the dispatch buffer's padding)."""
+    x = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    rows = torch.arange(shape[2]).view(1, 1, -1)
+    return (x * (rows < filled.unsqueeze(-1)).unsqueeze(-1)).requires_grad_()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_peer_bmm_with_filled_equals_bmm_on_a_padded_buffer(dtype):
+    """Only each block's first filled[p, e] rows are multiplied (one of them empty, one full); the output's
+    padding is zero, as bmm gives for zero rows, and both gradients equal bmm's when the output's padding
+    gets no gradient (nothing reads it)."""
+    gen = torch.Generator().manual_seed(5)
+    filled = torch.tensor([[2, 0], [ROWS, 3], [1, ROWS]])
+    x = _padded(gen, filled, PEERS, LOCAL, ROWS, MODEL_DIM).detach().to(dtype).requires_grad_()
+    w = _randn(gen, LOCAL, MODEL_DIM, HIDDEN_DIM, dtype=dtype)
+    out = torch.ops.moe.peer_bmm(x, w, filled)
+    ref = _peer_major(torch.bmm(_expert_major(x), w), PEERS)
+    torch.testing.assert_close(out, ref)
+    kept = (torch.arange(ROWS).view(1, 1, -1) < filled.unsqueeze(-1)).unsqueeze(-1)
+    assert torch.equal(out * ~kept, torch.zeros_like(out))
+    grad = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dtype) * kept
+    for a, b in zip(torch.autograd.grad(out, (x, w), grad), torch.autograd.grad(ref, (x, w), grad)):
+        torch.testing.assert_close(a, b)
+
+
+def test_peer_bmm_with_filled_skips_the_padding():
+    """Rows past filled are not read: garbage there (NaN) reaches neither the output nor the weight gradient."""
+    gen = torch.Generator().manual_seed(6)
+    filled = torch.tensor([[3, 1], [0, 4], [2, 2]])
+    x = torch.randn(PEERS, LOCAL, ROWS, MODEL_DIM, generator=gen, dtype=torch.float64)
+    g = torch.randn(PEERS, LOCAL, ROWS, HIDDEN_DIM, generator=gen, dtype=torch.float64)
+    w = torch.randn(LOCAL, MODEL_DIM, HIDDEN_DIM, generator=gen, dtype=torch.float64)
+    pad = torch.arange(ROWS).view(1, 1, -1, 1) >= filled.view(PEERS, LOCAL, 1, 1)
+    out = torch.ops.moe.peer_bmm(x.masked_fill(pad, float("nan")), w, filled)
+    torch.testing.assert_close(out, torch.ops.moe.peer_bmm(x.masked_fill(pad, 0), w))
+    grad_w = torch.ops.moe.peer_bmm_weight_grad(x.masked_fill(pad, float("nan")), g, filled)
+    torch.testing.assert_close(grad_w, torch.ops.moe.peer_bmm_weight_grad(x.masked_fill(pad, 0), g))
+
+
+def test_weight_grad_of_an_expert_nothing_reached_is_zero():
+    x = torch.randn(2, 2, 3, 4, dtype=torch.float64)
+    g = torch.randn(2, 2, 3, 5, dtype=torch.float64)
+    grad_w = torch.ops.moe.peer_bmm_weight_grad(x, g, torch.tensor([[0, 3], [0, 1]]))
+    assert torch.equal(grad_w[0], torch.zeros(4, 5, dtype=torch.float64))
+    torch.testing.assert_close(grad_w[1], x[0, 1].t() @ g[0, 1] + x[1, 1, :1].t() @ g[1, 1, :1])
+
+
+def test_peer_bmm_with_filled_opcheck_and_errors():
+    gen = torch.Generator().manual_seed(7)
+    filled = torch.tensor([[1, 2], [3, 0]])
+    x = _padded(gen, filled, 2, 2, 3, 4)
+    w = _randn(gen, 2, 4, 5)
+    torch.library.opcheck(torch.ops.moe.peer_bmm.default, (x, w, filled))
+    torch.library.opcheck(torch.ops.moe.peer_bmm_weight_grad.default,
+                          (x.detach(), torch.randn(2, 2, 3, 5, dtype=torch.float64), filled))
+    with pytest.raises(ValueError, match=r"filled must be an integer tensor \[P, El\] = \[2, 2\]"):
+        torch.ops.moe.peer_bmm(x, w, torch.tensor([1, 2]))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_experts_peers_with_filled_equals_experts_where_combine_reads(gated):
+    """The MLP with biases: rows past filled are not the MLP of a zero row, but every routed row and every
+    gradient (the padding's output unread, so its gradient zero) is the full computation's."""
+    gen = torch.Generator().manual_seed(8)
+    filled = torch.tensor([[4, 0], [2, ROWS], [1, 3]])
+    x = _padded(gen, filled, PEERS, LOCAL, ROWS, MODEL_DIM)
+    w1, w2 = _randn(gen, LOCAL, HIDDEN_DIM, MODEL_DIM), _randn(gen, LOCAL, MODEL_DIM, HIDDEN_DIM)
+    w3 = _randn(gen, LOCAL, HIDDEN_DIM, MODEL_DIM) if gated else None
+    b1, b2 = _randn(gen, LOCAL, HIDDEN_DIM), _randn(gen, LOCAL, MODEL_DIM)
+    activation = "silu" if gated else "gelu"
+    y = torch.ops.moe.experts_peers(x, w1, w2, w3, activation, b1, b2, None, [], filled)
+    ref = torch.ops.moe.experts_peers(x, w1, w2, w3, activation, b1, b2, None, [])
+    kept = (torch.arange(ROWS).view(1, 1, -1) < filled.unsqueeze(-1)).unsqueeze(-1)
+    torch.testing.assert_close(y * kept, ref * kept)
+    grad = torch.randn(y.shape, generator=gen, dtype=y.dtype) * kept
+    params = [t for t in (x, w1, w2, w3, b1, b2) if t is not None]
+    for a, b in zip(torch.autograd.grad(y, params, grad), torch.autograd.grad(ref, params, grad)):
+        torch.testing.assert_close(a, b)

@@ -257,10 +257,11 @@ def test_two_layers_each_get_their_backward_degree(fake_group, aot_graphs):
     assert moe_compile.counters["regions_backward_degree"] == 2
 
 
-def test_one_rank_outputs_bitwise_gradients_equal_the_single_degree_path(aot_graphs):
+def test_one_rank_outputs_and_gradients_equal_the_single_degree_path(aot_graphs):
     """One gloo rank on the emulated link (the exchange pass builds it with P = 1): the output of r_f / r_b
-    is bit for bit r_f's (the forward runs the same ops), the input gradient too (each row's gradient is
-    computed alike), the weights' up to the order of the sum over chunks; gated per-expert LoopMoE. The
+    equals r_f's, the input gradient too, the weights' up to the order of the sum over chunks; gated
+    per-expert LoopMoE. (Not bit for bit: the single-degree path multiplies each expert's routed rows only,
+    ``filled``, one GEMM per block, where r_f / r_b's forward multiplies every row of the chunk at once.) The
     backward holds only its own 2·r_b emulated all-to-alls (the partitioner's copies of the forward's
     are dropped)."""
     import torch.distributed as dist
@@ -290,7 +291,7 @@ def test_one_rank_outputs_bitwise_gradients_equal_the_single_degree_path(aot_gra
         assert [len(calls(g, emulated)) for g in aot_graphs] == [2 * 2, 2 * 3]
     finally:
         dist.destroy_process_group()
-    torch.testing.assert_close(separate[0], single[0], rtol=0, atol=0)
-    torch.testing.assert_close(separate[1], single[1], rtol=0, atol=0)
+    torch.testing.assert_close(separate[0], single[0])
+    torch.testing.assert_close(separate[1], single[1])
     for name, grad in single[2].items():
         torch.testing.assert_close(separate[2][name], grad, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")

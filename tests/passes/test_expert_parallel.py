@@ -58,10 +58,12 @@ def test_forward_and_backward_each_hold_two_all_to_alls(fake_group, aot_graphs, 
     assert _count(forward, A2A) == 2
     assert _count(backward, A2A) == 2
     assert _count(forward, {torch.ops._c10d_functional.all_reduce.default}) == 1  # the capacity agreement
+    gather = {torch.ops._c10d_functional.all_gather_into_tensor.default}
+    assert _count(forward, gather) == 1 and _count(backward, gather) == 0  # every peer's filled rows, once
     waits = {torch.ops._c10d_functional.wait_tensor.default}
-    assert _count(forward, waits) == 3 and _count(backward, waits) == 2
+    assert _count(forward, waits) == 4 and _count(backward, waits) == 2
     # the partitioner copies forward collectives into the backward unused; drop_dead_collectives removes them
-    collectives = A2A | waits | {torch.ops._c10d_functional.all_reduce.default}
+    collectives = A2A | waits | gather | {torch.ops._c10d_functional.all_reduce.default}
     assert all(n.users for g in aot_graphs for n in g.graph.nodes if n.target in collectives)
     assert moe_compile.counters["regions_expert_parallel"] == 1
 

@@ -47,7 +47,9 @@ def _compare(model, x, *, train: bool, tmp_path=None, options=None, seed=7):
         if p_e.numel() == 0 or p_e.grad is None:
             assert p_c.grad is None or p_e.numel() == 0, name
             continue
-        torch.testing.assert_close(p_c.grad, p_e.grad, msg=lambda m: f"grad of {name}: {m}")
+        # a parameter's gradient sums over every token, in the compiled layer in another order (per expert
+        # block, the padding skipped): fp32 rounding of a large sum, rtol 1e-5
+        torch.testing.assert_close(p_c.grad, p_e.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"grad of {name}: {m}")
 
 
 def _messages(caplog, level):
