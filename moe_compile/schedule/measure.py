@@ -40,9 +40,9 @@ That is what the timeline estimate's compute clock models (it advances on every 
 :mod:`moe_compile.schedule.grad_timeline`), so ``compute_ms("backward")`` is what
 ``options["dp_backward_compute_ms"]`` calibrates ``dp_placement="timeline"`` with (FSMoE's performance models are
 fitted to measured times). It counts the views, the collectives' issue and the interpreter's own cost per node
-(a few µs) as compute; the sum of the computing ops alone would miss most of it (issue 20: on the 2-core CPU of
-``benchmarks/grad_sync_step.py`` the ops were ~9 ms of a ~35 ms backward call, the waits ~30 ms of the rest
-on a free link, the views and issues most of the remainder).
+(a few µs) as compute; the sum of the computing ops alone would miss most of it (issue 20, the model of
+``benchmarks/grad_sync_step.py`` on its 2-core CPU, free link: the ops summed to 8-9 ms of a 35-40 ms backward
+call, while this measure gave 27-41 ms against a 30 ms backward run without measuring).
 
 A graph called more than once in one measurement keeps its last call. Not
 supported: the Inductor inner compiler (its output code has no FX nodes to time):
