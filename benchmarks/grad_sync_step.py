@@ -13,7 +13,10 @@ FIFO), the training step of the examples' ``MoETransformer`` compiled whole with
 4. ``fsmoe``: FSMoE's assignment (``dp_placement="fsmoe"``) on cost models of the link (α-β of the
    all-to-all and all-reduce from the link's own parameters) and the experts timed here;
 5. ``timeline``: that assignment completed on a timeline estimate of the backward graph, never delaying an
-   all-to-all (``dp_placement="timeline"``, moe_compile/schedule/grad_timeline.py), the same cost models.
+   all-to-all (``dp_placement="timeline"``, moe_compile/schedule/grad_timeline.py), the same cost models;
+6. ``timeline_cal``: the same, its compute estimate calibrated to the measured backward compute
+   (``options["dp_backward_compute_ms"]`` = ``moe_compile.measure_tasks()``'s ``compute_ms("backward")`` of one
+   calibration step, the slowest rank's: what a user's run measures).
 
 Calibration: the ``end`` variant on a free link gives Σ compute per phase; the link's bandwidth
 is set so that the backward's communication (two all-to-alls per layer plus the ring all-reduce
@@ -56,7 +59,7 @@ from moe_compile.testing import spawn  # noqa: E402
 
 HEADER = ["P", "variant", "step ms", "fwd ms", "bwd ms", "link busy in bwd ms", "overlap ms", "a2a queued ms",
           "link idle ms", "bwd vs bound", "speedup vs ddp"]
-VARIANTS = ("ddp", "end", "asap", "fsmoe", "timeline")
+VARIANTS = ("ddp", "end", "asap", "fsmoe", "timeline", "timeline_cal")
 
 
 def _example():
@@ -166,7 +169,7 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
     tokens = example.synthetic_batch(args.batch, args.seq, args.vocab, torch.Generator().manual_seed(rank + 1))
     work = Path(tempfile.mkdtemp(prefix="grad_sync_step_"))
 
-    def build(variant: str, link: dict, models: str | None = None):
+    def build(variant: str, link: dict, models: str | None = None, backward_ms: float | None = None):
         torch._dynamo.reset()
         model = copy.deepcopy(base)
         options = {"ep_group": "world", "inner": args.inner, "emulate_link": link}
@@ -180,9 +183,11 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
             net = DDP(torch.compile(model, backend="moe", fullgraph=True, options=options))
             net.register_comm_hook(None, _ddp_hook(link, world))
             return net
-        options.update(dp_group="world", dp_placement=variant, dp_bucket_mb=args.bucket_mb)
+        options.update(dp_group="world", dp_placement=variant.removesuffix("_cal"), dp_bucket_mb=args.bucket_mb)
         if models:
             options["cost_models"] = models
+        if variant == "timeline_cal" and backward_ms:  # (none measured with the Inductor inner compiler)
+            options["dp_backward_compute_ms"] = backward_ms
         return torch.compile(model, backend="moe", fullgraph=True, options=options)
 
     def timed(net, steps, busy: list | None = None, queue: list | None = None):
@@ -209,6 +214,13 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
         _step(net, tokens)
     calib = timed(net, args.steps)
     compute = {"forward": statistics.median(t[0] for t in calib), "backward": statistics.median(t[1] for t in calib)}
+    # what a user's run measures (moe_compile.measure_tasks): the backward graph call's time not blocked in a wait,
+    # the slowest rank's (one value on every rank: the placement's input); what timeline_cal is given
+    from moe_compile import measure_tasks
+
+    with measure_tasks() as measurement:
+        _step(net, tokens)
+    (measured_backward_s,) = _slowest((measurement.compute_ms("backward") or 0.0) / 1e3)
     del net
     E, M = args.experts, args.dim
     rows = -(-2 * int(1.25 * args.batch * args.seq) // E)                  # the example's GShard capacity (k=2, f=1.25)
@@ -226,13 +238,38 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
         task_key("all_reduce", world=world): AlphaBeta(args.alpha_us * 1e-6, beta * 2 * (world - 1) / world),
         "experts": _experts_model(args, world)}, {"note": "benchmarks/grad_sync_step.py: the emulated link"})
     path = str(models.save(work / "cost_models.json"))
-    # 3. the variants, first step compiles; gradients against "end"
+    # 3. the variants, first step compiles; gradients against "end"; the timeline's plan (buckets left to the end,
+    # the calibration) recorded from the backward graph
+    import moe_compile
+    from moe_compile.schedule.grad_timeline import TIMELINE_META
+
+    timeline_reports: dict = {}
+
+    class _TimelineReport:
+        name = "record_timeline"
+
+        def __call__(self, gm):
+            from moe_compile.passes.manager import PassResult
+
+            if TIMELINE_META in gm.meta:
+                report = gm.meta[TIMELINE_META]
+                timeline_reports[current] = {k: report[k] for k in
+                                             ("compute_s", "before_last_all_to_all", "calibration")}
+            return PassResult(gm, False)
+
+    recorder = _TimelineReport()
+    moe_compile.register_pass(recorder, after="grad_sync")
     variants = tuple(v for v in VARIANTS if v in args.variants.split(","))
     nets, grads = {}, {}
-    for variant in variants:
-        nets[variant] = build(variant, link, path if variant in ("fsmoe", "timeline") else None)
-        _step(nets[variant], tokens)
-        grads[variant] = [p.grad.clone() for p in nets[variant].parameters()]
+    try:
+        for variant in variants:
+            current = variant
+            nets[variant] = build(variant, link, path if variant in ("fsmoe", "timeline", "timeline_cal") else None,
+                                  measured_backward_s * 1e3)
+            _step(nets[variant], tokens)
+            grads[variant] = [p.grad.clone() for p in nets[variant].parameters()]
+    finally:
+        moe_compile.unregister_pass(recorder)
     for variant in variants:
         for g, ref in zip(grads[variant], grads["end"]):
             torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-5)
@@ -258,6 +295,8 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
                          "link_idle_ms": statistics.median(i for _, i in queue[v]) * 1e3,
                          "compute_ms": {k: s * 1e3 for k, s in compute.items()},
                          "comm_ms": {k: s * 1e3 for k, s in comm.items()}, "link": link,
+                         "measured_backward_ms": measured_backward_s * 1e3,
+                         "timeline": timeline_reports.get(v),
                          "grad_bytes": sum(p.numel() * 4 for p in base.parameters())})
     ddp = rows_out[0]["step_ms"]
     for row in rows_out:
@@ -312,12 +351,19 @@ def main(argv=None):
     title = (f"MoETransformer step, {args.layers} MoE layers, dim {args.dim}, hidden {args.hidden}, E {args.experts}, "
              f"{args.batch}x{args.seq} tokens/rank; backward compute {r0['compute_ms']['backward']:.1f} ms, backward "
              f"comm {r0['comm_ms']['backward']:.1f} ms (link {r0['link']['gbps'] * 1e3:.1f} MB/s); "
-             f"{r0['grad_bytes'] / 2**20:.2f} MiB of gradients")
+             f"{r0['grad_bytes'] / 2**20:.2f} MiB of gradients; measure_tasks' backward compute (timeline_cal) "
+             f"{r0['measured_backward_ms']:.1f} ms")
     body = [[str(r["P"]), r["variant"], f"{r['step_ms']:.1f}", f"{r['forward_ms']:.1f}", f"{r['backward_ms']:.1f}",
              f"{r['link_busy_ms']:.1f}", f"{r['compute_ms']['backward'] + r['link_busy_ms'] - r['backward_ms']:.1f}",
              f"{r['a2a_queued_ms']:.1f}", f"{r['link_idle_ms']:.1f}",
              f"{r['backward_vs_bound']:.2f}x", f"{r['speedup_vs_ddp']:.2f}x"] for r in rows]
     _print_table(title, HEADER, body)
+    for r in rows:
+        if r["timeline"] is not None:
+            t = r["timeline"]
+            scale = "" if t["calibration"] is None else f", calibrated x{t['calibration']['scale']:.2f}"
+            print(f"{r['variant']}: estimated backward compute {t['compute_s'] * 1e3:.1f} ms{scale}; "
+                  f"{t['before_last_all_to_all']} buckets issued before the last all-to-all")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"machine": info, "args": {k: str(v) if isinstance(v, Path) else v
                                                                for k, v in vars(args).items()}, "rows": rows},

@@ -204,8 +204,17 @@ class MoECompileConfig:
     dp_bucket_mb: float = 25.0
     #: Where each bucket's all-reduce is issued in the backward graph: "asap" (as soon as its
     #: last gradient exists, like DDP), "end" (all at the end of the backward), "fsmoe" (in
-    #: the MoE layers' backward pipelines by FSMoE's assignment, eqs 3-5; "asap" without layers).
+    #: the MoE layers' backward pipelines by FSMoE's assignment, eqs 3-5; "asap" without layers),
+    #: "timeline" (that assignment completed on a timeline estimate of the graph that never delays an
+    #: all-to-all, moe_compile/schedule/grad_timeline.py).
     dp_placement: DPPlacement = DPPlacement.ASAP
+    #: The measured compute time (milliseconds, a number > 0) of one backward of the compiled graph,
+    #: the time blocked in its collectives' waits excluded: ``dp_placement="timeline"`` scales its
+    #: compute estimate so that its sum over the backward graph equals it (FSMoE's performance models
+    #: are fitted to measured times).
+    #: Measure it with ``moe_compile.measure_tasks()`` around a training step
+    #: (``TaskMeasurement.compute_ms("backward")``). None = the estimate from the ``experts`` cost model.
+    dp_backward_compute_ms: float | None = None
     #: Tutel's parallelism for layers whose experts are sharded over ``esp_group`` (Tutel §3.2): None
     #: (Parm's schedules, ``pause_mp``), "p1" (EP + DP: the H-slices all-gathered into whole experts,
     #: their gradients reduce-scattered back), "p2" (EP + MP: experts sharded, each row sent to every
@@ -300,6 +309,12 @@ class MoECompileConfig:
         if self.dp_placement not in DP_PLACEMENTS:
             raise ConfigError(f"options['dp_placement']={self.dp_placement!r}: choose one of {', '.join(DP_PLACEMENTS)}")
         self.dp_placement = DPPlacement(self.dp_placement)
+        ms = self.dp_backward_compute_ms
+        if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, float)) or not math.isfinite(ms)
+                               or not ms > 0):
+            raise ConfigError(f"options['dp_backward_compute_ms']={ms!r}: expected the measured compute time of one "
+                              f"backward in milliseconds (a number > 0, e.g. TaskMeasurement.compute_ms('backward') "
+                              f"of moe_compile.measure_tasks()), or None")
         b = self.capacity_bucket
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ConfigError(f"options['capacity_bucket']={b!r}: expected an integer >= 1")
@@ -392,6 +407,12 @@ def _check_dependencies(cfg: MoECompileConfig) -> MoECompileConfig:
         raise ConfigError(
             f"options['dp_placement']={cfg.dp_placement.value!r} places the data-parallel gradient all-reduce, "
             f"but options['dp_group'] is None: set options['dp_group'] (e.g. 'world') or leave dp_placement at 'asap'"
+        )
+    if cfg.dp_backward_compute_ms is not None and cfg.dp_placement != DPPlacement.TIMELINE:
+        raise ConfigError(
+            f"options['dp_backward_compute_ms']={cfg.dp_backward_compute_ms!r} calibrates the timeline estimate of "
+            f"options['dp_placement']='timeline', but dp_placement is {cfg.dp_placement.value!r}: set "
+            f"dp_placement to 'timeline' or leave dp_backward_compute_ms None"
         )
     _check_parallelism_groups(cfg)
     if cfg.nan_check and cfg.compressor == "none":
@@ -571,7 +592,9 @@ def _parse_env(name: str, raw: str, default: Any) -> Any:
             return int(raw)
         except ValueError:
             raise ConfigError(f"{env}={raw!r}: expected an integer") from None
-    if name == "capacity_factor" or isinstance(default, float):
+    if name == "dp_backward_compute_ms" and raw == "":
+        return None
+    if name in ("capacity_factor", "dp_backward_compute_ms") or isinstance(default, float):
         if raw == "" and name == "capacity_factor":
             return None
         if raw == "runtime" and name == "capacity_factor":

@@ -145,6 +145,9 @@ def test_from_env_parses_each_type():
     assert cfg.verify_regions is False
     assert cfg.capacity_factor == 1.5
     assert cfg.inner == "auto" and cfg.rewrite is True
+    # dp_backward_compute_ms defaults to None but is a number (the process-wide config; the dependency on
+    # dp_placement="timeline" is checked per compile, in merged)
+    assert MoECompileConfig.from_env({"MOE_COMPILE_DP_BACKWARD_COMPUTE_MS": "42.5"}).dp_backward_compute_ms == 42.5
 
 
 @pytest.mark.parametrize("raw, expected", [("1", True), ("true", True), ("ON", True), ("no", False), ("False", False)])
@@ -234,6 +237,7 @@ BAD_VALUES = {
     "dp_group": ["everyone", 0, ["world"]],
     "dp_bucket_mb": [0, -1.0, True, "25", float("inf"), None],
     "dp_placement": ["bubbles", None, 1],
+    "dp_backward_compute_ms": [0, -1.0, True, "40", float("nan"), float("inf"), [40.0]],
     "parallelism": ["p3", True, 2],
 }
 
@@ -270,6 +274,7 @@ def test_bad_value_raises_config_error_naming_the_option(name, value):
     ({"dp_placement": "fsmoe"}, "dp_group"),
     ({"dp_placement": "end"}, "dp_group"),
     ({"dp_placement": "timeline"}, "dp_group"),
+    ({"dp_backward_compute_ms": 40.0}, "dp_placement"),
     ({"parallelism": "adaptive", "ep_group": "world"}, "esp_group"),
 ])
 def test_option_that_would_do_nothing_names_the_option_it_needs(options, needs):

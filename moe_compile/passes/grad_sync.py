@@ -60,7 +60,9 @@ point of each bucket (``dp_placement``: "asap", "end", "fsmoe", FSMoE's assignme
 the buckets to the MoE layers' backward pipelines, :mod:`moe_compile.schedule.grad_assign`, or
 "timeline", that assignment completed by a greedy placement on a timeline estimate of the graph that
 never delays an all-to-all on the shared link and uses the dense backward's idle link time,
-:mod:`moe_compile.schedule.grad_timeline`);
+:mod:`moe_compile.schedule.grad_timeline`); "fsmoe" and "timeline" place from each rank's cost models, so every
+rank then adopts rank 0's placement (:mod:`moe_compile.schedule.grad_agree`: ranks with differing models would
+otherwise issue the all-reduces in different orders and hang);
 4. emit: flatten, all-reduce, wait before the output, divide, and the gradients as views.
 """
 from __future__ import annotations
@@ -119,6 +121,9 @@ class GradSyncPlan:
     layer_plans: tuple = ()
     #: ``options["emulate_link"]`` (a ``Link``): the buckets' all-reduces go over the emulated link too
     link: object = None
+    #: ``options["dp_backward_compute_ms"]`` in seconds: the measured Σ compute of one backward that
+    #: ``dp_placement="timeline"`` calibrates its estimate to (:func:`moe_compile.schedule.grad_timeline.calibrate`)
+    backward_compute_s: float | None = None
     #: what the pass did, for ``summary.json`` / ``schedule.json``: the buckets, where each was issued, the assignment
     report: dict = dataclasses.field(default_factory=dict)
 
@@ -190,7 +195,8 @@ def plan_grad_sync(cfg: MoECompileConfig, gm: GraphModule, example_inputs: Seque
             averaged.append(i)
     return GradSyncPlan(group, tuple(averaged), tuple(divided), names, len(example_inputs), num_plain,
                         tuple(divided_subclass), int(cfg.dp_bucket_mb * 2**20), DPPlacement(cfg.dp_placement),
-                        cfg.cost_models, tuple(layer_plans), _link(cfg))
+                        cfg.cost_models, tuple(layer_plans), _link(cfg),
+                        None if cfg.dp_backward_compute_ms is None else cfg.dp_backward_compute_ms / 1e3)
 
 
 def _link(cfg: MoECompileConfig):
@@ -343,9 +349,28 @@ def issue_points(gm: GraphModule, buckets: Sequence[GradBucket], plan: GradSyncP
     if plan.placement == DPPlacement.FSMOE:
         from ..schedule.grad_assign import fsmoe_issue_points
 
-        return fsmoe_issue_points(gm, buckets, asap, plan)
+        return _agreed(gm, fsmoe_issue_points(gm, buckets, asap, plan), plan)
     if plan.placement == DPPlacement.TIMELINE:
         from ..schedule.grad_timeline import timeline_issue_points
 
-        return timeline_issue_points(gm, buckets, asap, plan)
+        return _agreed(gm, timeline_issue_points(gm, buckets, asap, plan), plan)
     return asap
+
+
+def _agreed(gm: GraphModule, points: list[Node], plan: GradSyncPlan) -> list[Node]:
+    """"fsmoe" / "timeline" place from each rank's cost models: every rank adopts rank 0's placement
+    (:mod:`moe_compile.schedule.grad_agree`), so that ranks with differing models cannot issue their
+    collectives in different orders."""
+    if plan.group.size <= 1 or not points:
+        return points
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    from ..schedule.grad_agree import AGREEMENT_META, agree_placement
+
+    layers = plan.report.get("bucket_layers")
+    points, agreement = agree_placement(gm, points, layers, _resolve_process_group(plan.group.name),
+                                        plan.placement.value)
+    plan.report["bucket_layers"] = list(agreement.layers)
+    gm.meta[AGREEMENT_META] = agreement
+    plan.report["agreement"] = dataclasses.asdict(agreement)
+    return points

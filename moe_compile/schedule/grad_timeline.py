@@ -58,10 +58,27 @@ is tried no earlier than its layer's first exchange's wait (where FSMoE puts it)
 overlap with dense operations of FSMoE's Figure (b), which FSMoE keeps). Both are subject to the "never
 delay an all-to-all" rule, which FSMoE's model of a layer's gap does not check against the graph.
 
-Every rank must see the same cost models (the same file, or values agreed across the ranks before it is
-written): the placement is computed on each rank, and ranks that place the buckets differently issue
-their collectives in different orders and hang (as with "fsmoe"; ``benchmarks/grad_sync_step.py`` agrees
-its experts timing across the ranks for this reason).
+Calibration from a measured backward (``options["dp_backward_compute_ms"]``, :func:`calibrate`). The two
+terms above come from the ``experts`` model, fitted on the experts' matmuls alone; on a CPU (and more on a loaded
+one) the real backward's compute is well above their sum (issue 20: the benchmark's quiet run measured ~24 ms of
+backward compute, the estimate saw a fraction of it), so the estimate books every all-to-all too early, sees no
+idle link time before it, and leaves most buckets after the last all-to-all. FSMoE fits each task's α-β model
+(``t_exp = α_exp + n_exp · β_exp``, its "Performance Model") to measured times; what the package can measure of
+a whole backward is one number, its compute (``moe_compile.measure_tasks()``:
+``TaskMeasurement.compute_ms("backward")``, the backward graph call's wall time minus its time blocked in waits:
+what this estimate's compute clock ``t`` models), so the calibration is one scale factor ``s = measured / Σ estimate``
+applied to both ``per_mac`` and ``per_node``. Why one factor and not per-op-kind costs from a profile: the
+placement needs *where* the compute falls between the all-to-alls and *how long* it is in total; the model gives
+the first (matmul-heavy stretches against elementwise ones), the measurement the second, and a per-op profile
+would need a profiler run that the Inductor inner compiler cannot give per FX node (it fuses them). After
+calibration the estimate's Σ compute equals the measured value (up to rounding), so the link's idle time between
+all-to-alls is priced at the measured speed, and buckets that fit there are issued inside the backward.
+
+The placement is computed on each rank from its own cost models (and ``dp_backward_compute_ms``); ranks that
+placed the buckets differently would issue their collectives in different orders and hang (as with "fsmoe"),
+so the ``grad_sync`` pass makes every rank adopt rank 0's placement (:mod:`.grad_agree`). The same models on
+every rank (one file; ``benchmarks/grad_sync_step.py`` agrees its experts timing across the ranks) still
+matter for the placement to be the one each rank's machine would choose.
 
 Why a new ``dp_placement`` value ("timeline") and not a change of "fsmoe": "fsmoe" stays the paper's
 placement, a reference that the benchmark (``benchmarks/grad_sync_step.py``) compares against and whose
@@ -79,8 +96,8 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-__all__ = ["TIMELINE_META", "Exchange", "Timeline", "estimate", "is_compute", "mm_macs", "place_buckets",
-           "tensor_bytes", "timeline_issue_points"]
+__all__ = ["TIMELINE_META", "Calibration", "Exchange", "Timeline", "calibrate", "compute_seconds", "estimate",
+           "is_compute", "mm_macs", "place_buckets", "tensor_bytes", "timeline_issue_points"]
 
 #: ``GraphModule.meta`` key: what :func:`timeline_issue_points` estimated for this backward graph (the rows it
 #: gave data-dependent sizes, the per-MAC and per-op seconds, the buckets' link times)
@@ -142,12 +159,14 @@ class Exchange:
 @dataclasses.dataclass(frozen=True)
 class Timeline:
     """The estimate: ``at[node]`` the compute clock when the node starts, ``link_free[node]`` when the link
-    is free of everything issued before the node, the all-to-alls in issue order, and the compute end."""
+    is free of everything issued before the node, the all-to-alls in issue order, the compute end (waits on
+    the all-to-alls included) and ``compute``, the Σ of the computing nodes' costs (no waits)."""
 
     at: dict
     link_free: dict
     exchanges: tuple[Exchange, ...]
     end: float
+    compute: float = 0.0
 
     def next_exchange(self, order: dict, node: Node) -> Exchange | None:
         """The first all-to-all issued at or after ``node`` (None: none is left)."""
@@ -170,7 +189,7 @@ def estimate(gm: GraphModule, per_mac: float, a2a_seconds: Callable[[Node], floa
     from ..collectives.nodes import is_all_to_all as default_is_all_to_all, is_wait
 
     is_a2a = is_all_to_all or default_is_all_to_all
-    t, free = 0.0, 0.0
+    t, free, compute = 0.0, 0.0, 0.0
     at, link_free, finish, exchanges = {}, {}, {}, []
     for node in gm.graph.nodes:
         at[node], link_free[node] = t, free
@@ -188,8 +207,42 @@ def estimate(gm: GraphModule, per_mac: float, a2a_seconds: Callable[[Node], floa
         elif is_wait(node) and node.args[0] in finish:
             t = max(t, finish[node.args[0]])
         else:
-            t += mm_macs(node, fallback) * per_mac + (per_node if is_compute(node) else 0.0)
-    return Timeline(at, link_free, tuple(exchanges), t)
+            cost = mm_macs(node, fallback) * per_mac + (per_node if is_compute(node) else 0.0)
+            t, compute = t + cost, compute + cost
+    return Timeline(at, link_free, tuple(exchanges), t, compute)
+
+
+def compute_seconds(gm: GraphModule, per_mac: float, per_node: float, fallback: int | None = None) -> float:
+    """Σ compute of ``gm`` in the estimate (:func:`estimate`'s ``compute``; no link needed: waits add nothing)."""
+    return sum(mm_macs(node, fallback) * per_mac + (per_node if is_compute(node) else 0.0)
+               for node in gm.graph.nodes if node.op == "call_function")
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """The estimate's compute scaled to a measured backward (module docstring, "Calibration"): ``scale`` =
+    ``measured`` / ``estimated`` (seconds of Σ compute), and the scaled ``per_mac`` / ``per_node``."""
+
+    measured: float
+    estimated: float
+    scale: float
+    per_mac: float
+    per_node: float
+
+
+def calibrate(gm: GraphModule, per_mac: float, per_node: float, measured: float,
+              fallback: int | None = None) -> Calibration:
+    """Scale ``per_mac`` and ``per_node`` by one factor so that :func:`compute_seconds` of ``gm`` equals
+    ``measured`` (seconds > 0, the measured Σ compute of one backward). A ``ValueError`` when the estimate has
+    no compute to scale (no computing node, or both costs 0)."""
+    if not (math.isfinite(measured) and measured > 0):
+        raise ValueError(f"calibrate: measured={measured!r}: expected the measured backward compute in seconds (> 0)")
+    estimated = compute_seconds(gm, per_mac, per_node, fallback)
+    if not estimated > 0:
+        raise ValueError(f"calibrate: the estimate of this graph has no compute to scale (per_mac={per_mac}, "
+                         f"per_node={per_node}); fit the 'experts' cost model (python -m moe_compile.profile)")
+    scale = measured / estimated
+    return Calibration(measured, estimated, scale, per_mac * scale, per_node * scale)
 
 
 def place_buckets(gm: GraphModule, timeline: Timeline, earliest: Sequence[Node], seconds: Sequence[float],
@@ -240,7 +293,8 @@ def _a2a_seconds(models, world_of: Callable[[Node], int], fallback: int | None =
 
 def timeline_issue_points(gm: GraphModule, buckets: Sequence, asap: Sequence[Node], plan) -> list[Node]:
     """``dp_placement="timeline"``: FSMoE's assignment (:func:`.grad_assign.fsmoe_issue_points`) completed by
-    the greedy placement on the timeline estimate (module docstring); ``asap`` where there are no cost models."""
+    the greedy placement on the timeline estimate (module docstring), its compute calibrated to
+    ``plan.backward_compute_s`` when given (:func:`calibrate`); ``asap`` where there are no cost models."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     from ..collectives.emulated import link_seconds, ring_bytes
@@ -281,14 +335,24 @@ def timeline_issue_points(gm: GraphModule, buckets: Sequence, asap: Sequence[Nod
     # a data-dependent size is the capacity: the layers' planned rows per expert (C), the largest if they differ
     rows = [p.shape.rows for p in plan.layer_plans if getattr(p, "shape", None) is not None]
     fallback = max(rows) if rows else None
-    timeline = estimate(gm, experts.beta, _a2a_seconds(models, world_of, fallback), fallback=fallback,
-                        per_node=experts.alpha)
+    per_mac, per_node, calibration = experts.beta, experts.alpha, None
+    measured = plan.backward_compute_s
+    if measured is not None:
+        try:
+            calibration = calibrate(gm, per_mac, per_node, measured, fallback)
+            per_mac, per_node = calibration.per_mac, calibration.per_node
+        except ValueError as e:
+            log.info("moe_compile: grad_sync placement timeline: options['dp_backward_compute_ms'] not applied: %s", e)
+    timeline = estimate(gm, per_mac, _a2a_seconds(models, world_of, fallback), fallback=fallback, per_node=per_node)
     seconds = [t_ar(b.nbytes) for b in buckets]
     points = place_buckets(gm, timeline, earliest, seconds)
     output = gm.graph.output_node()
     plan.report["timeline"] = gm.meta[TIMELINE_META] = {
-        "compute_s": timeline.end, "unbacked_rows": fallback, "per_mac_s": experts.beta, "per_op_s": experts.alpha,
+        "end_s": timeline.end, "compute_s": timeline.compute, "unbacked_rows": fallback, "per_mac_s": per_mac,
+        "per_op_s": per_node, "calibration": None if calibration is None else dataclasses.asdict(calibration),
         "all_to_alls": len(timeline.exchanges),
         "link_s": sum(e.finish - e.start for e in timeline.exchanges), "bucket_s": seconds,
-        "at_end": sum(1 for p in points if p is output)}
+        "at_end": sum(1 for p in points if p is output),
+        "before_last_all_to_all": sum(1 for p in points if timeline.exchanges
+                                      and order[p] <= order[timeline.exchanges[-1].node])}
     return points

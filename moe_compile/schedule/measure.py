@@ -34,6 +34,16 @@ Events (seconds from the start of that graph call; forward and backward separate
   prediction (the gradient of A2 is ``A1``, see the ``schedule`` pass); chunks
   keep their forward index, so the backward runs chunk r first.
 
+The compute thread's time in a whole graph call (:meth:`TaskMeasurement.compute_ms`): the call's wall time
+minus the time it spent blocked in the waits of its collectives (the same interpreter times every ``wait_tensor``).
+That is what the timeline estimate's compute clock models (it advances on every op and stalls only in waits:
+:mod:`moe_compile.schedule.grad_timeline`), so ``compute_ms("backward")`` is what
+``options["dp_backward_compute_ms"]`` calibrates ``dp_placement="timeline"`` with (FSMoE's performance models are
+fitted to measured times). It counts the views, the collectives' issue and the interpreter's own cost per node
+(a few µs) as compute; the sum of the computing ops alone would miss most of it (issue 20, the model of
+``benchmarks/grad_sync_step.py`` on its 2-core CPU, free link: the ops summed to 8-9 ms of a 35-40 ms backward
+call, while this measure gave 27-41 ms against a 30 ms backward run without measuring).
+
 A graph called more than once in one measurement keeps its last call. Not
 supported: the Inductor inner compiler (its output code has no FX nodes to time):
 the measurement then stays empty and says so once. Weight-gradient matmuls of the
@@ -90,6 +100,8 @@ class TaskMeasurement:
         self.timelines: dict[tuple[str, str], Simulation] = {}
         self.sources: dict[tuple[str, str], _Source] = {}
         self.bookings: list = []
+        #: (graph id, phase) → seconds of that graph's last call not blocked in a wait (the compute thread's time)
+        self.compute: dict[tuple[int | None, str], float] = {}
 
     def __enter__(self) -> TaskMeasurement:
         global _ACTIVE
@@ -128,6 +140,16 @@ class TaskMeasurement:
             relative = (measured.makespan - p) / p if p else None
             out[key] = TimelineError(key[0], key[1], p, measured.makespan, relative)
         return out
+
+    def compute_ms(self, phase: str = "backward") -> float | None:
+        """Milliseconds of compute of ``phase`` ("forward" / "backward"): each graph call's wall time minus its
+        time blocked in waits, summed over the graphs measured in this block (each graph's last call; one graph
+        for a model compiled whole); None when no such graph ran. Pass ``compute_ms("backward")`` as
+        ``options["dp_backward_compute_ms"]`` to calibrate ``dp_placement="timeline"``."""
+        if phase not in ("forward", "backward"):
+            raise ValueError(f"compute_ms: phase={phase!r}: expected 'forward' or 'backward'")
+        values = [seconds for (_, p), seconds in self.compute.items() if p == phase]
+        return sum(values) * 1e3 if values else None
 
     def write(self, debug_dir: str | Path) -> list[Path]:
         """Add ``measured`` to each measured layer of ``<debug_dir>/rank<r>/graph<id>/schedule.json`` (written
@@ -231,7 +253,8 @@ class _TaskTimer:
                 waits = [u for u in node.users if is_wait(u)]
                 if waits:
                     self.waits[node] = waits[0]
-        self.watched = set(labels) | set(self.waits.values())
+        self.all_waits = {n for n in gm.graph.nodes if is_wait(n)}
+        self.watched = set(labels) | set(self.waits.values()) | self.all_waits
         self.names = self._layer_names()
         self.schedule = moe_state(gm).schedule
 
@@ -273,6 +296,9 @@ class _TaskTimer:
 
         origin = time.perf_counter()
         result = Interpreter(gm).run(*args)
+        wall = time.perf_counter() - origin
+        blocked = sum(end - start for n, (start, end) in times.items() if n in self.all_waits)
+        measurement.compute[(self.graph_id, self.phase)] = wall - blocked
         measurement._record(self.phase, self.graph_id, self.plans, self._timelines(origin, times, booked))
         return result
 

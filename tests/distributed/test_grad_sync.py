@@ -15,7 +15,8 @@ every gradient, and the final weights, equal. Cases (2 gloo ranks, one spawn):
 
 then graph order (every bucket's all-reduce issued once, right after its last gradient, waited once
 before the return; "timeline": no all-to-all of the graph's timeline estimate starts later with the buckets
-than without, asap's does) and the errors: DDP around a model compiled with ``dp_group``. 4 ranks: ``ep_group``
+than without, asap's does), "timeline" with a different cost model on each rank (rank 0's placement adopted
+by both, no hang) and the errors: DDP around a model compiled with ``dp_group``. 4 ranks: ``ep_group``
 = world, and ``ep_group`` two groups of 2 inside ``dp_group`` = world (experts replicated over the two
 expert groups).
 """
@@ -302,6 +303,36 @@ def _timeline_order(rank: int) -> list:
     return positions
 
 
+def _disagreeing_models(rank: int) -> dict:
+    """dp_placement="timeline" with a different cost-model file on each rank (rank 1's experts 1000x slower, so
+    its estimate sees idle link time between the exchanges where rank 0's sees little): the ranks' own
+    placements differ (else the case tests nothing), every rank issues the buckets at rank 0's points
+    (moe_compile/schedule/grad_agree.py) instead of hanging, and the 3 steps equal eager DDP."""
+    import tempfile
+
+    import moe_compile
+    from moe_compile.schedule.cost_model import AlphaBeta, CostModels
+    from moe_compile.schedule.grad_agree import AGREEMENT_META
+
+    experts = AlphaBeta(1e-5, 1e-8) if rank == 0 else AlphaBeta(1e-2, 1e-5)
+    models = CostModels({"all_to_all:flat:2": AlphaBeta(1e-4, 1e-9), "experts": experts,
+                         "all_reduce:2": AlphaBeta(1e-5, 3e-8)}, {"source": f"test rank {rank}"})
+    path = str(models.save(Path(tempfile.mkdtemp()) / f"disagree{rank}.json"))
+    recorder = _Recorder()
+    moe_compile.register_pass(recorder, after="grad_sync")
+    try:
+        _case(rank, "transformer", {"ep_group": "world", "dp_group": "world", "dp_bucket_mb": 0.001,
+                                    "dp_placement": "timeline", "cost_models": path})
+    finally:
+        moe_compile.unregister_pass(recorder)
+    gm = recorder.graphs[0]
+    agreement = gm.meta[AGREEMENT_META]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    issues, _ = _bucket_nodes(gm)
+    return {"source": agreement.source, "positions": agreement.positions, "own": agreement.own,
+            "differed": agreement.differed, "issued": [order[issues[k][0]] for k in sorted(issues)]}
+
+
 def _errors(rank: int, world_size: int = 2) -> list[str]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -336,7 +367,8 @@ def _two_ranks(rank: int, world_size: int) -> dict:
         _case(rank, "gshard", {"ep_group": "world", "dp_group": "world", "inner": "inductor", "dp_bucket_mb": 0.0005}),
     ]
     return {"cases": done, "order": _graph_order(rank), "fsmoe": _fsmoe_order(rank),
-            "timeline": _timeline_order(rank), "errors": _errors(rank, world_size)}
+            "timeline": _timeline_order(rank), "disagree": _disagreeing_models(rank),
+            "errors": _errors(rank, world_size)}
 
 
 def _four_ranks(rank: int, world_size: int) -> list[str]:
@@ -355,6 +387,12 @@ def test_grad_sync_two_ranks():
     assert results[0]["order"] == results[1]["order"]
     assert results[0]["fsmoe"] == results[1]["fsmoe"]
     assert results[0]["timeline"] == results[1]["timeline"]
+    disagree = [r["disagree"] for r in results]
+    assert disagree[0]["own"] != disagree[1]["own"], disagree          # the two models placed differently
+    assert disagree[0]["differed"] == disagree[1]["differed"] == (1,), disagree
+    assert disagree[0]["source"] == disagree[1]["source"] == 0
+    assert disagree[0]["positions"] == disagree[1]["positions"] == disagree[0]["own"], disagree
+    assert disagree[0]["issued"] == disagree[1]["issued"], disagree   # the compiled graphs issue alike
     assert "DistributedDataParallel" in results[0]["errors"][0]
 
 

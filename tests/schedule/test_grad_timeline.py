@@ -1,5 +1,6 @@
 """The timeline estimate of a backward graph and the greedy bucket placement that never delays an all-to-all
-(moe_compile/schedule/grad_timeline.py), on a hand-built graph: the module docstring's example."""
+(moe_compile/schedule/grad_timeline.py), on a hand-built graph: the module docstring's example; its calibration
+to a measured backward compute (``options["dp_backward_compute_ms"]``)."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 from torch.fx import Graph, GraphModule
 
 from moe_compile.collectives.nodes import WAIT
-from moe_compile.schedule.grad_timeline import estimate, mm_macs, place_buckets
+from moe_compile.schedule.grad_timeline import calibrate, compute_seconds, estimate, mm_macs, place_buckets
 
 A2A = torch.ops._c10d_functional.all_to_all_single.default
 AR = torch.ops._c10d_functional.all_reduce.default
@@ -147,3 +148,43 @@ def test_link_bookings_carry_issue_time_and_kind():
     assert (a.kind, b.kind) == ("all_reduce", "all_to_all")
     assert a.issued <= a.start and b.start == pytest.approx(a.finish)
     assert b.queued == pytest.approx(b.start - b.issued) and b.queued > 0.1   # waited behind the 0.2 s bucket
+
+
+def test_calibrated_estimate_sums_to_the_measured_compute():
+    gm, n = _tiny()
+    # uncalibrated: mm 2 MACs and mm_1 4 MACs at 0.1 s, 0.05 s per computing node (the two matmuls): 0.7 s
+    assert compute_seconds(gm, 0.1, 0.05) == pytest.approx(0.7)
+    assert estimate(gm, 0.1, lambda node: 2.0, per_node=0.05).compute == pytest.approx(0.7)
+    for measured in (3.0, 0.35, 123.4):
+        cal = calibrate(gm, 0.1, 0.05, measured)
+        assert cal.estimated == pytest.approx(0.7) and cal.scale == pytest.approx(measured / 0.7)
+        assert (cal.per_mac, cal.per_node) == pytest.approx((0.1 * cal.scale, 0.05 * cal.scale))
+        tl = estimate(gm, cal.per_mac, lambda node: 2.0, per_node=cal.per_node)
+        assert tl.compute == pytest.approx(measured, rel=1e-12)
+        # the compute clock's end adds the waits on the exchanges, never less than the compute
+        assert tl.end >= tl.compute
+    with pytest.raises(ValueError, match="measured"):
+        calibrate(gm, 0.1, 0.05, 0.0)
+    with pytest.raises(ValueError, match="no compute to scale"):
+        calibrate(gm, 0.0, 0.0, 1.0)
+
+
+def test_slower_measured_compute_puts_the_bucket_inside_the_backward():
+    """Issue 20's reason (1): an estimate below the real compute sees no idle link time between the
+    exchanges and leaves the bucket after the last all-to-all; calibrated to the measured compute, the gap
+    between the two exchanges holds it."""
+    gm, n = _tiny()
+    a2a = 2.0
+    ready = n["all_to_all_single_default"]
+    # uncalibrated, 0.1 s per MAC: mm [0, 0.2], a2a [0.2, 2.2], mm_1 [2.2, 2.6], a2a_1 from 2.6: a 1 s bucket
+    # after the first exchange would end at 3.2 > 2.6, so it waits for the last exchange's issue
+    raw = estimate(gm, 0.1, lambda node: a2a)
+    (point,) = place_buckets(gm, raw, [ready], [1.0])
+    assert point is n["wait_tensor_default_1"]
+    # measured 3 s of compute (5x the estimate's 0.6 s): mm [0, 1], a2a [1, 3], mm_1 [3, 5], a2a_1 from 5: the
+    # bucket [3, 4] fits right after the first exchange's issue, inside the backward
+    cal = calibrate(gm, 0.1, 0.0, 3.0)
+    calibrated = estimate(gm, cal.per_mac, lambda node: a2a, per_node=cal.per_node)
+    assert [e.start for e in calibrated.exchanges] == pytest.approx([1.0, 5.0])
+    (point,) = place_buckets(gm, calibrated, [ready], [1.0])
+    assert point is n["wait_tensor_default"]

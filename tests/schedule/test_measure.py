@@ -12,6 +12,7 @@ the sequential schedule overlaps nothing.
 from __future__ import annotations
 
 import json
+import time
 import warnings
 
 import pytest
@@ -108,9 +109,18 @@ def test_measured_step_equals_unmeasured_and_writes_dumps(fake_group, tmp_path):
     plain = _step(compiled, x)
     plain_grads = _grads(model, x)
     model.zero_grad()
+    assert moe_compile.measure_tasks().compute_ms("backward") is None     # nothing measured yet
     with moe_compile.measure_tasks() as m:
+        start = time.perf_counter()
         measured = _step(compiled, x)
+        wall_ms = (time.perf_counter() - start) * 1e3
     torch.testing.assert_close(measured, plain, rtol=0, atol=0)
+    # Σ compute of each phase's graph (what options["dp_backward_compute_ms"] takes): within the step's wall time
+    assert sorted(phase for _, phase in m.compute) == ["backward", "forward"]
+    assert 0 < m.compute_ms("forward") and 0 < m.compute_ms("backward")
+    assert m.compute_ms("forward") + m.compute_ms("backward") <= wall_ms
+    with pytest.raises(ValueError, match="phase"):
+        m.compute_ms("bwd")
     for name, grad in _grads(model, x).items():
         torch.testing.assert_close(grad, plain_grads[name], rtol=0, atol=0)
 
@@ -240,7 +250,8 @@ def _measured_steps(rank: int, world_size: int, models_path: str, debug_dir: str
         m.write(debug_dir)
         result[schedule] = {"timelines": {k: v.to_dict() for k, v in m.timelines.items()},
                             "wall": {"forward": forward_wall, "backward": backward_wall},
-                            "error": {k: e.relative for k, e in m.error().items()}}
+                            "error": {k: e.relative for k, e in m.error().items()},
+                            "compute_ms": {p: m.compute_ms(p) for p in ("forward", "backward")}}
         torch._dynamo.reset()
     return result
 
@@ -265,6 +276,10 @@ def test_measured_timelines_on_two_ranks_with_a_slow_link(tmp_path):
                 assert all(e.end - e.start >= 0.019 for e in comm), (schedule, phase, comm)
                 wall = result[schedule]["wall"][phase]
                 assert MAKESPAN_SHARE * wall <= sim["makespan"] <= wall, (schedule, phase, sim["makespan"], wall)
+                # the compute thread's time (what dp_backward_compute_ms takes): the call minus its time blocked in
+                # waits; 4 exchanges of >= 20 ms on one FIFO link keep it blocked for well over 40 ms of them
+                compute_ms = result[schedule]["compute_ms"][phase]
+                assert 0 < compute_ms <= wall * 1e3 - 40, (phase, compute_ms, wall)
                 assert result[schedule]["error"][(layer, phase)] is not None
                 # the chunk that runs second (backward: chunk 1) has its A1 on the link while the first one's
                 # E computes (the pipelining Theorem 1 is about)
