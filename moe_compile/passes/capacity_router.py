@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from .graph_utils import is_call, reachable, shape_of, strip
+from .graph_utils import getitem_user, is_call, reachable, shape_of, strip
 from .regions import NoMatch
 from .routing import _CASTS, NotARouter, Router, _gate_linear, _is_linear_like, _router_nodes, same_size
 
@@ -151,7 +151,7 @@ def _weights(argmax: Node, scores: Node) -> Node | None:
     """The chosen expert's score: ``max(scores, dim).values`` or ``scores.gather(dim, ids.unsqueeze(dim))``."""
     for user in scores.users:
         if is_call(user, torch.max, method=("max",)) and _dim(user) == _dim(argmax):
-            values = next((u for u in user.users if u.target is operator.getitem and u.args[1] == 0), None)
+            values = getitem_user(user, 0)
             if values is not None:
                 return values
         if is_call(user, torch.gather, method=("gather",)):

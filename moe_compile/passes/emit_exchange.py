@@ -78,7 +78,7 @@ from ..debug import log
 from ..tasks import TASK_META, TaskLabel
 from .exchange_plan import ExchangePlan
 from .fake_values import insert_node, propagate
-from .graph_utils import is_inplace, reachable
+from .graph_utils import getitem_user, is_inplace, reachable
 from .local_weights import LocalWeights, feed_local_shards, hidden_shard, sharded_placeholders
 from .manager import PassResult
 from .mp_split import batch_kept, mask_dropped, split_tokens
@@ -289,7 +289,7 @@ def received_filled(graph: Graph, plan: ExchangePlan, meta: dict) -> Node:
     """
     group, local = plan.group, plan.num_local
     dispatch = plan.layer.dispatch
-    locations = next(u for u in dispatch.users if u.target is operator.getitem and u.args[1] == 1)
+    locations = getitem_user(dispatch, 1)
     whole = {**meta, TASK_META: TaskLabel(plan.name, 0, "C1")}
     filled = insert_node(graph, torch.ops.moe.filled_rows.default, dispatch.args[1], locations, plan.num_experts,
                          meta=whole)

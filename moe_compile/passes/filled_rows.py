@@ -41,6 +41,7 @@ from torch.fx import GraphModule, Node
 from .. import ops  # noqa: F401  (registers torch.ops.moe.*)
 from ..debug import log
 from .fake_values import insert_node
+from .graph_utils import getitem_user
 from .manager import PassResult
 
 __all__ = ["FilledRows"]
@@ -84,7 +85,7 @@ def _rewrite(gm: GraphModule, experts: Node) -> str | None:
     if len(users) != 1 or users[0].target is not _COMBINE or users[0].args[0] is not experts:
         return "its output is not read by exactly one moe.combine"
     dispatch = buffer.args[0]
-    locations = next((u for u in dispatch.users if u.target is operator.getitem and u.args[1] == 1), None)
+    locations = getitem_user(dispatch, 1)
     if locations is None:
         return "its dispatch's locations are not in the graph"
     graph = gm.graph

@@ -15,6 +15,7 @@ __all__ = [
     "between",
     "depends_on",
     "example_value",
+    "getitem_user",
     "is_call",
     "is_inplace",
     "module_region",
@@ -68,6 +69,14 @@ def is_call(node: object, *targets, method: Iterable[str] = ()) -> bool:
     if node.op == "call_method":
         return node.target in tuple(method)
     return False
+
+
+def getitem_user(node: Node, index: int) -> Node | None:
+    """The ``operator.getitem(node, index)`` that reads output ``index`` of a multi-output node, or None."""
+    for user in node.users:
+        if user.op == "call_function" and user.target is operator.getitem and user.args[1] == index:
+            return user
+    return None
 
 
 def is_inplace(node: Node) -> bool:

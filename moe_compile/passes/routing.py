@@ -75,7 +75,7 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .expert_weights import LINEAR, MATMUL, is_parameter
-from .graph_utils import example_value, is_call, is_inplace, reachable, shape_of, strip
+from .graph_utils import example_value, getitem_user, is_call, is_inplace, reachable, shape_of, strip
 from .regions import NoMatch
 
 __all__ = [
@@ -159,7 +159,7 @@ def read_router(selection: Node) -> Router:
         raise NotARouter(f"{selection.name}: its input has no tensor shape")
     gate = _gate_linear(scores, shape[dim])
     if is_call(selection, torch.max, method=("max",)) and (gate is None or len(shape) != 2 or dim not in (-1, 1)
-                                                         or _getitem(selection, 1) is None):
+                                                         or getitem_user(selection, 1) is None):
         # a max over a dim is common math (softmax stabilisation, a logits argmax): a router only as top-1
         # over gate-linear [T, E] scores whose index is used
         raise NotARouter(f"{selection.name}: a max that is no top-1 over gate-linear [T, E] scores")
@@ -182,7 +182,7 @@ def read_router(selection: Node) -> Router:
         raise NoMatch(f"top-k {selection.name} is not over the last dim of a [T, E] score tensor (scores "
                       f"{list(shape)}, dim {dim})")
     num_tokens, num_experts = math.prod(shape[:-1]), shape[-1]   # [B, S, E] scores: T = B·S tokens
-    ids0 = _getitem(selection, 1)
+    ids0 = getitem_user(selection, 1)
     if ids0 is None:
         raise NoMatch(f"top-k {selection.name}: its values or indices are unused")
     ids = _extend_ids(ids0, num_tokens, num_experts)
@@ -197,7 +197,7 @@ def read_router(selection: Node) -> Router:
     nodes = _router_nodes(gate, [ids, weights, scores])
     selections = tuple(sorted(n for n in nodes if is_selection(n)))
     tokens = strip(gate.args[0], methods=_CASTS)
-    picks = [s for s in selections if _getitem(s, 1) in id_nodes]
+    picks = [s for s in selections if getitem_user(s, 1) in id_nodes]
     form = _describe(selection, selections, picks, chain, num_experts)
     if dense:
         form += ", values scattered into dense [T, E] scores"
@@ -403,12 +403,12 @@ def _product_keys(selection: Node) -> tuple[Node, Node] | None:
     """(the inner top-k, the gate linear) when ``selection`` is product-key routing (Lample et al. 2019, Doge's
     CDMoE): its scores are computed from the values of another top-k over a parameter linear's scores, and its
     indices gather the expert ids from an integer table of combined key indices; else None."""
-    positions = _getitem(selection, 1)
+    positions = getitem_user(selection, 1)
     if positions is None or not any(_gather_index(u) is positions and not example_value(u).is_floating_point()
                                     for u in positions.users):
         return None
     for inner in sorted(router_part(selection) - {selection}, reverse=True):
-        if _getitem(inner, 0) is None:
+        if getitem_user(inner, 0) is None:
             continue
         below = _ancestors([inner.args[0]], stop=_is_linear_like)
         linear = next((n for n in sorted(below, reverse=True) if is_call(n, *LINEAR, *MATMUL) and len(n.args) > 1
@@ -498,7 +498,7 @@ def _describe(selection: Node, selections: tuple[Node, ...], picks: list[Node], 
         kinds.append("softmax after the selection")
     if any(is_call(n, operator.truediv, operator.itruediv, torch.div, method=("div", "div_")) for n in chain):
         kinds.append("renormalised")
-    ids = _getitem(selection, 1)
+    ids = getitem_user(selection, 1)
     if ids is not None and any(isinstance(a, Node) and _per_expert_scale(a, ids, n) for n in chain for a in n.args):
         kinds.append("a per-expert scale")
     return ", ".join(kinds)
@@ -590,7 +590,7 @@ def _gate_weights(selection: Node, ids: Node, id_nodes: set[Node], numel, dense_
         for user in node.users:
             if _gather_index(user) is node and example_value(user).is_floating_point():
                 starts.append((user, "gather"))
-    vals = _getitem(selection, 0)
+    vals = getitem_user(selection, 0)
     if vals is not None:       # after the gathers: values beside a gather are the biased ones (or the same)
         starts.append((vals, "values"))
     ends: list[tuple[Node, str, list[Node]]] = []
@@ -598,7 +598,7 @@ def _gate_weights(selection: Node, ids: Node, id_nodes: set[Node], numel, dense_
     for start, how in starts:
         chain = _weights_chain(start, ids, num_classes)
         end = chain[-1]
-        dense = _dense_scores(end, _getitem(selection, 1), dense_numel) if how == "values" else None
+        dense = _dense_scores(end, getitem_user(selection, 1), dense_numel) if how == "values" else None
         if dense is not None:
             return dense[-1], chain + dense, True
         if same_size(_numel(end), numel) and example_value(end).is_floating_point():
@@ -668,7 +668,7 @@ def _weights_step(user: Node, node: Node, chain: list[Node], ids: Node) -> bool:
     if user.op not in ("call_function", "call_method"):
         return False
     if _is_autograd_function(user):      # its output is a tuple: the weights are its item 0
-        out = _getitem(user, 0)
+        out = getitem_user(user, 0)
         value = example_value(out)
         if not (isinstance(value, torch.Tensor) and same_size(_numel(out), _numel(node))):
             return False
@@ -760,13 +760,6 @@ def _gather_index(node: Node) -> Node | None:
 
 
 # --------------------------------------------------------------------------- small helpers
-
-
-def _getitem(node: Node, index: int) -> Node | None:
-    for user in node.users:
-        if user.op == "call_function" and user.target is operator.getitem and user.args[1] == index:
-            return user
-    return None
 
 
 def _numel(node: Node) -> int | torch.SymInt | None:
