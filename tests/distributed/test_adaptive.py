@@ -52,6 +52,16 @@ def _assert_grads_equal_eager(model, eager, expert_params, local: slice, what: s
         torch.testing.assert_close(p.grad, expected, **GRAD_TOL, msg=lambda m: f"{what} grad {name}: {m}")
 
 
+def _assert_step_equals_eager(model, eager, out_c, out_e, x_c, x_e, expert_params, local: slice, what: str) -> None:
+    """One training step, compiled against eager: the outputs, then (after ``(out ** 2).sum().backward()``) the
+    input gradients and every parameter's (:func:`_assert_grads_equal_eager`)."""
+    torch.testing.assert_close(out_c, out_e, **TOL, msg=lambda m: f"{what} output: {m}")
+    (out_c ** 2).sum().backward()
+    (out_e ** 2).sum().backward()
+    torch.testing.assert_close(x_c.grad, x_e.grad, **TOL, msg=lambda m: f"{what} input grad: {m}")
+    _assert_grads_equal_eager(model, eager, expert_params, local, what)
+
+
 def _steps(rank: int, world: int, num_experts: int, options: dict, rounds: int) -> dict:
     import moe_compile
     from moe_compile.schedule.adaptive import decisions, reset_adaptive_tables
@@ -77,11 +87,7 @@ def _steps(rank: int, world: int, num_experts: int, options: dict, rounds: int) 
         out_c = compiled(x_c)
         out_e = eager(x_e)
         what = f"{options} step {step} (skew {skew}) rank {rank}"
-        torch.testing.assert_close(out_c, out_e, **TOL, msg=lambda m: f"{what} output: {m}")
-        (out_c ** 2).sum().backward()
-        (out_e ** 2).sum().backward()
-        torch.testing.assert_close(x_c.grad, x_e.grad, **TOL, msg=lambda m: f"{what} input grad: {m}")
-        _assert_grads_equal_eager(model, eager, ("w1", "w2", "w3"), local, what)
+        _assert_step_equals_eager(model, eager, out_c, out_e, x_c, x_e, ("w1", "w2", "w3"), local, what)
         rows.append(decisions()[-1].rows)
         if step == 0:
             graphs_after_warmup = (torch._dynamo.utils.counters["stats"]["unique_graphs"],
@@ -119,19 +125,10 @@ def _runtime_k(rank: int, world: int) -> int:
             x = _batch(model, rank, step, 0.0)
             x_c, x_e = x.clone().requires_grad_(), x.clone().requires_grad_()
             out_c, out_e = compiled(x_c, torch.tensor(k)), eager(x_e, torch.tensor(k))
-            torch.testing.assert_close(out_c, out_e, **TOL, msg=lambda m: f"k={k} rank {rank} output: {m}")
-            (out_c ** 2).sum().backward()
-            (out_e ** 2).sum().backward()
-            torch.testing.assert_close(x_c.grad, x_e.grad, **TOL, msg=lambda m: f"k={k} rank {rank} input grad: {m}")
-            for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-                expected = q.grad.clone()
-                if name in ("w1", "w2", "w3"):
-                    dist.all_reduce(expected)
-                    mine = torch.zeros_like(expected)
-                    mine[local] = expected[local]
-                    expected = mine
-                torch.testing.assert_close(p.grad, expected, **GRAD_TOL, msg=lambda m: f"k={k} grad {name}: {m}")
-                p.grad, q.grad = None, None
+            _assert_step_equals_eager(model, eager, out_c, out_e, x_c, x_e, ("w1", "w2", "w3"), local,
+                                      f"k={k} rank {rank}")
+            model.zero_grad(set_to_none=True)
+            eager.zero_grad(set_to_none=True)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
     assert moe_compile.counters["regions_adaptive"] == 1, dict(moe_compile.counters)
     return 1
@@ -166,12 +163,8 @@ def _pinned_forms(rank: int, world: int) -> int:
                 out_c = compiled(x_c)
             assert decisions()[-1].chunks == r and decisions()[-1].phase == "pinned", decisions()[-1]
             out_e = eager(x_e)
-            what = f"{name} r={r} rank {rank}"
-            torch.testing.assert_close(out_c, out_e, **TOL, msg=lambda m: f"{what} output: {m}")
-            (out_c ** 2).sum().backward()
-            (out_e ** 2).sum().backward()
-            torch.testing.assert_close(x_c.grad, x_e.grad, **TOL, msg=lambda m: f"{what} input grad: {m}")
-            _assert_grads_equal_eager(model, eager, expert_params, local, what)
+            _assert_step_equals_eager(model, eager, out_c, out_e, x_c, x_e, expert_params, local,
+                                      f"{name} r={r} rank {rank}")
             model.zero_grad(set_to_none=True)
             eager.zero_grad(set_to_none=True)
     return 1
