@@ -51,9 +51,9 @@ _DISPATCH = torch.ops.moe.dispatch.default
 _COMBINE = torch.ops.moe.combine.default
 _META = ("nn_module_stack", "stack_trace", "moe_region")
 _VALUE_META = ("val", "example_value", "unbacked_bindings")
-#: ``moe.experts``' arguments in order, with their defaults (a node may give the trailing ones as kwargs)
-_TAIL = (("x", None), ("w1", None), ("w2", None), ("w3", None), ("activation", "relu"), ("b1", None),
-         ("b2", None), ("b3", None), ("act_args", []))
+#: ``moe.experts``' arguments in order, with their defaults, read from its schema (a node may give the trailing
+#: ones as kwargs)
+_TAIL = tuple((a.name, a.default_value if a.has_default_value() else None) for a in _EXPERTS._schema.arguments)
 
 
 class FilledRows:
