@@ -73,7 +73,6 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch.fx import GraphModule, Node
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..collectives.group import EPGroup, resolve_group
@@ -82,6 +81,7 @@ from ..config import ConfigError, DPPlacement, MoECompileConfig
 from ..debug import log
 from ..shard_record import expert_param, expert_shard
 from .fake_values import propagate
+from .grad_buckets import GradBucket, emit_flat_sources, emit_flatten, emit_reassembly, grad_buckets
 from .manager import PassResult
 
 __all__ = ["BUCKET_LAYER_META", "BUCKET_META", "GradBucket", "GradSync", "GradSyncPlan", "grad_buckets", "plan_grad_sync"]
@@ -126,18 +126,6 @@ class GradSyncPlan:
     backward_compute_s: float | None = None
     #: what the pass did, for ``summary.json`` / ``schedule.json``: the buckets, where each was issued, the assignment
     report: dict = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
-class GradBucket:
-    """One all-reduce: the gradients (forward-input positions and their nodes), in production order,
-    ``ready``: the node after which all of them exist; ``nbytes`` its size."""
-
-    index: int
-    positions: tuple[int, ...]
-    grads: tuple[Node, ...]
-    ready: Node | None
-    nbytes: int
 
 
 def plan_grad_sync(cfg: MoECompileConfig, gm: GraphModule, example_inputs: Sequence,
@@ -220,42 +208,6 @@ def _ranks(spec) -> list[int]:
     return dist.get_process_group_ranks(spec.get_group())  # a 1-D DeviceMesh
 
 
-def _nbytes(node: Node) -> int:
-    value = node.meta.get("val")
-    if not isinstance(value, torch.Tensor):
-        return 0
-    return int(optimization_hint(value.numel())) * value.element_size()
-
-
-def grad_buckets(gm: GraphModule, positions: Sequence[int], bucket_bytes: int) -> list[GradBucket]:
-    """The gradients at ``positions`` of the backward's output, in the order the graph produces them,
-    cut into buckets of at most ``bucket_bytes`` (a larger gradient alone), one dtype and device each."""
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    outputs = gm.graph.output_node().args[0]
-    grads = sorted(((order[outputs[p]], p) for p in positions if isinstance(outputs[p], Node)))
-    buckets: list[GradBucket] = []
-    open_: dict[tuple, list[int]] = {}
-
-    def close(key):
-        members = open_.pop(key)
-        nodes = tuple(outputs[p] for p in members)
-        ready = max(nodes, key=order.__getitem__)
-        buckets.append(GradBucket(len(buckets), tuple(members), nodes, ready if ready.op != "placeholder" else None,
-                                  sum(_nbytes(n) for n in nodes)))
-
-    for _, p in grads:
-        value = outputs[p].meta.get("val")
-        key = (getattr(value, "dtype", None), str(getattr(value, "device", None)))
-        members = open_.setdefault(key, [])
-        members.append(p)
-        if sum(_nbytes(outputs[q]) for q in members) >= bucket_bytes:
-            close(key)
-    for key in list(open_):
-        close(key)
-    buckets.sort(key=lambda b: -1 if b.ready is None else order[b.ready])
-    return [dataclasses.replace(b, index=i) for i, b in enumerate(buckets)]
-
-
 class GradSync:
     """Stage-2 pass: see the module docstring."""
 
@@ -280,26 +232,27 @@ class GradSync:
                 f"grad_sync: the backward graph returns {len(outputs)} gradients for {plan.num_inputs} forward inputs "
                 f"({plan.num_inputs - plan.num_plain} of them tensor subclasses), so which gradient is which "
                 f"parameter's is unknown; leave options['dp_group'] unset and wrap the model in DistributedDataParallel")
-        buckets = grad_buckets(gm, plan.averaged, plan.bucket_bytes)
+        placed = plan.placement in (DPPlacement.FSMOE, DPPlacement.TIMELINE)
+        # FSMoE's slices (eqs 3-4): a gradient larger than a bucket is cut into bucket-sized pieces that the
+        # placement moves independently; "asap" / "end" would issue them all at one node, so they keep it whole
+        buckets = grad_buckets(gm, plan.averaged, plan.bucket_bytes, slice_large=placed)
         points = issue_points(gm, buckets, plan)
         size = plan.group.size
+        flat_sources = emit_flat_sources(graph, buckets)
         issued = []
         for bucket, point in zip(buckets, points):  # every issue first: a bucket ready last is issued at the end
             with graph.inserting_before(point):
-                issued.append(_issue(graph, bucket, plan.group.name, plan.link))
+                issued.append(_issue(graph, bucket, plan.group.name, flat_sources, plan.link))
+        means = []
         for bucket, issue, layer in zip(buckets, issued, plan.report.get("bucket_layers") or [None] * len(buckets)):
-            if plan.placement in (DPPlacement.FSMOE, DPPlacement.TIMELINE):
+            if placed:
                 issue.meta[BUCKET_LAYER_META] = layer
             with graph.inserting_before(output):
                 waited = _node(graph, emit_wait(graph, issue), {BUCKET_META: bucket.index})
-                mean = _node(graph, graph.call_function(torch.ops.aten.div.Tensor, (waited, size)))
-                offset = 0
-                for position, grad in zip(bucket.positions, bucket.grads):
-                    shape = list(grad.meta["val"].shape)
-                    numel = grad.meta["val"].numel()
-                    part = _node(graph, graph.call_function(torch.ops.aten.slice.Tensor, (mean, 0, offset, offset + numel)))
-                    outputs[position] = _node(graph, graph.call_function(torch.ops.aten.view.default, (part, shape)))
-                    offset += numel
+                means.append(_node(graph, graph.call_function(torch.ops.aten.div.Tensor, (waited, size))))
+        with graph.inserting_before(output):
+            for position, grad in emit_reassembly(graph, buckets, means).items():
+                outputs[position] = grad
         for position in (*plan.divided, *(subclass_grads[k] for k in plan.divided_subclass)):
             grad = outputs[position]
             if isinstance(grad, Node):
@@ -310,11 +263,13 @@ class GradSync:
         plan.report["buckets"] = [
             {"bucket": b.index, "bytes": b.nbytes, "gradients": [plan.names[p] if p < len(plan.names) else p
                                                                  for p in b.positions],
+             "elements": [list(span) for span in b.spans], "sliced": b.sliced,
              "issued_before": point.name, "issued_at_node": order[i], "nodes": len(graph.nodes)}
             for b, point, i in zip(buckets, points, issued)]
         plan.report["placement"] = plan.placement.value
-        log.info("moe_compile: grad_sync: %d gradients in %d buckets all-reduced over %d ranks (%s), %d divided",
-                 sum(len(b.positions) for b in buckets), len(buckets), size, plan.placement.value,
+        log.info("moe_compile: grad_sync: %d gradients in %d buckets (%d of them slices) all-reduced over %d ranks "
+                 "(%s), %d divided", len({p for b in buckets for p in b.positions}), len(buckets),
+                 sum(b.sliced for b in buckets), size, plan.placement.value,
                  len(plan.divided) + len(plan.divided_subclass))
         return PassResult(gm, bool(buckets) or bool(plan.divided) or bool(plan.divided_subclass))
 
@@ -325,16 +280,10 @@ def _node(graph, node: Node, meta: dict | None = None) -> Node:
     return node
 
 
-def _issue(graph, bucket: GradBucket, group_name: str, link=None) -> Node:
-    """Flatten the bucket's gradients into one buffer and issue its all-reduce (at the insertion point)."""
-    flats = []
-    for grad in bucket.grads:
-        value = grad.meta["val"]
-        if not value.is_contiguous():
-            grad = _node(graph, graph.call_function(torch.ops.aten.clone.default, (grad,),
-                                                    {"memory_format": torch.contiguous_format}))
-        flats.append(_node(graph, graph.call_function(torch.ops.aten.view.default, (grad, [-1]))))
-    flat = flats[0] if len(flats) == 1 else _node(graph, graph.call_function(torch.ops.aten.cat.default, (flats,)))
+def _issue(graph, bucket: GradBucket, group_name: str, flat_sources: dict, link=None) -> Node:
+    """Flatten the bucket (its gradients, or a slice of one: :func:`.grad_buckets.emit_flatten`) into one buffer
+    and issue its all-reduce (at the insertion point)."""
+    flat = emit_flatten(graph, bucket, flat_sources)
     return _node(graph, emit_all_reduce(graph, flat, "sum", group_name, link), {BUCKET_META: bucket.index})
 
 

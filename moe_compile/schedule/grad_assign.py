@@ -42,8 +42,8 @@ import numpy as np
 from .cost_model import AlphaBeta, CostModels, LayerShape, chunk_times, task_key
 from .simulator import simulate
 
-__all__ = ["Assignment", "LayerGap", "assign_gradients", "brute_force_assignment", "fsmoe_issue_points",
-           "layer_gap", "objective"]
+__all__ = ["Assignment", "LayerGap", "assign_gradients", "brute_force_assignment", "brute_force_buckets",
+           "bucket_objective", "fill_quotas", "fsmoe_issue_points", "layer_gap", "objective"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +212,61 @@ def brute_force_assignment(gaps: Sequence[LayerGap], ar: AlphaBeta, steps: int =
     return best
 
 
+def fill_quotas(sizes: Sequence[float], first_layers: Sequence[int],
+                quota: Sequence[float]) -> list[tuple[int | None, float]]:
+    """The assignment's bytes per layer (``quota``, backward order) realized by whole buckets: the buckets (a large
+    gradient's slices among them, :mod:`moe_compile.passes.grad_buckets`) in readiness order, ``sizes`` their bytes,
+    ``first_layers[k]`` the first layer bucket ``k`` exists before (``len(quota)``: only after the last one). Each
+    bucket goes to the current layer while that layer's quota is not used up by more than half the bucket (so a
+    layer's bytes are within half a bucket of its quota when enough are ready), else to the next layer; never to
+    a layer before its first one. Per bucket: ``(layer, the fraction of the layer's quota used before it)``, or
+    ``(None, 0.0)``: at the end. Slices are what make the quota reachable: a bucket larger than twice a layer's
+    quota can never go there."""
+    n = len(quota)
+    out, layer, used = [], 0, 0.0
+    for size, first in zip(sizes, first_layers):
+        if first > layer:
+            layer, used = first, 0.0
+        while layer < n and used + size / 2 > quota[layer]:
+            layer, used = layer + 1, 0.0
+        if layer >= n:
+            out.append((None, 0.0))
+            continue
+        out.append((layer, used / max(quota[layer], 1.0)))
+        used += size
+    return out
+
+
+def bucket_objective(gaps: Sequence[LayerGap], ar: AlphaBeta, sizes: Sequence[float],
+                     layers: Sequence[int | None]) -> float:
+    """Eq (5)'s objective for whole buckets: Σ_i f_moe^i(Σ_{k in layer i} t_ar(n_k)) + Σ_{k at the end} t_ar(n_k),
+    each bucket (each slice) its own all-reduce, so its own α_ar, as on the link."""
+    per_layer = [0.0] * len(gaps)
+    end = 0.0
+    for size, layer in zip(sizes, layers):
+        if layer is None:
+            end += _t_ar(ar, size)
+        else:
+            per_layer[layer] += _t_ar(ar, size)
+    return sum(gap.time(t)[0] for gap, t in zip(gaps, per_layer)) + end
+
+
+def brute_force_buckets(gaps: Sequence[LayerGap], ar: AlphaBeta, sizes: Sequence[float],
+                        first_layers: Sequence[int]) -> tuple[float, tuple]:
+    """The best :func:`bucket_objective` over every placement of the buckets (each to a layer at or after its
+    first one, or to the end): the discrete reference :func:`fill_quotas` is tested against on small instances."""
+    import itertools
+
+    n = len(gaps)
+    choices = [[*range(first, n), None] for first in first_layers]
+    best = (math.inf, ())
+    for layers in itertools.product(*choices):
+        value = bucket_objective(gaps, ar, sizes, layers)
+        if value < best[0]:
+            best = (value, layers)
+    return best
+
+
 def all_reduce_model(models: CostModels, world: int) -> AlphaBeta:
     """α_ar, β_ar: the fitted ``all_reduce:<P>`` model (seconds, bytes)."""
     return models[task_key("all_reduce", world=world)]
@@ -271,20 +326,16 @@ def fsmoe_issue_points(gm, buckets, asap, plan) -> list:
         # computation follows, with the link idle
         waits = [u for n in nodes if task_label(n).task == "A1" for u in n.users if is_wait(u)]
         gap_points.append([w.next for w in waits] or [nodes[0]])
-    quota = list(assignment.per_layer)
-    points, layer, used, placed = [], 0, 0.0, []
-    for bucket, early in zip(buckets, asap):
-        if layer_of(bucket) > layer:
-            layer, used = layer_of(bucket), 0.0
-        while layer < len(spans) and used + bucket.nbytes / 2 > quota[layer]:
-            layer, used = layer + 1, 0.0
-        if layer >= len(spans):
-            points.append(gm.graph.output_node())
+    output = gm.graph.output_node()
+    points, placed = [], []
+    filled = fill_quotas([b.nbytes for b in buckets], [layer_of(b) for b in buckets], assignment.per_layer)
+    for (layer, used), early in zip(filled, asap):
+        if layer is None:
+            points.append(output)
             placed.append(None)
             continue
         gaps_here = gap_points[layer]
-        point = gaps_here[min(len(gaps_here) - 1, int(len(gaps_here) * used / max(quota[layer], 1.0)))]
-        used += bucket.nbytes
+        point = gaps_here[min(len(gaps_here) - 1, int(len(gaps_here) * used))]
         points.append(point if order[point] > order[early] else early)
         placed.append(layer)
     #: per bucket: the layer (backward order) whose pipeline it is issued in, None = at the end

@@ -135,7 +135,7 @@ def _check_order(gm, placement: str) -> int:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     # (the eager inner compiler's safe views turn the recorded graph's views into reshape: passes/safe_views.py)
     flatten = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.clone.default,
-               torch.ops.aten.cat.default}
+               torch.ops.aten.cat.default, torch.ops.aten.slice.Tensor}
     output = gm.graph.output_node()
     first_wait = min(order[w] for ws in waits.values() for w in ws)
     owned, last_grad = {}, {}
@@ -166,6 +166,47 @@ def _check_order(gm, placement: str) -> int:
     return len(issues)
 
 
+def _slices(gm) -> dict:
+    """The sliced gradients of a backward after grad_sync: gradient node → its slices' all-reduce issues, in the
+    order of the slices (a bucket whose flat input is a ``slice`` of a gradient's flat view)."""
+    from moe_compile.passes.grad_sync import BUCKET_META
+
+    flat_views = {torch.ops.aten.view.default, torch.ops.aten.reshape.default}
+    out: dict = {}
+    for node in gm.graph.nodes:
+        if BUCKET_META not in node.meta or node.target is not torch.ops._c10d_functional.all_reduce.default:
+            continue
+        source = node.args[0]
+        if source.target is not torch.ops.aten.slice.Tensor:
+            continue
+        flat = source.args[0]
+        assert flat.target in flat_views, flat.format_node()
+        out.setdefault(flat.args[0], []).append((source.args[2], node))
+    return {grad: [issue for _, issue in sorted(issues, key=lambda item: item[0])] for grad, issues in out.items()}
+
+
+def _check_slices(gm, between) -> int:
+    """Every sliced gradient (at least one): its slices cover its elements once, in order, each all-reduced once
+    and waited once; at least one gradient has two slices issued in different places: ``between(a, b)`` true for
+    two of its issue nodes (different MoE layers' pipelines, or an all-to-all between them). How many gradients
+    were sliced."""
+    _, waits = _bucket_nodes(gm)
+    from moe_compile.passes.grad_sync import BUCKET_META
+
+    sliced = _slices(gm)
+    assert sliced, "no gradient was sliced"
+    spread = 0
+    for grad, issues in sliced.items():
+        bounds = [(i.args[0].args[2], i.args[0].args[3]) for i in issues]
+        numel = grad.meta["val"].numel()
+        assert bounds[0][0] == 0 and bounds[-1][1] == numel and all(
+            a[1] == b[0] for a, b in zip(bounds, bounds[1:])), (grad.name, bounds)
+        assert len(issues) > 1 and all(len(waits[i.meta[BUCKET_META]]) == 1 for i in issues)
+        spread += any(between(a, b) for a in issues for b in issues if a is not b)
+    assert spread >= 1, f"the slices of every gradient were issued in one place: {sliced}"
+    return len(sliced)
+
+
 def _graph_order(rank: int) -> dict:
     import moe_compile
 
@@ -189,13 +230,15 @@ def _graph_order(rank: int) -> dict:
 
 
 def _fsmoe_models(rank: int) -> str:
-    """Cost models where the experts' backward leaves the link idle and the all-reduce is cheap."""
+    """Cost models where the experts' backward leaves the link idle (~0.8 ms per layer) and the all-reduce of
+    the 4 KiB of gradients ready before the first layer takes longer (~1.2 ms): eq (3) slices them between the
+    two layers."""
     import tempfile
 
     from moe_compile.schedule.cost_model import AlphaBeta, CostModels
 
     models = CostModels({"all_to_all:flat:2": AlphaBeta(1e-4, 1e-9), "experts": AlphaBeta(1e-5, 1e-8),
-                         "all_reduce:2": AlphaBeta(1e-5, 1e-10)}, {"source": "test"})
+                         "all_reduce:2": AlphaBeta(1e-5, 3e-7)}, {"source": "test"})
     return str(models.save(Path(tempfile.mkdtemp()) / f"models{rank}.json"))
 
 
@@ -231,6 +274,10 @@ def _fsmoe_order(rank: int) -> list:
             continue
         first, last = spans[layer]
         assert first < order[issue] < last, f"bucket {index} meant for layer {layer} {spans[layer]} at {order[issue]}"
+    # FSMoE's slices (eqs 3-4): a large gradient's slices are assigned to different layers (or a layer and the end)
+    from moe_compile.passes.grad_sync import BUCKET_LAYER_META
+
+    _check_slices(gm, lambda a, b: a.meta[BUCKET_LAYER_META] != b.meta[BUCKET_LAYER_META])
     return layers
 
 
@@ -251,9 +298,10 @@ def _timeline_order(rank: int) -> list:
 
     from moe_compile.schedule.cost_model import AlphaBeta
 
-    # an all-reduce of a 1 KiB bucket ≈ 40 µs: about an all-to-all's time, so a misplaced bucket delays one
+    # an all-reduce of a 1 KiB bucket (or slice) ≈ 110 µs, about an all-to-all's time, so a misplaced bucket delays one;
+    # an 8 KiB expert-weight gradient (8 slices, ~0.9 ms) is longer than a window between two all-to-alls
     models = CostModels({"all_to_all:flat:2": AlphaBeta(1e-4, 1e-9), "experts": AlphaBeta(1e-5, 1e-8),
-                         "all_reduce:2": AlphaBeta(1e-5, 3e-8)}, {"source": "test"})
+                         "all_reduce:2": AlphaBeta(1e-5, 1e-7)}, {"source": "test"})
     path = str(models.save(Path(tempfile.mkdtemp()) / f"timeline{rank}.json"))
     options = {"ep_group": "world", "dp_group": "world", "dp_bucket_mb": 0.001, "cost_models": path}
     graphs = {}
@@ -300,6 +348,9 @@ def _timeline_order(rank: int) -> list:
     last_a2a = max(order[n] for n in gm.graph.nodes if is_all_to_all(n))
     positions = sorted(order[i] for (i,) in issues.values())
     assert positions[0] < last_a2a, (positions, last_a2a)
+    # the slices of a large gradient go into different idle windows of the link: an all-to-all issued between two
+    a2a_at = [order[n] for n in gm.graph.nodes if is_all_to_all(n)]
+    _check_slices(gm, lambda a, b: any(order[a] < k < order[b] for k in a2a_at))
     return positions
 
 
