@@ -11,11 +11,14 @@ every gradient, and the final weights, equal. Cases (2 gloo ranks, one spawn):
 - ``dp_placement="end"``;
 - the bf16 compressor on the all-to-all, within the bf16 bound;
 - the emulated link (the buckets' all-reduces on it, ``moe::emulated_all_reduce``);
-- Inductor as the inner compiler, several buckets;
+- Inductor as the inner compiler, several buckets; and with ``dp_placement="timeline"`` on the emulated link,
+  the expert weights' gradients cut into slices (FSMoE eqs 3-4, moe_compile/passes/grad_buckets.py);
 
 then graph order (every bucket's all-reduce issued once, right after its last gradient, waited once
 before the return; "timeline": no all-to-all of the graph's timeline estimate starts later with the buckets
-than without, asap's does), "timeline" with a different cost model on each rank (rank 0's placement adopted
+than without, asap's does; "fsmoe" and "timeline" with 1 KiB buckets: every large gradient sliced, its slices
+covering it once, each waited once, and some gradient's slices issued in different MoE layers' pipelines
+("fsmoe") / with an all-to-all between them ("timeline")), "timeline" with a different cost model on each rank (rank 0's placement adopted
 by both, no hang) and the errors: DDP around a model compiled with ``dp_group``. 4 ranks: ``ep_group``
 = world, and ``ep_group`` two groups of 2 inside ``dp_group`` = world (experts replicated over the two
 expert groups).
@@ -416,6 +419,11 @@ def _two_ranks(rank: int, world_size: int) -> dict:
         _case(rank, "gshard", {"ep_group": "world", "dp_group": "world", "compressor": "bf16"}, tol=BF16),
         _case(rank, "gshard", {"ep_group": "world", "dp_group": "world", "emulate_link": {"alpha_us": 10, "gbps": 1}}),
         _case(rank, "gshard", {"ep_group": "world", "dp_group": "world", "inner": "inductor", "dp_bucket_mb": 0.0005}),
+        # FSMoE's slices under Inductor and on the emulated link: the [4, 16, 8] expert weights' gradients (2 KiB)
+        # cut into 512 B slices, placed by the timeline
+        _case(rank, "gshard", {"ep_group": "world", "dp_group": "world", "inner": "inductor", "dp_bucket_mb": 0.0005,
+                               "dp_placement": "timeline", "cost_models": _fsmoe_models(rank),
+                               "emulate_link": {"alpha_us": 10, "gbps": 1}}),
     ]
     return {"cases": done, "order": _graph_order(rank), "fsmoe": _fsmoe_order(rank),
             "timeline": _timeline_order(rank), "disagree": _disagreeing_models(rank),
@@ -434,7 +442,7 @@ def _four_ranks(rank: int, world_size: int) -> list[str]:
 
 def test_grad_sync_two_ranks():
     results = spawn(_two_ranks, 2, timeout=600)
-    assert results[0]["cases"] == results[1]["cases"] and len(results[0]["cases"]) == 10
+    assert results[0]["cases"] == results[1]["cases"] and len(results[0]["cases"]) == 11
     assert results[0]["order"] == results[1]["order"]
     assert results[0]["fsmoe"] == results[1]["fsmoe"]
     assert results[0]["timeline"] == results[1]["timeline"]
