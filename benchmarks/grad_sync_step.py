@@ -16,7 +16,10 @@ FIFO), the training step of the examples' ``MoETransformer`` compiled whole with
    all-to-all (``dp_placement="timeline"``, moe_compile/schedule/grad_timeline.py), the same cost models;
 6. ``timeline_cal``: the same, its compute estimate calibrated to the measured backward compute
    (``options["dp_backward_compute_ms"]`` = ``moe_compile.measure_tasks()``'s ``compute_ms("backward")`` of one
-   calibration step, the slowest rank's: what a user's run measures).
+   calibration step, the slowest rank's: what a user's run measures);
+7. ``timeline_cal_whole``: ``timeline_cal`` with ``dp_slice_gradients=False``: a gradient larger than
+   ``--bucket-mb`` stays one bucket instead of FSMoE's bucket-sized slices (eqs 3-4; the other "fsmoe" /
+   "timeline" variants slice), so the slices' effect is measured in the same run.
 
 Calibration: the ``end`` variant on a free link gives Σ compute per phase; the link's bandwidth
 is set so that the backward's communication (two all-to-alls per layer plus the ring all-reduce
@@ -59,7 +62,7 @@ from moe_compile.testing import spawn  # noqa: E402
 
 HEADER = ["P", "variant", "step ms", "fwd ms", "bwd ms", "link busy in bwd ms", "overlap ms", "a2a queued ms",
           "link idle ms", "bwd vs bound", "speedup vs ddp"]
-VARIANTS = ("ddp", "end", "asap", "fsmoe", "timeline", "timeline_cal")
+VARIANTS = ("ddp", "end", "asap", "fsmoe", "timeline", "timeline_cal", "timeline_cal_whole")
 
 
 def _example():
@@ -183,10 +186,11 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
             net = DDP(torch.compile(model, backend="moe", fullgraph=True, options=options))
             net.register_comm_hook(None, _ddp_hook(link, world))
             return net
-        options.update(dp_group="world", dp_placement=variant.removesuffix("_cal"), dp_bucket_mb=args.bucket_mb)
+        options.update(dp_group="world", dp_placement=variant.removesuffix("_whole").removesuffix("_cal"),
+                       dp_bucket_mb=args.bucket_mb, dp_slice_gradients=not variant.endswith("_whole"))
         if models:
             options["cost_models"] = models
-        if variant == "timeline_cal" and backward_ms:  # (none measured with the Inductor inner compiler)
+        if variant.startswith("timeline_cal") and backward_ms:  # (none measured with the Inductor inner compiler)
             options["dp_backward_compute_ms"] = backward_ms
         return torch.compile(model, backend="moe", fullgraph=True, options=options)
 
@@ -254,7 +258,8 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
             if TIMELINE_META in gm.meta:
                 report = gm.meta[TIMELINE_META]
                 timeline_reports[current] = {k: report[k] for k in
-                                             ("compute_s", "before_last_all_to_all", "calibration")}
+                                             ("compute_s", "before_last_all_to_all", "calibration", "at_end")}
+                timeline_reports[current]["buckets"] = len(report["bucket_s"])
             return PassResult(gm, False)
 
     recorder = _TimelineReport()
@@ -264,7 +269,7 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
     try:
         for variant in variants:
             current = variant
-            nets[variant] = build(variant, link, path if variant in ("fsmoe", "timeline", "timeline_cal") else None,
+            nets[variant] = build(variant, link, path if variant.startswith(("fsmoe", "timeline")) else None,
                                   measured_backward_s * 1e3)
             _step(nets[variant], tokens)
             grads[variant] = [p.grad.clone() for p in nets[variant].parameters()]
@@ -363,7 +368,8 @@ def main(argv=None):
             t = r["timeline"]
             scale = "" if t["calibration"] is None else f", calibrated x{t['calibration']['scale']:.2f}"
             print(f"{r['variant']}: estimated backward compute {t['compute_s'] * 1e3:.1f} ms{scale}; "
-                  f"{t['before_last_all_to_all']} buckets issued before the last all-to-all")
+                  f"{t['before_last_all_to_all']} of {t['buckets']} buckets issued before the last all-to-all, "
+                  f"{t['at_end']} at the end")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"machine": info, "args": {k: str(v) if isinstance(v, Path) else v
                                                                for k, v in vars(args).items()}, "rows": rows},

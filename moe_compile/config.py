@@ -208,6 +208,11 @@ class MoECompileConfig:
     #: "timeline" (that assignment completed on a timeline estimate of the graph that never delays an
     #: all-to-all, moe_compile/schedule/grad_timeline.py).
     dp_placement: DPPlacement = DPPlacement.ASAP
+    #: With ``dp_placement`` "fsmoe" or "timeline": cut a gradient larger than ``dp_bucket_mb`` into
+    #: contiguous bucket-sized slices, each all-reduced and placed on its own (FSMoE eqs 3-4, "slice and
+    #: assign the gradient"; moe_compile/passes/grad_buckets.py). False: a large gradient is one bucket.
+    #: No effect with "asap" / "end" (every slice would be issued at the same node).
+    dp_slice_gradients: bool = True
     #: The measured compute time (milliseconds, a number > 0) of one backward of the compiled graph,
     #: the time blocked in its collectives' waits excluded: ``dp_placement="timeline"`` scales its
     #: compute estimate so that its sum over the backward graph equals it (FSMoE's performance models
@@ -275,7 +280,7 @@ class MoECompileConfig:
         rpn = self.ranks_per_node
         if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1):
             raise ConfigError(f"options['ranks_per_node']={rpn!r}: expected an integer >= 1 or None")
-        for name in ("rewrite", "verify_regions", "nan_check", "verify_collectives"):
+        for name in ("rewrite", "verify_regions", "nan_check", "verify_collectives", "dp_slice_gradients"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"options[{name!r}]={getattr(self, name)!r}: expected True or False")
         cf = self.capacity_factor

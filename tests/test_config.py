@@ -237,6 +237,7 @@ BAD_VALUES = {
     "dp_group": ["everyone", 0, ["world"]],
     "dp_bucket_mb": [0, -1.0, True, "25", float("inf"), None],
     "dp_placement": ["bubbles", None, 1],
+    "dp_slice_gradients": ["yes", 1, None],
     "dp_backward_compute_ms": [0, -1.0, True, "40", float("nan"), float("inf"), [40.0]],
     "parallelism": ["p3", True, 2],
 }

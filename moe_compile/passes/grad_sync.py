@@ -124,6 +124,8 @@ class GradSyncPlan:
     #: ``options["dp_backward_compute_ms"]`` in seconds: the measured Σ compute of one backward that
     #: ``dp_placement="timeline"`` calibrates its estimate to (:func:`moe_compile.schedule.grad_timeline.calibrate`)
     backward_compute_s: float | None = None
+    #: ``options["dp_slice_gradients"]``: with "fsmoe" / "timeline", a gradient larger than a bucket is sliced
+    slice_gradients: bool = True
     #: what the pass did, for ``summary.json`` / ``schedule.json``: the buckets, where each was issued, the assignment
     report: dict = dataclasses.field(default_factory=dict)
 
@@ -184,7 +186,8 @@ def plan_grad_sync(cfg: MoECompileConfig, gm: GraphModule, example_inputs: Seque
     return GradSyncPlan(group, tuple(averaged), tuple(divided), names, len(example_inputs), num_plain,
                         tuple(divided_subclass), int(cfg.dp_bucket_mb * 2**20), DPPlacement(cfg.dp_placement),
                         cfg.cost_models, tuple(layer_plans), _link(cfg),
-                        None if cfg.dp_backward_compute_ms is None else cfg.dp_backward_compute_ms / 1e3)
+                        None if cfg.dp_backward_compute_ms is None else cfg.dp_backward_compute_ms / 1e3,
+                        cfg.dp_slice_gradients)
 
 
 def _link(cfg: MoECompileConfig):
@@ -235,7 +238,7 @@ class GradSync:
         placed = plan.placement in (DPPlacement.FSMOE, DPPlacement.TIMELINE)
         # FSMoE's slices (eqs 3-4): a gradient larger than a bucket is cut into bucket-sized pieces that the
         # placement moves independently; "asap" / "end" would issue them all at one node, so they keep it whole
-        buckets = grad_buckets(gm, plan.averaged, plan.bucket_bytes, slice_large=placed)
+        buckets = grad_buckets(gm, plan.averaged, plan.bucket_bytes, slice_large=placed and plan.slice_gradients)
         points = issue_points(gm, buckets, plan)
         size = plan.group.size
         flat_sources = emit_flat_sources(graph, buckets)
