@@ -28,6 +28,17 @@ last of its gradients exists)::
     mean = div(wait_tensor(ar), P)                                         # waited once, before return
     return (None, view(slice(mean, 0, a, b), [4, 8]), view(slice(mean, ...)), view(slice(mean, ...)))
 
+After, a sliced gradient (``dp_placement="fsmoe"`` or ``"timeline"``, ``g_w1`` twice ``dp_bucket_mb``; FSMoE
+eqs (3)-(4), :mod:`.grad_buckets`): its two halves are buckets of their own, issued in two MoE layers'
+pipelines (or two idle windows of the link), and concatenated back before the return::
+
+    ... g_w1 = ...; flat_w1 = view(g_w1, [-1])
+    ar_0 = all_reduce(slice(flat_w1, 0, 0, n/2), "sum", dp)                 # in layer 1's backward pipeline
+    ... a2a(...) ...
+    ar_1 = all_reduce(slice(flat_w1, 0, n/2, n), "sum", dp)                 # in layer 2's
+    ...
+    return (..., view(cat([div(wait_tensor(ar_0), P), div(wait_tensor(ar_1), P)]), [E, H, M]), ...)
+
 Which gradients (so that the result equals DDP on the eager model):
 
 - a replicated parameter (every non-expert parameter, and the stacked ``[E, ...]`` expert
@@ -55,7 +66,8 @@ Under ``options["emulate_link"]`` the all-reduces go over the emulated link
 schedule's effect on the gradient sync can be measured on a small machine.
 
 Steps: 1. the gradients of the plan's parameters, in the order the graph produces them;
-2. buckets of at most ``dp_bucket_mb`` MiB (one dtype each), in that order; 3. the issue
+2. buckets of about ``dp_bucket_mb`` MiB (one dtype each), in that order, a larger gradient alone or, with
+"fsmoe" / "timeline" and ``dp_slice_gradients``, cut into bucket-sized slices (:mod:`.grad_buckets`); 3. the issue
 point of each bucket (``dp_placement``: "asap", "end", "fsmoe", FSMoE's assignment of
 the buckets to the MoE layers' backward pipelines, :mod:`moe_compile.schedule.grad_assign`, or
 "timeline", that assignment completed by a greedy placement on a timeline estimate of the graph that
@@ -63,7 +75,8 @@ never delays an all-to-all on the shared link and uses the dense backward's idle
 :mod:`moe_compile.schedule.grad_timeline`); "fsmoe" and "timeline" place from each rank's cost models, so every
 rank then adopts rank 0's placement (:mod:`moe_compile.schedule.grad_agree`: ranks with differing models would
 otherwise issue the all-reduces in different orders and hang);
-4. emit: flatten, all-reduce, wait before the output, divide, and the gradients as views.
+4. emit: flatten (a sliced gradient's flat view once, right after it exists), all-reduce, wait before the
+output, divide, and the gradients as views (a sliced one: the ``cat`` of its slices).
 """
 from __future__ import annotations
 

@@ -19,8 +19,15 @@ all-reduce with the performance model ``t_ar(n) = α_ar + n·β_ar`` and its inv
   compute that never overlaps). Solved with ``scipy.optimize.minimize`` (SLSQP, like the r
   solver) from several starts, the best kept.
 
-The gradients are the backward graph's buckets (:mod:`moe_compile.passes.grad_sync`): slices
-are bucket-sized (``dp_bucket_mb`` sets the granularity). :func:`fsmoe_issue_points` turns the
+The gradients are the backward graph's buckets (:mod:`moe_compile.passes.grad_sync`). Eqs (3)-(4) slice
+the gradients at any byte; the graph realizes them with whole buckets, so a gradient larger than
+``dp_bucket_mb`` (the stacked ``[E, H, M]`` expert weights') is cut into bucket-sized slices
+(:mod:`moe_compile.passes.grad_buckets`, ``options["dp_slice_gradients"]``), and ``dp_bucket_mb`` sets the
+granularity: :func:`fill_quotas` gives each layer whole buckets, in readiness order, until its bytes are within
+half a bucket of the assignment's ``x^i`` (a bucket larger than twice ``x^i`` cannot go there at all, which is why
+the slices matter). :func:`bucket_objective` is eq (5)'s objective for such a placement, each bucket (each
+slice) paying its own α_ar, and :func:`brute_force_buckets` the best placement of the same buckets, the
+reference of the tests. :func:`fsmoe_issue_points` turns the
 assignment into issue points: a bucket assigned to layer ``i`` is issued inside that layer's
 backward pipeline, right after a wait of its dispatch-side exchange (when the experts' gradient
 computation starts and the link is idle), but never before the bucket's last gradient exists.

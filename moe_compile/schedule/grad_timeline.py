@@ -51,6 +51,11 @@ start), but right after that all-to-all's issue: the link is free at 3, the buck
     mm 4 MACs    t: 3 → 7
     a2a issue    link [7, 9]       not delayed
 
+The buckets are what :mod:`moe_compile.passes.grad_buckets` cut: with ``dp_slice_gradients`` a gradient
+larger than ``dp_bucket_mb`` is several bucket-sized slices, each priced (its own α) and placed on its own, so
+a gradient whose all-reduce is longer than any window between two all-to-alls still goes, slice by slice,
+into several windows.
+
 It completes FSMoE's placement rather than replacing it: FSMoE's assignment (eqs 3-5, kept as they are in
 :mod:`.grad_assign`) still decides which buckets go into each MoE layer's backward pipeline; such a bucket
 is tried no earlier than its layer's first exchange's wait (where FSMoE puts it); the buckets FSMoE leaves
