@@ -257,9 +257,18 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
 
             if TIMELINE_META in gm.meta:
                 report = gm.meta[TIMELINE_META]
-                timeline_reports[current] = {k: report[k] for k in
-                                             ("compute_s", "before_last_all_to_all", "calibration", "at_end")}
-                timeline_reports[current]["buckets"] = len(report["bucket_s"])
+                timeline_reports[current] = {k: report[k] for k in ("compute_s", "calibration")}
+                # the all-reduces as issued (after grad_sync merged the slices issued together), from the graph
+                from moe_compile.collectives.nodes import is_all_to_all, is_wait
+                from moe_compile.passes.grad_sync import BUCKET_META
+
+                nodes = list(gm.graph.nodes)
+                issues = [i for i, n in enumerate(nodes) if BUCKET_META in n.meta and not is_wait(n)]
+                last = max((i for i, n in enumerate(nodes) if is_all_to_all(n)), default=-1)
+                timeline_reports[current].update(
+                    buckets=len(issues), before_last_all_to_all=sum(i < last for i in issues),
+                    sliced_buckets=sum(n.args[0].target is torch.ops.aten.slice.Tensor
+                                       for n in (nodes[i] for i in issues)))
             return PassResult(gm, False)
 
     recorder = _TimelineReport()
@@ -368,8 +377,8 @@ def main(argv=None):
             t = r["timeline"]
             scale = "" if t["calibration"] is None else f", calibrated x{t['calibration']['scale']:.2f}"
             print(f"{r['variant']}: estimated backward compute {t['compute_s'] * 1e3:.1f} ms{scale}; "
-                  f"{t['before_last_all_to_all']} of {t['buckets']} buckets issued before the last all-to-all, "
-                  f"{t['at_end']} at the end")
+                  f"{t['before_last_all_to_all']} of {t['buckets']} all-reduces ({t['sliced_buckets']} of them "
+                  f"slices) issued before the last all-to-all")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"machine": info, "args": {k: str(v) if isinstance(v, Path) else v
                                                                for k, v in vars(args).items()}, "rows": rows},

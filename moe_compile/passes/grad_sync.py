@@ -75,7 +75,8 @@ never delays an all-to-all on the shared link and uses the dense backward's idle
 :mod:`moe_compile.schedule.grad_timeline`); "fsmoe" and "timeline" place from each rank's cost models, so every
 rank then adopts rank 0's placement (:mod:`moe_compile.schedule.grad_agree`: ranks with differing models would
 otherwise issue the all-reduces in different orders and hang);
-4. emit: flatten (a sliced gradient's flat view once, right after it exists), all-reduce, wait before the
+4. slices of one gradient issued at the same node merged back into one bucket (:func:`.grad_buckets.coalesce_slices`);
+5. emit: flatten (a sliced gradient's flat view once, right after it exists), all-reduce, wait before the
 output, divide, and the gradients as views (a sliced one: the ``cat`` of its slices).
 """
 from __future__ import annotations
@@ -94,7 +95,7 @@ from ..config import ConfigError, DPPlacement, MoECompileConfig
 from ..debug import log
 from ..shard_record import expert_param, expert_shard
 from .fake_values import propagate
-from .grad_buckets import GradBucket, emit_flat_sources, emit_flatten, emit_reassembly, grad_buckets
+from .grad_buckets import GradBucket, coalesce_slices, emit_flat_sources, emit_flatten, emit_reassembly, grad_buckets
 from .manager import PassResult
 
 __all__ = ["BUCKET_LAYER_META", "BUCKET_META", "GradBucket", "GradSync", "GradSyncPlan", "grad_buckets", "plan_grad_sync"]
@@ -253,6 +254,12 @@ class GradSync:
         # placement moves independently; "asap" / "end" would issue them all at one node, so they keep it whole
         buckets = grad_buckets(gm, plan.averaged, plan.bucket_bytes, slice_large=placed and plan.slice_gradients)
         points = issue_points(gm, buckets, plan)
+        if any(b.sliced for b in buckets):  # slices issued together: one all-reduce (the same on every rank)
+            count = len(buckets)
+            buckets, points, layers = coalesce_slices(buckets, points, plan.report.get("bucket_layers"))
+            if "bucket_layers" in plan.report:
+                plan.report["bucket_layers"] = layers
+            plan.report["coalesced"] = count - len(buckets)
         size = plan.group.size
         flat_sources = emit_flat_sources(graph, buckets)
         issued = []

@@ -190,7 +190,8 @@ def _slices(gm) -> dict:
 
 def _check_slices(gm, between) -> int:
     """Every sliced gradient (at least one): its slices cover its elements once, in order, each all-reduced once
-    and waited once; at least one gradient has two slices issued in different places: ``between(a, b)`` true for
+    and waited once, no two in a row issued at the same node (those are merged); at least one gradient has two
+    slices issued in different places: ``between(a, b)`` true for
     two of its issue nodes (different MoE layers' pipelines, or an all-to-all between them). How many gradients
     were sliced."""
     _, waits = _bucket_nodes(gm)
@@ -198,6 +199,17 @@ def _check_slices(gm, between) -> int:
 
     sliced = _slices(gm)
     assert sliced, "no gradient was sliced"
+    # the node each all-reduce is issued before: the first after it that is not a bucket's issue or flatten
+    machinery = {torch.ops.aten.slice.Tensor, torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+                 torch.ops.aten.cat.default, torch.ops.aten.clone.default}
+
+    def point(issue):
+        node = issue.next
+        while BUCKET_META in node.meta or (node.target in machinery and all(
+                BUCKET_META in u.meta or u.target in machinery for u in node.users)):
+            node = node.next
+        return node
+
     spread = 0
     for grad, issues in sliced.items():
         bounds = [(i.args[0].args[2], i.args[0].args[3]) for i in issues]
@@ -205,6 +217,8 @@ def _check_slices(gm, between) -> int:
         assert bounds[0][0] == 0 and bounds[-1][1] == numel and all(
             a[1] == b[0] for a, b in zip(bounds, bounds[1:])), (grad.name, bounds)
         assert len(issues) > 1 and all(len(waits[i.meta[BUCKET_META]]) == 1 for i in issues)
+        # consecutive slices issued at the same node (and layer) were merged into one all-reduce (coalesce_slices)
+        assert all(point(a) is not point(b) or between(a, b) for a, b in zip(issues, issues[1:])), grad.name
         spread += any(between(a, b) for a in issues for b in issues if a is not b)
     assert spread >= 1, f"the slices of every gradient were issued in one place: {sliced}"
     return len(sliced)

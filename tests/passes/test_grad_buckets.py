@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch.fx import Graph, GraphModule
 
-from moe_compile.passes.grad_buckets import (emit_flat_sources, emit_flatten, emit_reassembly, grad_buckets,
-                                              slice_bounds)
+from moe_compile.passes.grad_buckets import (coalesce_slices, emit_flat_sources, emit_flatten, emit_reassembly,
+                                              grad_buckets, slice_bounds)
 
 
 def test_slice_bounds():
@@ -79,3 +79,29 @@ def test_flatten_and_reassembly_give_back_every_gradient():
     for got, want in zip(out[4:], out[:4]):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_coalesce_slices_merges_only_slices_issued_together():
+    gm = _backward()
+    buckets = grad_buckets(gm, [0, 1, 2, 3], 128, slice_large=True)
+    # big: 4 slices of 32 elements, then bias+sum packed (144 B >= 128 B), then the transpose's 4 slices
+    assert [(b.positions, b.spans) for b in buckets] == [
+        ((0,), ((0, 32),)), ((0,), ((32, 64),)), ((0,), ((64, 96),)), ((0,), ((96, 128),)),
+        ((2, 3), ((0, 4), (0, 32))),
+        ((1,), ((0, 32),)), ((1,), ((32, 64),)), ((1,), ((64, 96),)), ((1,), ((96, 128),))]
+    nodes = {n.name: n for n in gm.graph.nodes}
+    a, b, out = nodes["sum_dim_int_list_1"], nodes["transpose_int"], gm.graph.output_node()
+    # big's slices at a, a, b, b (two windows); the packed bucket at b; the transpose's all at the output
+    points = [a, a, b, b, b, out, out, out, out]
+    layers = [0, 0, 0, 1, None, None, None, None, None]
+    merged, merged_points, merged_layers = coalesce_slices(buckets, points, layers)
+    assert [(m.positions, m.spans, m.nbytes) for m in merged] == [
+        ((0,), ((0, 64),), 256), ((0,), ((64, 96),), 128), ((0,), ((96, 128),), 128),   # a different layer: kept
+        ((2, 3), ((0, 4), (0, 32)), 144),
+        ((1,), ((0, 128),), 512)]                                                          # whole again
+    assert [m.index for m in merged] == list(range(5))
+    assert merged_points == [a, b, b, b, out] and merged_layers == [0, 0, 1, None, None]
+    assert [m.sliced for m in merged] == [True, True, True, False, False]
+    # nothing issued together: nothing merged
+    apart = [a, b, a, b, b, a, b, a, b]
+    assert len(coalesce_slices(buckets, apart)[0]) == len(buckets)
