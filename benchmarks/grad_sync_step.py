@@ -257,7 +257,8 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
 
             if TIMELINE_META in gm.meta:
                 report = gm.meta[TIMELINE_META]
-                timeline_reports[current] = {k: report[k] for k in ("compute_s", "calibration")}
+                timeline_reports[current] = {k: report[k] for k in ("compute_s", "calibration", "tail_compute_s",
+                                                                    "tail_bucket_s", "after_last_s")}
                 # the all-reduces as issued (after grad_sync merged the slices issued together), from the graph
                 from moe_compile.collectives.nodes import is_all_to_all, is_wait
                 from moe_compile.passes.grad_sync import BUCKET_META
@@ -378,7 +379,9 @@ def main(argv=None):
             scale = "" if t["calibration"] is None else f", calibrated x{t['calibration']['scale']:.2f}"
             print(f"{r['variant']}: estimated backward compute {t['compute_s'] * 1e3:.1f} ms{scale}; "
                   f"{t['before_last_all_to_all']} of {t['buckets']} all-reduces ({t['sliced_buckets']} of them "
-                  f"slices) issued before the last all-to-all")
+                  f"slices) issued before the last all-to-all; after the last all-to-all (estimate): "
+                  f"{t['tail_compute_s'] * 1e3:.1f} ms of compute, {t['after_last_s'] * 1e3:.1f} ms of all-reduce placed "
+                  f"there ({t['tail_bucket_s'] * 1e3:.1f} ms of gradients that exist only then)")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"machine": info, "args": {k: str(v) if isinstance(v, Path) else v
                                                                for k, v in vars(args).items()}, "rows": rows},

@@ -358,6 +358,13 @@ def timeline_issue_points(gm: GraphModule, buckets: Sequence, asap: Sequence[Nod
         "all_to_alls": len(timeline.exchanges),
         "link_s": sum(e.finish - e.start for e in timeline.exchanges), "bucket_s": seconds,
         "at_end": sum(1 for p in points if p is output),
+        # what no placement that keeps the all-to-alls on time can hide: the compute after the last all-to-all's
+        # booked finish, against the link time of the buckets that exist only after its issue
+        "tail_compute_s": timeline.end - timeline.exchanges[-1].finish if timeline.exchanges else timeline.end,
+        "tail_bucket_s": sum(t for t, a in zip(seconds, asap) if timeline.exchanges
+                             and order[a] > order[timeline.exchanges[-1].node]),
+        "after_last_s": sum(t for t, p in zip(seconds, points) if timeline.exchanges
+                            and order[p] > order[timeline.exchanges[-1].node]),
         "before_last_all_to_all": sum(1 for p in points if timeline.exchanges
                                       and order[p] <= order[timeline.exchanges[-1].node])}
     return points
