@@ -86,9 +86,13 @@ def _numel(node: Node) -> int:
     return int(optimization_hint(value.numel())) if isinstance(value, torch.Tensor) else 0
 
 
-def _nbytes(node: Node) -> int:
+def _element_size(node: Node) -> int:
     value = node.meta.get("val")
-    return _numel(node) * value.element_size() if isinstance(value, torch.Tensor) else 0
+    return value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def _nbytes(node: Node) -> int:
+    return _numel(node) * _element_size(node)
 
 
 def slice_bounds(numel: int, element_size: int, bucket_bytes: int) -> list[tuple[int, int]]:
@@ -118,7 +122,7 @@ def grad_buckets(gm: GraphModule, positions: Sequence[int], bucket_bytes: int,
     def add(members: list[int], spans: list[tuple[int, int]]):
         nodes = tuple(outputs[p] for p in members)
         ready = max(nodes, key=order.__getitem__)
-        sizes = [(stop - start) * nodes[j].meta["val"].element_size() for j, (start, stop) in enumerate(spans)]
+        sizes = [(stop - start) * _element_size(node) for node, (start, stop) in zip(nodes, spans)]
         buckets.append(GradBucket(len(buckets), tuple(members), nodes, ready if ready.op != "placeholder" else None,
                                   sum(sizes), tuple(spans)))
 
@@ -129,7 +133,7 @@ def grad_buckets(gm: GraphModule, positions: Sequence[int], bucket_bytes: int,
     for _, p in grads:
         grad = outputs[p]
         value = grad.meta.get("val")
-        bounds = slice_bounds(_numel(grad), value.element_size(), bucket_bytes) if slice_large else [(0, 0)]
+        bounds = slice_bounds(_numel(grad), _element_size(grad), bucket_bytes) if slice_large else [(0, 0)]
         if len(bounds) > 1:
             for bound in bounds:
                 add([p], [bound])
