@@ -15,8 +15,9 @@ rows (the ScheMoE expert task E, §3, on one block)::
     y  = h W2ᵀ + b2       (mm, + bias in place)
 
 each elementwise step on the block its GEMM has just written. The weight gradients stay separate nodes
-(``moe.peer_bmm_weight_grad``: ``grad_W1 = Σ grad_h1ᵀ x``, ``grad_W2 = Σ grad_yᵀ h``, ``grad_W3 = Σ grad_h3ᵀ x``)
-so that the schedule can still run them while the input gradient's all-to-all is in flight
+(``moe.peer_bmm_weight_grad``: ``grad_W1 = Σ grad_h1ᵀ x``, ``grad_W2 = Σ grad_yᵀ h``, ``grad_W3 = Σ grad_h3ᵀ x``,
+each computed in its weight's layout: a model that stores ``W1ᵀ`` gets ``Σ xᵀ grad_h1`` and no transposing
+copy of the gradient) so that the schedule can still run them while the input gradient's all-to-all is in flight
 (``passes/schedule.py``: the chain's side work).
 
 What is saved for the backward: ``x`` and ``h1`` (and ``h3``); for an ungated ReLU ``h1`` holds ``relu(h1)``
@@ -196,13 +197,22 @@ def _backward(ctx, grad_y, _grad_h1, _grad_h3):
     if _saves_output(ctx.activation, w3):
         h = h1
     need = ctx.needs_input_grad
-    grad_w1 = peer_bmm_weight_grad(grad_h1, x, filled) if need[1] else None
-    grad_w2 = peer_bmm_weight_grad(grad_y, h, filled) if need[2] else None
-    grad_w3 = peer_bmm_weight_grad(grad_h3, x, filled) if w3 is not None and need[3] else None
+    grad_w1 = _weight_grad(grad_h1, x, w1, filled) if need[1] else None
+    grad_w2 = _weight_grad(grad_y, h, w2, filled) if need[2] else None
+    grad_w3 = _weight_grad(grad_h3, x, w3, filled) if w3 is not None and need[3] else None
     grad_b1, grad_b2, grad_b3 = (
         rows.sum((0, 2)).to(dtype) if dtype is not None and needed else None
         for rows, dtype, needed in zip((grad_h1, grad_y, grad_h3), ctx.bias_dtypes, need[5:8]))
     return (grad_x if need[0] else None, grad_w1, grad_w2, grad_w3, None, grad_b1, grad_b2, grad_b3, None, None)
+
+
+def _weight_grad(a: Tensor, b: Tensor, weight: Tensor, filled: Tensor | None) -> Tensor:
+    """``Σ_p a[p]ᵀ b[p]`` over the routed rows, ``[El, A, B]`` in ``weight``'s layout: a weight that is a
+    transposed view (a model storing ``[E, M, H]`` where the op reads ``[E, H, M]``) gets the transposed
+    product's view, so that its parameter's gradient is contiguous without a transposing copy."""
+    if not weight.is_contiguous() and weight.transpose(1, 2).is_contiguous():
+        return peer_bmm_weight_grad(b, a, filled).transpose(1, 2)
+    return peer_bmm_weight_grad(a, b, filled)
 
 
 peer_mlp.register_autograd(_backward, setup_context=_setup_context)
