@@ -77,7 +77,13 @@ from torch import Tensor
 
 from ..counters import counters
 from .chunk import chunk_bounds
-from .expert_vjp import accumulate_linear_grads, activation_vjp, experts_saving_into, input_grad
+from .expert_vjp import (
+    accumulate_linear_grads,
+    activation_vjp,
+    autograd_inside_op,
+    experts_saving_into,
+    input_grad,
+)
 
 __all__ = ["adaptive_exchange", "adaptive_exchange_backward", "candidates_of"]
 
@@ -138,17 +144,6 @@ def _agree(group_name: str, device: torch.device):
 
 _CALLS: dict[int, object] = {}  # call id → its Decision, until its backward has run (bounded)
 _NEXT_CALL = [0]
-
-
-def _autograd_inside_op():
-    """Autograd back on inside a custom op's implementation (which runs below the Autograd dispatch keys):
-    the backward differentiates the expert MLP of each chunk (its VJP) with torch's own autograd."""
-    keys = torch._C.DispatchKey
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    for key in ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor"):
-        if hasattr(keys, key):
-            exclude = exclude.remove(getattr(keys, key))
-    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 
 def _blocks(whole: Tensor, bounds: list[int], p: int) -> list[Tensor]:
@@ -272,7 +267,7 @@ def adaptive_exchange_backward(
         n = hi - lo
         grad_y = link.wait(handle).view(p, num_local, n, model_dim).transpose(0, 1).reshape(num_local, p * n,
                                                                                             model_dim)
-        with _autograd_inside_op(), torch.enable_grad():
+        with autograd_inside_op(), torch.enable_grad():
             h, grad_h1, grad_h3 = activation_vjp(grad_y, h1_i, h3_i, w2, activation, act_args)
         grad_x = input_grad(grad_h1, grad_h3, w1, w3)
         back = grad_x.view(num_local, p, n, model_dim).transpose(0, 1).reshape(-1, model_dim)

@@ -35,9 +35,21 @@ from torch import Tensor
 from .experts import ACTIVATIONS, GATED, check_activation
 
 __all__ = [
-    "accumulate_linear_grads", "activation_vjp", "experts_saving", "experts_saving_into", "experts_vjp", "input_grad",
-    "linear_grads",
+    "accumulate_linear_grads", "activation_vjp", "autograd_inside_op", "experts_saving", "experts_saving_into",
+    "experts_vjp", "input_grad", "linear_grads",
 ]
+
+
+def autograd_inside_op():
+    """Autograd back on inside a custom op's implementation (which runs below the Autograd dispatch keys),
+    for an op whose backward differentiates the expert activation itself (``adaptive_exchange``,
+    ``parallel_switch``, ``peer_mlp``) with torch's own autograd."""
+    keys = torch._C.DispatchKey
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor"):
+        if hasattr(keys, key):
+            exclude = exclude.remove(getattr(keys, key))
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 
 def _add_bias(h: Tensor, bias: Tensor | None) -> Tensor:

@@ -40,7 +40,8 @@ from torch import Tensor
 
 from .peer_bmm import autocast_peer_bmm
 
-__all__ = ["ACTIVATIONS", "GATED", "check_activation", "experts", "experts_peers_torch", "experts_torch"]
+__all__ = ["ACTIVATIONS", "GATED", "check_activation", "experts", "experts_peers_decomposed", "experts_peers_torch",
+           "experts_torch"]
 
 #: ``act(g)``, then ``⊙ u`` when the MLP is gated (``w3`` given)
 ACTIVATIONS = {
@@ -142,7 +143,25 @@ def experts_peers_torch(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, ac
     """The same MLP on the all-to-all's peer-major layout: ``[P, El, R, M]`` → ``[P, El, R, M]``
     (``out[p] = experts_torch(x[p], ...)``; every matmul a ``moe.peer_bmm``, :mod:`.peer_bmm`, in the autocast
     dtype under ``torch.autocast`` as ``bmm`` would be). ``filled [P, El]``: each block's routed rows, a prefix;
-    the padding past it is not computed and its output rows are left as nothing reads them (:mod:`.peer_bmm`)."""
+    the padding past it is not computed and its output rows are left as nothing reads them (:mod:`.peer_bmm`).
+    On the CPU one ``moe.peer_mlp`` (:mod:`.peer_mlp`: the activation per block, in cache), elsewhere
+    :func:`experts_peers_decomposed`."""
+    if x.device.type != "cpu":
+        return experts_peers_decomposed(x, w1, w2, w3, activation, b1, b2, b3, act_args, filled)
+    check_activation(activation, act_args, gated=w3 is not None)
+    dtype = w1.dtype
+    if torch.is_autocast_enabled("cpu"):
+        dtype = torch.get_autocast_dtype("cpu")
+    x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
+    w3 = w3.to(dtype) if w3 is not None else None
+    return torch.ops.moe.peer_mlp(x, w1, w2, w3, activation, b1, b2, b3, list(act_args), filled)[0]
+
+
+def experts_peers_decomposed(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, activation: str,
+                             b1: Tensor | None = None, b2: Tensor | None = None, b3: Tensor | None = None,
+                             act_args: Sequence[float] = (), filled: Tensor | None = None) -> Tensor:
+    """``experts_peers`` off the CPU: ``_mlp`` with ``moe.peer_bmm`` for every matmul and the activation as
+    its own ops, which the inner compiler fuses (on the CPU, :mod:`.peer_mlp` applies it per block)."""
     def matmul(rows: Tensor, weight: Tensor) -> Tensor:
         return autocast_peer_bmm(rows, weight, filled)
 

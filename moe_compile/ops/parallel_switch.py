@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..counters import counters
-from .adaptive_exchange import _autograd_inside_op
+from .expert_vjp import autograd_inside_op
 from .expert_vjp import experts_saving, experts_vjp
 
 __all__ = ["switch_exchange", "switch_exchange_backward"]
@@ -223,7 +223,7 @@ def switch_exchange_backward(
     start = time.perf_counter()
     grad_out = grad_out.to(w1.dtype)
     owner_index = torch.tensor(owners, device=grad_out.device)
-    with _autograd_inside_op(), torch.enable_grad():
+    with autograd_inside_op(), torch.enable_grad():
         if index == 0:  # P1: the return all-to-all's adjoint, whole experts' VJP, reduce-scatter to the slices
             whole = (net.gather_slices(w1, esp, 1), net.gather_slices(w2, esp, 2),
                      net.gather_slices(w3, esp, 1) if w3 is not None else None)

@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["autocast_peer_bmm", "peer_bmm", "peer_bmm_weight_grad"]
+__all__ = ["autocast_peer_bmm", "filled_counts", "peer_bmm", "peer_bmm_weight_grad"]
 
 
 @torch.library.custom_op("moe::peer_bmm", mutates_args=())
@@ -52,7 +52,7 @@ def peer_bmm(x: Tensor, w: Tensor, filled: Tensor | None = None) -> Tensor:
     only each block's first ``filled[p, e]`` rows (the rest zero; see the module docstring)."""
     _check(x, w, filled)
     out = x.new_empty(x.shape[0], x.shape[1], x.shape[2], w.shape[2])
-    counts = _counts(x, filled)
+    counts = filled_counts(x, filled)
     if counts is None:
         for p in range(x.shape[0]):
             torch.bmm(x[p], w, out=out[p])
@@ -86,7 +86,7 @@ def peer_bmm_weight_grad(x: Tensor, grad: Tensor, filled: Tensor | None = None) 
         local = x.shape[1]
         rows = x.transpose(0, 1).reshape(local, -1, x.shape[3])
         return torch.bmm(rows.transpose(1, 2), grad.transpose(0, 1).reshape(local, -1, grad.shape[3]))
-    counts = _counts(x, filled)
+    counts = filled_counts(x, filled)
     if counts is None:
         out = torch.bmm(x[0].transpose(1, 2), grad[0])
         for p in range(1, x.shape[0]):
@@ -114,7 +114,7 @@ def _peer_bmm_weight_grad_fake(x, grad, filled=None):
     return x.new_empty(x.shape[1], x.shape[3], grad.shape[3])
 
 
-def _counts(x: Tensor, filled: Tensor | None) -> list[list[int]] | None:
+def filled_counts(x: Tensor, filled: Tensor | None) -> list[list[int]] | None:
     """``filled`` as host integers clamped to the block's rows, or None (compute every row: no ``filled``, or
     not on the CPU, where reading it would synchronise the device)."""
     if filled is None or x.device.type != "cpu":

@@ -307,15 +307,15 @@ COPIES = {torch.ops.aten.clone.default, torch.ops.aten.copy.default, torch.ops.a
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_experts_run_on_the_received_buffer_without_copies(fake_group, aot_graphs, model, matrices, world_size):
     """Issue 19: the experts read the first all-to-all's buffer as it arrives (peer-major) and write the
-    buffer the second one sends: no transposing copy either side of them, forward or backward; their
-    matmuls are ``moe.peer_bmm`` (one per expert matrix in the forward; in the backward one per matrix for
-    the input gradients and one ``peer_bmm_weight_grad`` per matrix)."""
+    buffer the second one sends: no transposing copy either side of them, forward or backward. On the CPU
+    the MLP is one ``moe.peer_mlp`` (every block's matmuls and activation) and its backward one
+    ``moe.peer_mlp_backward`` (the input gradient) and one ``peer_bmm_weight_grad`` per expert matrix."""
     fake_group(world_size)
     _train_step(model, torch.randn(2, 8, 8, requires_grad=True), {"ep_group": "world"})
     forward, backward = aot_graphs
     for gm in (forward, backward):
         assert _count(gm, COPIES) == 0, [n.format_node() for n in gm.graph.nodes if n.target in COPIES]
-        assert _count(gm, {torch.ops.aten.bmm.default}) == 0
-    assert _count(forward, {torch.ops.moe.peer_bmm.default}) == matrices
-    assert _count(backward, {torch.ops.moe.peer_bmm.default}) == matrices
+        assert _count(gm, {torch.ops.aten.bmm.default, torch.ops.moe.peer_bmm.default}) == 0
+    assert _count(forward, {torch.ops.moe.peer_mlp.default}) == 1
+    assert _count(backward, {torch.ops.moe.peer_mlp_backward.default}) == 1
     assert _count(backward, {torch.ops.moe.peer_bmm_weight_grad.default}) == matrices

@@ -3,7 +3,8 @@
 The capacity buffer of a GShard layer is padded (expert e's routed choices fill its first
 ``n_e`` slots); ``moe.experts`` becomes ``moe.experts_peers`` on the buffer as one peer with
 ``filled = moe.filled_rows(ids, loc, E)``, and ``moe.peer_bmm`` multiplies each expert's first
-``n_e`` rows only. Outputs and gradients equal eager; the rows multiplied are counted.
+``n_e`` rows only (on the CPU through ``moe.peer_mlp``, the MLP per block). Outputs and gradients equal
+eager; the rows multiplied are counted.
 """
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from tests.helpers import compile_and_compare
 from tests.models.gshard import GShardMoE
 from tests.models.sort import SortMoE
 
-#: the module (``moe_compile.ops.peer_bmm`` the attribute is the op itself)
+#: the modules (``moe_compile.ops.peer_bmm`` the attribute is the op itself)
 peer_bmm_module = importlib.import_module("moe_compile.ops.peer_bmm")
+peer_mlp_module = importlib.import_module("moe_compile.ops.peer_mlp")
 
 
 def _dump(debug_dir, stage):
@@ -31,16 +33,18 @@ def _dump(debug_dir, stage):
 
 @pytest.fixture
 def counted(monkeypatch):
-    """The rows ``moe.peer_bmm`` multiplies per block, call by call."""
+    """The rows ``moe.peer_mlp``, its backward and ``moe.peer_bmm_weight_grad`` multiply per block, call by
+    call."""
     calls = []
-    original = peer_bmm_module._counts
+    original = peer_bmm_module.filled_counts
 
     def spy(x, filled):
         counts = original(x, filled)
         calls.append((tuple(x.shape), counts))
         return counts
 
-    monkeypatch.setattr(peer_bmm_module, "_counts", spy)
+    monkeypatch.setattr(peer_bmm_module, "filled_counts", spy)
+    monkeypatch.setattr(peer_mlp_module, "filled_counts", spy)
     return calls
 
 
@@ -59,8 +63,8 @@ def test_the_experts_multiply_the_routed_rows_only(tmp_path, counted, top_k, cap
     capacity = -(-top_k * capacity_factor * tokens.shape[0] // 4)
     locations, _ = expert_locations(ids, 4, int(capacity))
     kept = [int(((ids == e) & (locations >= 0)).sum()) for e in range(4)]
-    # forward: two matmuls, backward: two input gradients and two weight gradients, all on those rows
-    assert len(counted) == 6 and all(counts == [kept] for _, counts in counted)
+    # forward: the MLP; backward: its input gradient and the two weight gradients, all on those rows
+    assert len(counted) == 4 and all(counts == [kept] for _, counts in counted)
     assert all(shape[2] == int(capacity) for shape, _ in counted)
     assert sum(kept) < 4 * int(capacity) or capacity_factor < 1  # padding skipped (f < 1: every expert full)
 

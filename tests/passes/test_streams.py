@@ -33,8 +33,10 @@ from tests.passes.test_expert_parallel import fake_group  # noqa: F401  (fixture
 
 ON_STREAM = torch.ops.moe.on_stream.default
 CHUNK_SOURCES = {torch.ops.moe.chunk_rows.default, torch.ops.moe.split_rows.default}
-#: the experts' matmuls on the received peer-major buffer (ops/peer_bmm.py), by the name the streams log
-EXPERT_OPS = {"moe.peer_bmm.default", "moe.peer_bmm_weight_grad.default"}
+#: the experts on the received peer-major buffer, by the name the streams log: on the CPU the MLP per block
+#: and its input gradient (ops/peer_mlp.py), the weight gradients (ops/peer_bmm.py)
+EXPERT_OPS = {"moe.peer_mlp.default", "moe.peer_mlp_backward.default", "moe.peer_bmm.default",
+              "moe.peer_bmm_weight_grad.default"}
 
 
 @contextlib.contextmanager
@@ -333,7 +335,7 @@ def _check_results(cases, results):
     for ran in results:
         for (compressor, _), seen in zip(cases, ran):
             a2a = ("_c10d_functional.all_to_all_single.default", "comm")
-            assert a2a in seen and ("moe.peer_bmm.default", "compute") in seen
+            assert a2a in seen and ("moe.peer_mlp.default", "compute") in seen
             assert (("moe.compress.default", "comm") in seen) == (compressor == "int8")
             assert all(s == "comm" for op, s in seen if op not in EXPERT_OPS)
 

@@ -1,0 +1,218 @@
+"""``moe::peer_mlp``: the whole expert MLP one (peer, expert) block at a time, its activation applied while the
+block is in cache.
+
+``moe.experts_peers`` decomposed into ``peer_bmm`` + activation (:mod:`.peer_bmm`) runs each elementwise step
+over the whole ``[P, El, R, H]`` hidden buffer after every block's GEMM is done, by which time the buffer
+(20 MB at E = 8, C = 640, H = 1024, fp32) has left the cache: measured on the 1-process step of
+``benchmarks/ep_step.py``, ReLU's ``clamp_min`` took 7 ms and its ``threshold_backward`` 9-11 ms, against
+1.6 and 2.1 ms for the same shapes in isolation. This op computes, per block of ``n = filled[p, e]`` routed
+rows (the ScheMoE expert task E, §3, on one block)::
+
+    forward                                         backward (moe::peer_mlp_backward)
+    h1 = x W1ᵀ + b1       (mm, + bias in place)     grad_h  = grad_y W2                 (mm)
+    h3 = x W3ᵀ + b3       (gated MLPs only)         grad_h1, grad_h3 = act'(h1, h3) ⊙ grad_h   (in place)
+    h  = act(h1) [⊙ h3]   (ReLU: in place)          grad_x  = grad_h1 W1 (+ grad_h3 W3)  (mm, addmm_)
+    y  = h W2ᵀ + b2       (mm, + bias in place)
+
+each elementwise step on the block its GEMM has just written. The weight gradients stay separate nodes
+(``moe.peer_bmm_weight_grad``: ``grad_W1 = Σ grad_h1ᵀ x``, ``grad_W2 = Σ grad_yᵀ h``, ``grad_W3 = Σ grad_h3ᵀ x``,
+each computed in its weight's layout: a model that stores ``W1ᵀ`` gets ``Σ xᵀ grad_h1`` and no transposing
+copy of the gradient) so that the schedule can still run them while the input gradient's all-to-all is in flight
+(``passes/schedule.py``: the chain's side work).
+
+What is saved for the backward: ``x`` and ``h1`` (and ``h3``); for an ungated ReLU ``h1`` holds ``relu(h1)``
+instead, which is all its backward needs (the mask ``h > 0`` and ``h`` itself for ``grad_W2``), so no
+pre-activation is kept. For every other activation ``h`` is recomputed per block in the backward from
+``h1`` and ``h3`` (elementwise, cache-hot) and differentiated by autograd on that block.
+
+Padding, as in :mod:`.peer_bmm`: rows past ``filled[p, e]`` are not computed; the output rows there and the
+input gradient's are zero, and so are the saved ``h1`` / ``h3``'s and ``grad_h1`` / ``grad_h3``'s (the bias
+gradients sum every row, and in bf16 / fp16 ``peer_bmm_weight_grad`` multiplies every row). Without
+``filled`` every row is computed.
+
+CPU only: per-block GEMMs need the counts on the host, and on an accelerator the inner compiler fuses the
+activation into its kernels itself; ``moe.experts_peers`` uses this op on the CPU and its ``peer_bmm``
+decomposition elsewhere (:mod:`.experts`). Every value equals the decomposition's up to fp32 rounding
+(the bias is added after each GEMM, as there).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .expert_vjp import _glu, autograd_inside_op
+from .peer_bmm import filled_counts, peer_bmm_weight_grad
+
+__all__ = ["peer_mlp", "peer_mlp_backward"]
+
+
+def _saves_output(activation: str, w3: Tensor | None) -> bool:
+    """An ungated ReLU keeps ``relu(h1)`` instead of ``h1``: its derivative is ``h > 0``."""
+    return activation == "relu" and w3 is None
+
+
+def _blocks(x: Tensor, filled: Tensor | None):
+    """``(p, e, n)`` for every block, ``n`` its routed rows (all ``R`` without ``filled``)."""
+    counts = filled_counts(x, filled)
+    for p in range(x.shape[0]):
+        for e in range(x.shape[1]):
+            yield p, e, (x.shape[2] if counts is None else counts[p][e])
+
+
+def _add_bias_(rows: Tensor, bias: Tensor | None, e: int) -> None:
+    if bias is not None:
+        rows.add_(bias[e].to(rows.dtype))
+
+
+@torch.library.custom_op("moe::peer_mlp", mutates_args=())
+def peer_mlp(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, activation: str, b1: Tensor | None,
+             b2: Tensor | None, b3: Tensor | None, act_args: Sequence[float],
+             filled: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y [P, El, R, M], h1 [P, El, R, H], h3)``: the MLP of ``moe.experts_peers`` per block, and what its
+    backward reads (``h3`` empty when ungated; ``h1`` holds ``relu(h1)`` for an ungated ReLU)."""
+    _check(x, w1, w2, w3)
+    y, h1, h3 = _empty_outputs(x, w1, w2, w3)
+    keep_output = _saves_output(activation, w3)
+    for p, e, n in _blocks(x, filled):
+        if n < x.shape[2]:
+            for t in (y, h1, *((h3,) if w3 is not None else ())):
+                t[p, e, n:].zero_()
+        if not n:
+            continue
+        rows = x[p, e, :n]
+        a = h1[p, e, :n]
+        torch.mm(rows, w1[e].t(), out=a)
+        _add_bias_(a, b1, e)
+        c = None
+        if w3 is not None:
+            c = h3[p, e, :n]
+            torch.mm(rows, w3[e].t(), out=c)
+            _add_bias_(c, b3, e)
+        if keep_output:
+            h = a.relu_()
+        else:
+            h = _glu(a, c, activation, act_args)
+        out = y[p, e, :n]
+        torch.mm(h, w2[e].t(), out=out)
+        _add_bias_(out, b2, e)
+    return y, h1, h3
+
+
+@peer_mlp.register_fake
+def _peer_mlp_fake(x, w1, w2, w3, activation, b1, b2, b3, act_args, filled):
+    _check(x, w1, w2, w3)
+    return _empty_outputs(x, w1, w2, w3)
+
+
+def _empty_outputs(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    P, El, R, _ = x.shape
+    h3 = x.new_empty(P, El, R, w3.shape[1]) if w3 is not None else x.new_empty(0)
+    return x.new_empty(P, El, R, w2.shape[1]), x.new_empty(P, El, R, w1.shape[1]), h3
+
+
+@torch.library.custom_op("moe::peer_mlp_backward", mutates_args=())
+def peer_mlp_backward(grad_y: Tensor, h1: Tensor, h3: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None,
+                      activation: str, act_args: Sequence[float],
+                      filled: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(grad_x, grad_h1, grad_h3, h)`` per block from ``moe.peer_mlp``'s saved ``h1`` / ``h3``: the input
+    gradient, the pre-activations' gradients (``grad_h3`` empty when ungated) and the activation's output
+    for ``grad_W2`` (empty for an ungated ReLU, whose saved ``h1`` already is it)."""
+    P, El, R, _ = grad_y.shape
+    keep_output = _saves_output(activation, w3)
+    grad_x = grad_y.new_empty(P, El, R, w1.shape[2])
+    grad_h1 = torch.empty_like(h1)
+    grad_h3 = torch.empty_like(h3)
+    h = grad_y.new_empty(0) if keep_output else torch.empty_like(h1)
+    for p, e, n in _blocks(grad_y, filled):
+        if n < R:
+            for t in (grad_x, grad_h1, *((grad_h3,) if w3 is not None else ()), *(() if keep_output else (h,))):
+                t[p, e, n:].zero_()
+        if not n:
+            continue
+        g = grad_y[p, e, :n]
+        gh1 = grad_h1[p, e, :n]
+        torch.mm(g, w2[e], out=gh1)                                   # grad_h = grad_y W2
+        if keep_output:
+            torch.ops.aten.threshold_backward.grad_input(gh1, h1[p, e, :n], 0, grad_input=gh1)
+        else:
+            gh3 = grad_h3[p, e, :n] if w3 is not None else None
+            _activation_vjp_(gh1, gh3, h[p, e, :n], h1[p, e, :n], h3[p, e, :n] if w3 is not None else None,
+                             activation, act_args)
+        out = grad_x[p, e, :n]
+        torch.mm(gh1, w1[e], out=out)
+        if w3 is not None:
+            out.addmm_(grad_h3[p, e, :n], w3[e])
+    return grad_x, grad_h1, grad_h3, h
+
+
+def _activation_vjp_(gh1: Tensor, gh3: Tensor | None, h_out: Tensor, a: Tensor, c: Tensor | None,
+                     activation: str, act_args: Sequence[float]) -> None:
+    """One block: ``gh1`` holds ``grad_h``; overwrite it with ``grad_h1`` (and write ``gh3``), and write the
+    activation's output into ``h_out``, by autograd on the block (turned back on inside the op)."""
+    with autograd_inside_op(), torch.enable_grad():
+        leaves = [a.detach().requires_grad_()] + ([c.detach().requires_grad_()] if c is not None else [])
+        h = _glu(leaves[0], leaves[1] if c is not None else None, activation, act_args)
+        grads = torch.autograd.grad(h, leaves, gh1)
+    h_out.copy_(h.detach())
+    gh1.copy_(grads[0])
+    if gh3 is not None:
+        gh3.copy_(grads[1])
+
+
+@peer_mlp_backward.register_fake
+def _peer_mlp_backward_fake(grad_y, h1, h3, w1, w2, w3, activation, act_args, filled):
+    P, El, R, _ = grad_y.shape
+    h = grad_y.new_empty(0) if _saves_output(activation, w3) else torch.empty_like(h1)
+    return grad_y.new_empty(P, El, R, w1.shape[2]), torch.empty_like(h1), torch.empty_like(h3), h
+
+
+def _check(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None) -> None:
+    shapes = [tuple(t.shape) for t in (x, w1, w2)] + [tuple(w3.shape) if w3 is not None else None]
+    ok = (x.dim() == 4 and w1.dim() == 3 and w2.dim() == 3 and w1.shape[0] == x.shape[1]
+          and w1.shape[2] == x.shape[3] and w2.shape[0] == x.shape[1] and w2.shape[2] == w1.shape[1]
+          and (w3 is None or tuple(w3.shape) == tuple(w1.shape)))
+    if not ok:
+        raise ValueError(f"moe.peer_mlp: x [P, El, R, M], w1 / w3 [El, H, M], w2 [El, M, H] expected, got "
+                         f"x, w1, w2, w3 = {shapes}")
+    if any(t is not None and t.dtype != x.dtype for t in (w1, w2, w3)):
+        raise ValueError(f"moe.peer_mlp: x and the weights must share a dtype, got x {x.dtype}, w1 {w1.dtype}, "
+                         f"w2 {w2.dtype}" + (f", w3 {w3.dtype}" if w3 is not None else ""))
+
+
+def _setup_context(ctx, inputs, output):
+    x, w1, w2, w3, activation, b1, b2, b3, act_args, filled = inputs
+    _, h1, h3 = output
+    ctx.activation, ctx.act_args = activation, list(act_args)
+    ctx.bias_dtypes = tuple(b.dtype if b is not None else None for b in (b1, b2, b3))
+    ctx.save_for_backward(x, h1, h3, w1, w2, w3, filled)
+
+
+def _backward(ctx, grad_y, _grad_h1, _grad_h3):
+    x, h1, h3, w1, w2, w3, filled = ctx.saved_tensors
+    grad_y = grad_y.contiguous()
+    grad_x, grad_h1, grad_h3, h = peer_mlp_backward(grad_y, h1, h3, w1, w2, w3, ctx.activation, ctx.act_args,
+                                                    filled)
+    if _saves_output(ctx.activation, w3):
+        h = h1
+    need = ctx.needs_input_grad
+    grad_w1 = _weight_grad(grad_h1, x, w1, filled) if need[1] else None
+    grad_w2 = _weight_grad(grad_y, h, w2, filled) if need[2] else None
+    grad_w3 = _weight_grad(grad_h3, x, w3, filled) if w3 is not None and need[3] else None
+    grad_b1, grad_b2, grad_b3 = (
+        rows.sum((0, 2)).to(dtype) if dtype is not None and needed else None
+        for rows, dtype, needed in zip((grad_h1, grad_y, grad_h3), ctx.bias_dtypes, need[5:8]))
+    return (grad_x if need[0] else None, grad_w1, grad_w2, grad_w3, None, grad_b1, grad_b2, grad_b3, None, None)
+
+
+def _weight_grad(a: Tensor, b: Tensor, weight: Tensor, filled: Tensor | None) -> Tensor:
+    """``Σ_p a[p]ᵀ b[p]`` over the routed rows, ``[El, A, B]`` in ``weight``'s layout: a weight that is a
+    transposed view (a model storing ``[E, M, H]`` where the op reads ``[E, H, M]``) gets the transposed
+    product's view, so that its parameter's gradient is contiguous without a transposing copy."""
+    if not weight.is_contiguous() and weight.transpose(1, 2).is_contiguous():
+        return peer_bmm_weight_grad(b, a, filled).transpose(1, 2)
+    return peer_bmm_weight_grad(a, b, filled)
+
+
+peer_mlp.register_autograd(_backward, setup_context=_setup_context)

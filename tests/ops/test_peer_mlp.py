@@ -1,0 +1,141 @@
+"""``moe::peer_mlp`` / ``peer_mlp_backward`` (the expert MLP per (peer, expert) block, its activation applied
+in cache) against ``moe.experts_peers``' ``peer_bmm`` decomposition, forward and every gradient."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_compile.ops  # noqa: F401  (registers torch.ops.moe.*)
+from moe_compile.ops.experts import ACTIVATIONS, GATED, experts_peers_decomposed
+
+PEERS, LOCAL, ROWS, MODEL_DIM, HIDDEN_DIM = 3, 2, 5, 4, 6
+#: one empty block, two full ones
+FILLED = torch.tensor([[4, 0], [2, ROWS], [ROWS, 3]])
+ACT_ARGS = {"swiglu_oai": [1.702, 2.0], "swiglu_clamped": [2.0], "swiglu_limited": [1.5],
+            "swiglu_softcap": [3.0, 4.0]}
+#: every activation; the gated forms need w3, the others run both ways
+CASES = [(a, False) for a in ACTIVATIONS] + [(a, True) for a in ACTIVATIONS] + [(a, True) for a in GATED]
+
+
+def _kept(filled):
+    return (torch.arange(ROWS).view(1, 1, -1) < filled.unsqueeze(-1)).unsqueeze(-1)
+
+
+def _inputs(gen, gated, biased, filled=FILLED):
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).requires_grad_()
+
+    x = (torch.randn(PEERS, LOCAL, ROWS, MODEL_DIM, generator=gen, dtype=torch.float64) * _kept(filled))
+    w1 = randn(LOCAL, HIDDEN_DIM, MODEL_DIM, scale=MODEL_DIM**-0.5)
+    w2 = randn(LOCAL, MODEL_DIM, HIDDEN_DIM, scale=HIDDEN_DIM**-0.5)
+    w3 = randn(LOCAL, HIDDEN_DIM, MODEL_DIM, scale=MODEL_DIM**-0.5) if gated else None
+    b1, b2 = (randn(LOCAL, HIDDEN_DIM), randn(LOCAL, MODEL_DIM)) if biased else (None, None)
+    b3 = randn(LOCAL, HIDDEN_DIM) if biased and gated else None
+    return x.requires_grad_(), w1, w2, w3, b1, b2, b3
+
+
+@pytest.mark.parametrize("biased", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("activation, gated", CASES, ids=[f"{a}{'-gated' if g else ''}" for a, g in CASES])
+def test_peer_mlp_equals_the_decomposition_where_combine_reads(activation, gated, biased):
+    """Every routed output row and every gradient equals ``peer_bmm`` + activation's (the output's padding
+    gets no gradient: nothing reads it); the output's padding is zero."""
+    gen = torch.Generator().manual_seed(0)
+    x, w1, w2, w3, b1, b2, b3 = _inputs(gen, gated, biased)
+    act_args = ACT_ARGS.get(activation, [])
+    y, _, _ = torch.ops.moe.peer_mlp(x, w1, w2, w3, activation, b1, b2, b3, act_args, FILLED)
+    ref = experts_peers_decomposed(x, w1, w2, w3, activation, b1, b2, b3, act_args, FILLED)
+    kept = _kept(FILLED)
+    torch.testing.assert_close(y * kept, ref * kept)
+    assert torch.equal(y * ~kept, torch.zeros_like(y))
+    grad = torch.randn(y.shape, generator=gen, dtype=y.dtype) * kept
+    leaves = [t for t in (x, w1, w2, w3, b1, b2, b3) if t is not None]
+    for a, b in zip(torch.autograd.grad(y, leaves, grad), torch.autograd.grad(ref, leaves, grad)):
+        torch.testing.assert_close(a, b)
+
+
+def test_without_filled_every_row_is_computed():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(PEERS, LOCAL, ROWS, MODEL_DIM, generator=gen, dtype=torch.float64, requires_grad=True)
+    _, w1, w2, w3, b1, b2, b3 = _inputs(gen, True, True)
+    y, _, _ = torch.ops.moe.peer_mlp(x, w1, w2, w3, "gelu", b1, b2, b3, [], None)
+    ref = experts_peers_decomposed(x, w1, w2, w3, "gelu", b1, b2, b3, [])
+    torch.testing.assert_close(y, ref)
+    grad = torch.randn(y.shape, generator=gen, dtype=y.dtype)
+    leaves = [x, w1, w2, w3, b1, b2, b3]
+    for a, b in zip(torch.autograd.grad(y, leaves, grad), torch.autograd.grad(ref, leaves, grad)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("activation, gated", [("relu", False), ("silu", True)])
+def test_the_padding_is_never_read(activation, gated):
+    """NaN in the input's padding reaches no output row and no gradient, and neither does NaN in the output
+    gradient's padding except through ``b2``'s gradient, which sums every row of it (there the chain rule
+    makes it zero: nothing reads the output's padding)."""
+    gen = torch.Generator().manual_seed(2)
+    x, w1, w2, w3, b1, b2, b3 = _inputs(gen, gated, True)
+    pad = ~_kept(FILLED)
+    poisoned = x.detach().masked_fill(pad, float("nan")).requires_grad_()
+    y, _, _ = torch.ops.moe.peer_mlp(poisoned, w1, w2, w3, activation, b1, b2, b3, [], FILLED)
+    ref, _, _ = torch.ops.moe.peer_mlp(x, w1, w2, w3, activation, b1, b2, b3, [], FILLED)
+    assert torch.equal(y, ref)
+    grad = torch.randn(y.shape, generator=gen, dtype=y.dtype)
+    leaves = [t for t in (w1, w2, w3, b1, b3) if t is not None]
+    got = torch.autograd.grad(y, [poisoned, *leaves], grad.masked_fill(pad, float("nan")))
+    expected = torch.autograd.grad(ref, [x, *leaves], grad.masked_fill(pad, 0))
+    for a, b in zip(got, expected):
+        assert not a.isnan().any()
+        torch.testing.assert_close(a, b)
+
+
+def test_an_ungated_relu_saves_its_output():
+    """What the backward reads: ``relu(h1)`` for an ungated ReLU (its derivative is ``h > 0``), ``h1`` itself
+    otherwise; nothing for ``h3`` when ungated."""
+    gen = torch.Generator().manual_seed(3)
+    x, w1, w2, *_ = _inputs(gen, False, False)
+    pre = torch.einsum("pern,ehn->perh", x, w1) * _kept(FILLED)
+    for activation, expected in (("relu", pre.relu()), ("gelu", pre)):
+        _, h1, h3 = torch.ops.moe.peer_mlp(x, w1, w2, None, activation, None, None, None, [], FILLED)
+        torch.testing.assert_close(h1, expected)
+        assert h3.numel() == 0
+
+
+@pytest.mark.parametrize("activation, gated", [("relu", False), ("gelu", False), ("swiglu_oai", True)])
+def test_opcheck(activation, gated):
+    """Schema, fake kernels and autograd registration (``torch.library.opcheck``) of both ops."""
+    gen = torch.Generator().manual_seed(4)
+    x, w1, w2, w3, b1, b2, b3 = _inputs(gen, gated, True)
+    act_args = ACT_ARGS.get(activation, [])
+    torch.library.opcheck(torch.ops.moe.peer_mlp.default, (x, w1, w2, w3, activation, b1, b2, b3, act_args, FILLED))
+    _, h1, h3 = torch.ops.moe.peer_mlp(x, w1, w2, w3, activation, b1, b2, b3, act_args, FILLED)
+    grad_y = torch.randn(PEERS, LOCAL, ROWS, MODEL_DIM, generator=gen, dtype=torch.float64) * _kept(FILLED)
+    torch.library.opcheck(torch.ops.moe.peer_mlp_backward.default,
+                          (grad_y, h1.detach(), h3.detach(), w1.detach(), w2.detach(),
+                           w3.detach() if w3 is not None else None, activation, act_args, FILLED))
+
+
+def test_errors_name_the_shapes_and_dtypes():
+    x = torch.randn(2, 2, 3, 4)
+    with pytest.raises(ValueError, match=r"moe.peer_mlp: x \[P, El, R, M\], w1 / w3 \[El, H, M\], w2 \[El, M, H\]"):
+        torch.ops.moe.peer_mlp(x, torch.randn(2, 5, 4), torch.randn(2, 4, 6), None, "relu", None, None, None, [],
+                               None)
+    with pytest.raises(ValueError, match="must share a dtype"):
+        torch.ops.moe.peer_mlp(x, torch.randn(2, 5, 4, dtype=torch.float64), torch.randn(2, 4, 5), None, "relu",
+                               None, None, None, [], None)
+
+
+def test_a_transposed_weight_gets_its_gradient_without_a_transposing_copy():
+    """A model storing ``W1ᵀ`` ``[E, M, H]`` (the op reads its transposed view): the parameter's gradient is
+    contiguous as computed (autograd's ``AccumulateGrad`` would otherwise copy it, 18-31 ms per step at
+    ``benchmarks/ep_step.py``'s shapes), and equals the decomposition's."""
+    gen = torch.Generator().manual_seed(5)
+    x, w1, w2, *_ = _inputs(gen, False, False)
+    stored1 = w1.detach().transpose(1, 2).contiguous().requires_grad_()
+    stored2 = w2.detach().transpose(1, 2).contiguous().requires_grad_()
+    y, _, _ = torch.ops.moe.peer_mlp(x, stored1.transpose(1, 2), stored2.transpose(1, 2), None, "relu", None, None,
+                                     None, [], FILLED)
+    ref = experts_peers_decomposed(x, stored1.transpose(1, 2), stored2.transpose(1, 2), None, "relu", filled=FILLED)
+    grad = torch.randn(y.shape, generator=gen, dtype=y.dtype) * _kept(FILLED)
+    got = torch.autograd.grad(y, (stored1, stored2), grad)
+    assert all(g.is_contiguous() for g in got)
+    for a, b in zip(got, torch.autograd.grad(ref, (stored1, stored2), grad)):
+        torch.testing.assert_close(a, b)
