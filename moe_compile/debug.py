@@ -13,6 +13,7 @@ prefix the pass name with ``fw_`` / ``bw_``. The same text is emitted as a
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -59,18 +60,19 @@ class GraphDumper:
         return self.debug_dir / f"rank{rank()}" / f"graph{self.graph_id}"
 
     def dump(self, name: str, gm: torch.fx.GraphModule, *, step: int | None = None) -> None:
-        """Write ``<NN>_<name>.py`` (and a trace_structured artifact)."""
-        text = graph_text(gm)
+        """Write ``<NN>_<name>.py`` (and a trace_structured artifact). The graph's text (a whole code
+        generation, a large share of a compile's time) is made only when a file or an artifact is wanted."""
+        text = functools.cache(lambda: graph_text(gm))
         filename = f"{self.next_step() if step is None else step:02d}_{name}.py"
         torch._logging.trace_structured(
             "artifact",
             metadata_fn=lambda: {"name": f"moe_compile_graph{self.graph_id}_{filename[:-3]}", "encoding": "string"},
-            payload_fn=lambda: text,
+            payload_fn=text,
         )
         directory = self.directory
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
-            (directory / filename).write_text(text)
+            (directory / filename).write_text(text())
 
     def write(self, filename: str, text: str) -> None:
         directory = self.directory

@@ -5,6 +5,14 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch._logging._internal  # noqa: E402
+
+# pytest's log capture attaches itself to every logger that does not propagate, torch's structured trace
+# ("torch.__trace") included, and torch.compile builds a trace artifact whenever that logger has a handler:
+# every graph of Dynamo, AOTAutograd and each moe pass printed, for the capture to keep (about a fifth of a
+# compile's time). Propagating, the logger is left alone, and its artifacts are made only under TORCH_TRACE
+# (which gives it its own handler).
+torch._logging._internal.trace_log.propagate = True
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,11 @@ same model and the same shapes. The passes must add no guard (a guard on a symbo
 specialise the graph and recompile on every length), so the two counts are equal. Whether a layer was
 rewritten is counted per graph: ``moe.dispatch`` nodes in each Dynamo graph after stage 1.
 
-Gradients are compared with ``rtol=1e-4`` (atol 1e-5): through four stacked layers the canonical ops'
+Layers: 2 has one record made stale (the second layer's, by the first rewrite); 3 has two in one graph, the
+third layer's read from a size that two earlier rewrites (the second one a re-matched region) moved. A fourth
+layer is the third's case again (it is matched again for the same reason), so the deep cases use 3.
+
+Gradients are compared with ``rtol=1e-4`` (atol 1e-5): through stacked layers the canonical ops'
 re-ordered fp32 sums differ from eager's by a few 1e-5 relative. Single-layer shape changes (batch and
 sequence, ``mark_dynamic``) are in tests/test_dynamic.py.
 """
@@ -101,8 +105,20 @@ def _run(model, pattern, backend, dynamic, options=None, compare=True, backward=
                                        msg=lambda m: f"grad of {name} at length {seq}: {m}")
 
 
+#: (pattern, num_layers, dynamic) → the aot-eager graph count: the single-rank and the fake-group test of the
+#: same model and lengths compare with the same count, so it is compiled once per module run
+_AOT_EAGER_GRAPHS: dict[tuple, int] = {}
+
+
 def _aot_eager_graphs(pattern, num_layers, dynamic) -> int:
     """How many graphs a counting aot-eager backend receives for the same model and lengths."""
+    key = (pattern, num_layers, dynamic)
+    if key not in _AOT_EAGER_GRAPHS:
+        _AOT_EAGER_GRAPHS[key] = _count_aot_eager_graphs(pattern, num_layers, dynamic)
+    return _AOT_EAGER_GRAPHS[key]
+
+
+def _count_aot_eager_graphs(pattern, num_layers, dynamic) -> int:
     calls = []
 
     def counting(gm, example_inputs):
@@ -140,11 +156,11 @@ def _capture_where():
         yield
 
 
-SLOW = pytest.mark.slow   # 4 layers: the same check, twice the compile time
+SLOW = pytest.mark.slow   # 3 layers: two re-matched records in one graph (module docstring), 1.5 times the compile
 
 
 @pytest.mark.parametrize("dynamic", [None, True], ids=["default", "dynamic"])
-@pytest.mark.parametrize("num_layers", [2, pytest.param(4, marks=SLOW)])
+@pytest.mark.parametrize("num_layers", [2, pytest.param(3, marks=SLOW)])
 @pytest.mark.parametrize("pattern", ["transformer", "gshard", "sort", "loop"])
 def test_every_layer_rewritten_on_every_length(pattern, num_layers, dynamic, per_graph):
     """3 sequence lengths, one compiled model: eager's outputs and gradients, every layer in every graph
@@ -176,17 +192,19 @@ def test_expert_parallel_on_every_length(fake_world, pattern, dynamic, per_graph
 
 # --------------------------------------------------------------------------- 2 gloo ranks
 
+LAYERS_ON_RANKS = 3   # the deep case of the module docstring
+
 
 def _ep_varying_lengths(rank: int, world_size: int) -> dict:
-    """4 layers of each pattern, expert-parallel on 2 real ranks, a new sequence length every step (each
-    rank its own): outputs and input gradients equal eager on each rank, and every gradient summed over the
+    """3 layers of each pattern (two re-matched records per graph), expert-parallel on 2 real ranks, a new
+    sequence length every step (each rank its own): outputs and input gradients equal eager on each rank, and every gradient summed over the
     ranks equals eager's sum (a rank holds the gradient of its experts for every rank's tokens)."""
     out = {}
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
         for pattern in ("transformer", "gshard", "sort", "loop"):
             torch._dynamo.reset()
             moe_compile.counters.clear()
-            model = _model(pattern, 4)
+            model = _model(pattern, LAYERS_ON_RANKS)
             eager = copy.deepcopy(model)
             compiled = torch.compile(model, backend="moe", fullgraph=True, options={"ep_group": "world"})
             gen = torch.Generator().manual_seed(11 + rank)
@@ -210,10 +228,12 @@ def _ep_varying_lengths(rank: int, world_size: int) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_four_layers_expert_parallel_on_every_length_on_two_ranks():
-    """The fake-group test above checks graph shape; this one runs 4 layers of each pattern on 2 gloo ranks."""
+@pytest.mark.timeout(660)   # the spawn's own limit is 600 s; the suite's 300 s cut it first on a loaded box
+def test_three_layers_expert_parallel_on_every_length_on_two_ranks():
+    """The fake-group test above checks graph shape; this one runs 3 layers of each pattern on 2 gloo ranks."""
     from moe_compile.testing import spawn
 
     for rank, counts in enumerate(spawn(_ep_varying_lengths, 2, timeout=600)):
         for pattern, c in counts.items():
-            assert c["regions_skipped"] == 0 and c["regions_expert_parallel"] == 4 * c["graphs"] > 0, (rank, pattern, c)
+            assert c["regions_skipped"] == 0, (rank, pattern, c)
+            assert c["regions_expert_parallel"] == LAYERS_ON_RANKS * c["graphs"] > 0, (rank, pattern, c)

@@ -217,8 +217,21 @@ def _ddp_buckets(rank: int) -> list[str]:
     return found
 
 
-def test_ddp_both_orders_equal_eager_ddp_with_clipping():
-    results = spawn(_ddp_cases, 2)
+def _ddp_cases_and_global_norms(rank: int, world_size: int) -> tuple[dict, dict]:
+    """Both 2-rank checks of this file in one spawn."""
+    ddp = _ddp_cases(rank, world_size)
+    torch._dynamo.reset()
+    return ddp, _global_norms(rank, world_size)
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[tuple[dict, dict]]:
+    """Per rank: (``_ddp_cases``' result, ``_global_norms``' result), from one spawn of 2 ranks."""
+    return spawn(_ddp_cases_and_global_norms, 2, timeout=480)
+
+
+def test_ddp_both_orders_equal_eager_ddp_with_clipping(two_ranks):
+    results = [ddp for ddp, _ in two_ranks]
     buckets = results[0].pop("buckets")
     assert len(buckets) == 1
     for norms in results[0].values():
@@ -249,7 +262,7 @@ def _global_norms(rank: int, world_size: int) -> dict:
     return {"two": float(two), "inf": float(inf), "grads": grads, "clipped": clipped}
 
 
-def test_clip_grad_norm_counts_each_expert_once():
+def test_clip_grad_norm_counts_each_expert_once(two_ranks):
     from tests.models.sort import SortMoE
 
     torch.manual_seed(0)
@@ -258,7 +271,7 @@ def test_clip_grad_norm_counts_each_expert_once():
     grads = {n: p.grad.clone() for n, p in eager.named_parameters()}
     inf = torch.nn.utils.clip_grad_norm_(eager.parameters(), 1e9, norm_type="inf")
     two = torch.nn.utils.clip_grad_norm_(eager.parameters(), 1e-3)
-    for rank, result in enumerate(spawn(_global_norms, 2)):
+    for rank, result in enumerate(norms for _, norms in two_ranks):
         torch.testing.assert_close(result["two"], float(two), **TOL, msg=lambda m: f"rank {rank} 2-norm: {m}")
         torch.testing.assert_close(result["inf"], float(inf), **TOL, msg=lambda m: f"rank {rank} inf-norm: {m}")
         for name, p in eager.named_parameters():

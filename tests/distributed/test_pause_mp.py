@@ -206,12 +206,25 @@ CASES_4 = [
 ]
 
 
-@pytest.mark.parametrize("half", [0, 1], ids=["first_half", "second_half"])
-def test_pause_mp_4_ranks(half):
-    cases = CASES_4[half::2]  # two spawns of ~1 min each
+CASES_NO_ESP = [
+    Case("no ESP: gshard baseline", "gshard", "off", "off"),
+    Case("no ESP: gshard s2", "gshard", "s2", "s2"),
+    Case("no ESP: sort s1", "sort", "s1", "s1"),
+]
+
+
+def _run_4_ranks(rank: int, world_size: int, debug_root: str) -> tuple[list, list]:
+    """Both 4-rank layouts in one spawn: CASES_4 at EP = 2 = ESP, CASES_NO_ESP at MP = 2 across two expert groups."""
+    return _run_cases(rank, world_size, CASES_4, 2, debug_root), _run_cases(rank, world_size, CASES_NO_ESP, -1, debug_root)
+
+
+@pytest.mark.timeout(900)
+def test_pause_mp_4_ranks():
+    """CASES_4 (MP = 2 = ESP, EP = 2), and CASES_NO_ESP: MP = 2 across two expert groups (EP = 2 each, experts not
+    sharded), each MP rank's rows through its own replica of the experts (Parm §IV-B with N_ESP = 1)."""
     with tempfile.TemporaryDirectory() as root:
-        results = spawn(_run_cases, 4, cases, 2, root, timeout=540)
-    for case, counters in zip(cases, results[0]):
+        results = spawn(_run_4_ranks, 4, root, timeout=840)
+    for case, counters in zip(CASES_4, results[0][0]):
         if case.expect != "off":
             assert counters["counters"].get(f"regions_pause_mp_{case.expect}") == 1, (case, counters)
 
@@ -226,17 +239,3 @@ def test_pause_mp_8_ranks():
     """MP = 2 = ESP, EP = 4 (Parm's 8-GPU testbed shape)."""
     with tempfile.TemporaryDirectory() as root:
         spawn(_run_cases, 8, CASES_8, 4, root, timeout=540)
-
-
-CASES_NO_ESP = [
-    Case("no ESP: gshard baseline", "gshard", "off", "off"),
-    Case("no ESP: gshard s2", "gshard", "s2", "s2"),
-    Case("no ESP: sort s1", "sort", "s1", "s1"),
-]
-
-
-def test_pause_mp_mp_without_esp_4_ranks():
-    """MP = 2 across two expert groups (EP = 2 each, experts not sharded): each MP rank's rows go
-    through its own replica of the experts (Parm §IV-B with N_ESP = 1)."""
-    with tempfile.TemporaryDirectory() as root:
-        spawn(_run_cases, 4, CASES_NO_ESP, -1, root, timeout=540)

@@ -38,10 +38,6 @@ CASES_4 = [
 ]
 
 
-def test_schedules_2_ranks():
-    assert spawn(_run_cases, 2, CASES_2) == [len(CASES_2)] * 2
-
-
 def test_schedules_4_ranks():
     assert spawn(_run_cases, 4, CASES_4) == [len(CASES_4)] * 4
 
@@ -73,5 +69,11 @@ def _compressed_cases(rank: int, world_size: int) -> int:
     return 1
 
 
-def test_compressed_chunks_equal_unchunked_2_ranks():
-    assert spawn(_compressed_cases, 2) == [1, 1]
+def _cases_2(rank: int, world_size: int) -> tuple[int, int]:
+    return _run_cases(rank, world_size, CASES_2), _compressed_cases(rank, world_size)
+
+
+def test_schedules_and_compressed_chunks_2_ranks():
+    """One spawn: every schedule case of CASES_2 equals eager; with int8 and zfp the chunked step equals the
+    un-chunked compiled step."""
+    assert spawn(_cases_2, 2, timeout=560) == [(len(CASES_2), 1)] * 2
