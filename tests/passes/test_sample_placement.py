@@ -43,7 +43,12 @@ def _equal_to_eager(out, ref, model, eager, unused_in_eager: bool = False) -> No
     for (name, p), p_ref in zip(model.named_parameters(), eager.parameters()):
         if unused_in_eager and p_ref.grad is None:
             continue
-        torch.testing.assert_close(p.grad, p_ref.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        # fp32 sums in another order (the experts per block, the rows placed elsewhere): an element's rounding is
+        # bounded by its gradient's scale, not by its own value (a near-cancelled element of a gradient of scale
+        # 10 differs by ~2e-5; the same model in fp64 agrees to 1e-14)
+        atol = TOL["atol"] * max(1.0, p_ref.grad.abs().max().item())
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=TOL["rtol"], atol=atol,
+                                   msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _pending():
@@ -113,7 +118,12 @@ def test_every_layer_placed_and_backward_pops_what_forward_kept(gloo_world_1):
     loss_ref.backward()
     assert _pending() == 0
     for (name, p), p_ref in zip(model.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, p_ref.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        # fp32 sums in another order (the experts per block, the rows placed elsewhere): an element's rounding is
+        # bounded by its gradient's scale, not by its own value (a near-cancelled element of a gradient of scale
+        # 10 differs by ~2e-5; the same model in fp64 agrees to 1e-14)
+        atol = TOL["atol"] * max(1.0, p_ref.grad.abs().max().item())
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=TOL["rtol"], atol=atol,
+                                   msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("options, words", [
