@@ -8,17 +8,26 @@ over the whole ``[P, El, R, H]`` hidden buffer after every block's GEMM is done,
 1.6 and 2.1 ms for the same shapes in isolation. This op computes, per block of ``n = filled[p, e]`` routed
 rows (the ScheMoE expert task E, §3, on one block)::
 
-    forward                                         backward (moe::peer_mlp_backward)
+    forward                                         backward (moe::peer_mlp_grads)
     h1 = x W1ᵀ + b1       (mm, + bias in place)     grad_h  = grad_y W2                 (mm)
     h3 = x W3ᵀ + b3       (gated MLPs only)         grad_h1, grad_h3 = act'(h1, h3) ⊙ grad_h   (in place)
     h  = act(h1) [⊙ h3]   (ReLU: in place)          grad_x  = grad_h1 W1 (+ grad_h3 W3)  (mm, addmm_)
-    y  = h W2ᵀ + b2       (mm, + bias in place)
+    y  = h W2ᵀ + b2       (mm, + bias in place)     grad_W1 += grad_h1ᵀ x, grad_W2 += grad_yᵀ h,
+                                                    grad_W3 += grad_h3ᵀ x                (addmm_)
 
-each elementwise step on the block its GEMM has just written. The weight gradients stay separate nodes
-(``moe.peer_bmm_weight_grad``: ``grad_W1 = Σ grad_h1ᵀ x``, ``grad_W2 = Σ grad_yᵀ h``, ``grad_W3 = Σ grad_h3ᵀ x``,
-each computed in its weight's layout: a model that stores ``W1ᵀ`` gets ``Σ xᵀ grad_h1`` and no transposing
-copy of the gradient) so that the schedule can still run them while the input gradient's all-to-all is in flight
-(``passes/schedule.py``: the chain's side work).
+each elementwise step on the block its GEMM has just written, and in the backward each block's weight
+gradients from its ``grad_h1`` / ``grad_h3`` while they are in cache: they live in one ``[R, H]`` scratch
+block, reused block after block, where a separate weight-gradient node would read a ``[P, El, R, H]``
+``grad_h1`` written to memory (21 MB at the shapes above, fresh pages every step) and read back. Each weight
+gradient is written in its weight's layout (a model that stores ``W1ᵀ`` gets ``Σ xᵀ grad_h1``: no transposing
+copy of the gradient). In bf16 / fp16 the per-block partial sums would each round, so there the backward is
+``moe::peer_mlp_backward`` (the input gradient and ``grad_h1`` / ``grad_h3``) and the weight gradients are
+``moe.peer_bmm_weight_grad`` nodes (one GEMM over every peer's rows, one rounding), which the schedule runs
+while the input gradient's all-to-all is in flight (``passes/schedule.py``: the chain's side work). In fp32
+that overlap is given up for the cache: measured on 2 gloo ranks (``benchmarks/ep_step.py``, 2-core machine),
+the sharded EP step with the overlap and with ``schedule="sequential"`` (none) differ by 1 % (339.4 / 342.2 ms),
+within the run's noise, while the fused backward alone is 3 % faster than the split one (157.6 / 162.7 ms at
+P = 1, the shapes above) and allocates 21 MB less.
 
 What is saved for the backward: ``x`` and ``h1`` (and ``h3``); for an ungated ReLU ``h1`` holds ``relu(h1)``
 instead, which is all its backward needs (the mask ``h > 0`` and ``h`` itself for ``grad_W2``), so no
@@ -45,7 +54,7 @@ from torch import Tensor
 from .expert_vjp import _glu, autograd_inside_op
 from .peer_bmm import filled_counts, peer_bmm_weight_grad
 
-__all__ = ["peer_mlp", "peer_mlp_backward"]
+__all__ = ["fuses_weight_grads", "peer_mlp", "peer_mlp_backward", "peer_mlp_grads"]
 
 
 def _saves_output(activation: str, w3: Tensor | None) -> bool:
@@ -168,6 +177,112 @@ def _peer_mlp_backward_fake(grad_y, h1, h3, w1, w2, w3, activation, act_args, fi
     return grad_y.new_empty(P, El, R, w1.shape[2]), torch.empty_like(h1), torch.empty_like(h3), h
 
 
+def fuses_weight_grads(grad_y: Tensor) -> bool:
+    """Does ``peer_mlp``'s backward compute the weight gradients inside its per-block loop
+    (:func:`peer_mlp_grads`)? In fp32 / fp64: a block's weight-gradient GEMMs then read its ``grad_h1`` while
+    it is in cache, and no ``[P, El, R, H]`` ``grad_h1`` / ``grad_h3`` / ``h`` is allocated. In bf16 / fp16
+    the per-peer partial sums would each round, where ``peer_bmm_weight_grad`` multiplies every peer's rows in
+    one GEMM: there the backward is :func:`peer_mlp_backward` and the weight gradients are their own nodes."""
+    return grad_y.dtype in (torch.float32, torch.float64)
+
+
+def _accumulate_(out: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
+    """``out = aᵀ b`` (``first``) or ``out += aᵀ b``, both operands read in place by the BLAS."""
+    if first:
+        torch.mm(a.t(), b, out=out)
+    else:
+        out.addmm_(a.t(), b)
+
+
+@torch.library.custom_op("moe::peer_mlp_grads", mutates_args=())
+def peer_mlp_grads(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None,
+                   activation: str, act_args: Sequence[float], filled: Tensor | None, transposed: Sequence[bool],
+                   needs: Sequence[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Every gradient of ``moe.peer_mlp``, one block at a time: ``(grad_x, grad_w1, grad_w2, grad_w3, grad_b1,
+    grad_b2, grad_b3)``, those not in ``needs`` (x, w1, w2, w3, b1, b2, b3) empty. Per expert ``e``, per peer
+    ``p``, on the block's ``n = filled[p, e]`` routed rows (the right column of the module docstring, then)::
+
+        grad_W2[e] += grad_yᵀ h        grad_W1[e] += grad_h1ᵀ x        grad_W3[e] += grad_h3ᵀ x
+        grad_b2[e] += Σ grad_y         grad_b1[e] += Σ grad_h1         grad_b3[e] += Σ grad_h3
+
+    ``grad_h1`` / ``grad_h3`` (and ``h`` for a recomputed activation) live in one ``[R, H]`` scratch block each,
+    reused by every block, so they are still in cache when the weight GEMMs read them. A weight gradient whose
+    ``transposed`` flag is set is written in the layout of a weight stored transposed (``Σ xᵀ grad_h1``, a
+    ``[El, M, H]`` tensor, returned as its ``[El, H, M]`` view). The input gradient's padding rows are zero; an
+    expert no row reached gets zero gradients."""
+    P, El, R, M = grad_y.shape
+    H = w1.shape[1]
+    gated, keep_output = w3 is not None, _saves_output(activation, w3)
+    grad_x = grad_y.new_empty(P, El, R, M) if needs[0] else grad_y.new_empty(0)
+    stored = [_stored_grad(w, t, need) for w, t, need in zip((w1, w2, w3), transposed, needs[1:4])]
+    biases = [grad_y.new_empty(El, d) if need else grad_y.new_empty(0) for d, need in zip((H, M, H), needs[4:7])]
+    gh1_block, gh3_block = grad_y.new_empty(R, H), grad_y.new_empty(R, H) if gated else None
+    h_block = None if keep_output else grad_y.new_empty(R, H)
+    counts = filled_counts(grad_y, filled)
+    for e in range(El):
+        first = True
+        for p in range(P):
+            n = R if counts is None else counts[p][e]
+            if needs[0] and n < R:
+                grad_x[p, e, n:].zero_()
+            if not n:
+                continue
+            g, rows, a = grad_y[p, e, :n], x[p, e, :n], h1[p, e, :n]
+            gh1 = gh1_block[:n]
+            torch.mm(g, w2[e], out=gh1)                               # grad_h = grad_y W2
+            if keep_output:
+                h = a
+                torch.ops.aten.threshold_backward.grad_input(gh1, a, 0, grad_input=gh1)
+            else:
+                h = h_block[:n]
+                _activation_vjp_(gh1, gh3_block[:n] if gated else None, h, a, h3[p, e, :n] if gated else None,
+                                 activation, act_args)
+            if needs[0]:
+                out = grad_x[p, e, :n]
+                torch.mm(gh1, w1[e], out=out)
+                if gated:
+                    out.addmm_(gh3_block[:n], w3[e])
+            gh3 = gh3_block[:n] if gated else None
+            for grad, t, (left, right) in zip(stored, transposed, ((gh1, rows), (g, h), (gh3, rows))):
+                if grad is not None:                                   # grad_W = leftᵀ right, or its transpose
+                    _accumulate_(grad[e], *((right, left) if t else (left, right)), first)
+            for bias, rows_grad, need in zip(biases, (gh1, g, gh3), needs[4:7]):
+                if need:
+                    if first:
+                        torch.sum(rows_grad, 0, out=bias[e])
+                    else:
+                        bias[e].add_(rows_grad.sum(0))
+            first = False
+        if first:                                                      # no routed row reached expert e
+            for t in (*(grad for grad in stored if grad is not None), *(b for b, need in zip(biases, needs[4:7])
+                                                                          if need)):
+                t[e].zero_()
+    weights = [grad_y.new_empty(0) if grad is None else (grad.transpose(1, 2) if t else grad)
+               for grad, t in zip(stored, transposed)]
+    return grad_x, *weights, *biases
+
+
+def _stored_grad(weight: Tensor | None, transposed: bool, needed: bool) -> Tensor | None:
+    """The gradient buffer of ``weight`` (``[El, A, B]`` as the op reads it) in its stored layout, or None."""
+    if weight is None or not needed:
+        return None
+    return weight.new_empty(weight.shape[0], weight.shape[2], weight.shape[1]) if transposed else \
+        torch.empty_like(weight, memory_format=torch.contiguous_format)
+
+
+@peer_mlp_grads.register_fake
+def _peer_mlp_grads_fake(grad_y, x, h1, h3, w1, w2, w3, activation, act_args, filled, transposed, needs):
+    P, El, R, M = grad_y.shape
+    H = w1.shape[1]
+    grad_x = grad_y.new_empty(P, El, R, M) if needs[0] else grad_y.new_empty(0)
+    weights = []
+    for w, t, need in zip((w1, w2, w3), transposed, needs[1:4]):
+        grad = _stored_grad(w, t, need)
+        weights.append(grad_y.new_empty(0) if grad is None else (grad.transpose(1, 2) if t else grad))
+    biases = [grad_y.new_empty(El, d) if need else grad_y.new_empty(0) for d, need in zip((H, M, H), needs[4:7])]
+    return grad_x, *weights, *biases
+
+
 def _check(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None) -> None:
     shapes = [tuple(t.shape) for t in (x, w1, w2)] + [tuple(w3.shape) if w3 is not None else None]
     ok = (x.dim() == 4 and w1.dim() == 3 and w2.dim() == 3 and w1.shape[0] == x.shape[1]
@@ -192,25 +307,40 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_y, _grad_h1, _grad_h3):
     x, h1, h3, w1, w2, w3, filled = ctx.saved_tensors
     grad_y = grad_y.contiguous()
-    grad_x, grad_h1, grad_h3, h = peer_mlp_backward(grad_y, h1, h3, w1, w2, w3, ctx.activation, ctx.act_args,
-                                                    filled)
-    if _saves_output(ctx.activation, w3):
-        h = h1
-    need = ctx.needs_input_grad
-    grad_w1 = _weight_grad(grad_h1, x, w1, filled) if need[1] else None
-    grad_w2 = _weight_grad(grad_y, h, w2, filled) if need[2] else None
-    grad_w3 = _weight_grad(grad_h3, x, w3, filled) if w3 is not None and need[3] else None
-    grad_b1, grad_b2, grad_b3 = (
-        rows.sum((0, 2)).to(dtype) if dtype is not None and needed else None
-        for rows, dtype, needed in zip((grad_h1, grad_y, grad_h3), ctx.bias_dtypes, need[5:8]))
+    need = list(ctx.needs_input_grad[:4]) + [
+        dtype is not None and needed for dtype, needed in zip(ctx.bias_dtypes, ctx.needs_input_grad[5:8])]
+    if w3 is None:
+        need[3] = need[6] = False
+    if fuses_weight_grads(grad_y):
+        grads = peer_mlp_grads(grad_y, x, h1, h3, w1, w2, w3, ctx.activation, ctx.act_args, filled,
+                               [_transposed(w) for w in (w1, w2, w3)], need)
+        grad_x, grad_w1, grad_w2, grad_w3, grad_b1, grad_b2, grad_b3 = (
+            g if needed else None for g, needed in zip(grads, need))
+    else:
+        grad_x, grad_h1, grad_h3, h = peer_mlp_backward(grad_y, h1, h3, w1, w2, w3, ctx.activation, ctx.act_args,
+                                                        filled)
+        if _saves_output(ctx.activation, w3):
+            h = h1
+        grad_w1 = _weight_grad(grad_h1, x, w1, filled) if need[1] else None
+        grad_w2 = _weight_grad(grad_y, h, w2, filled) if need[2] else None
+        grad_w3 = _weight_grad(grad_h3, x, w3, filled) if need[3] else None
+        grad_b1, grad_b2, grad_b3 = (rows.sum((0, 2)) if needed else None
+                                     for rows, needed in zip((grad_h1, grad_y, grad_h3), need[4:]))
+    grad_b1, grad_b2, grad_b3 = (g.to(dtype) if g is not None else None
+                                 for g, dtype in zip((grad_b1, grad_b2, grad_b3), ctx.bias_dtypes))
     return (grad_x if need[0] else None, grad_w1, grad_w2, grad_w3, None, grad_b1, grad_b2, grad_b3, None, None)
+
+
+def _transposed(weight: Tensor | None) -> bool:
+    """Is ``weight`` a transposed view of a contiguous ``[El, B, A]`` (a model storing ``W1ᵀ`` / ``W2ᵀ``)?"""
+    return weight is not None and not weight.is_contiguous() and weight.transpose(1, 2).is_contiguous()
 
 
 def _weight_grad(a: Tensor, b: Tensor, weight: Tensor, filled: Tensor | None) -> Tensor:
     """``Σ_p a[p]ᵀ b[p]`` over the routed rows, ``[El, A, B]`` in ``weight``'s layout: a weight that is a
     transposed view (a model storing ``[E, M, H]`` where the op reads ``[E, H, M]``) gets the transposed
     product's view, so that its parameter's gradient is contiguous without a transposing copy."""
-    if not weight.is_contiguous() and weight.transpose(1, 2).is_contiguous():
+    if _transposed(weight):
         return peer_bmm_weight_grad(b, a, filled).transpose(1, 2)
     return peer_bmm_weight_grad(a, b, filled)
 

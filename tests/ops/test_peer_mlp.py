@@ -139,3 +139,83 @@ def test_a_transposed_weight_gets_its_gradient_without_a_transposing_copy():
     assert all(g.is_contiguous() for g in got)
     for a, b in zip(got, torch.autograd.grad(ref, (stored1, stored2), grad)):
         torch.testing.assert_close(a, b)
+
+
+def _split_grads(grad_y, x, h1, h3, w1, w2, w3, activation, act_args, filled):
+    """The gradients as the bf16 / fp16 backward computes them: ``peer_mlp_backward``, then one
+    ``peer_bmm_weight_grad`` node per weight."""
+    grad_x, grad_h1, grad_h3, h = torch.ops.moe.peer_mlp_backward(grad_y, h1, h3, w1, w2, w3, activation, act_args,
+                                                                  filled)
+    h = h1 if activation == "relu" and w3 is None else h
+    weights = [torch.ops.moe.peer_bmm_weight_grad(grad_h1, x, filled), torch.ops.moe.peer_bmm_weight_grad(grad_y, h, filled)]
+    if w3 is not None:
+        weights.append(torch.ops.moe.peer_bmm_weight_grad(grad_h3, x, filled))
+    biases = [grad_h1.sum((0, 2)), grad_y.sum((0, 2))] + ([grad_h3.sum((0, 2))] if w3 is not None else [])
+    return grad_x, weights, biases
+
+
+@pytest.mark.parametrize("activation, gated", [("relu", False), ("gelu", False), ("relu", True),
+                                               ("swiglu_oai", True)])
+def test_the_fused_backward_equals_the_split_one(activation, gated):
+    """``peer_mlp_grads`` (fp32 / fp64: weight gradients inside the per-block loop) against
+    ``peer_mlp_backward`` + ``peer_bmm_weight_grad`` (bf16 / fp16), op against op, with an empty block, full
+    blocks and an expert (local 1 of peer 0) that only some peers reach."""
+    gen = torch.Generator().manual_seed(6)
+    x, w1, w2, w3, *_ = (t.detach() if t is not None else None for t in _inputs(gen, gated, False))
+    act_args = ACT_ARGS.get(activation, [])
+    _, h1, h3 = torch.ops.moe.peer_mlp(x, w1, w2, w3, activation, None, None, None, act_args, FILLED)
+    grad_y = torch.randn(PEERS, LOCAL, ROWS, MODEL_DIM, generator=gen, dtype=torch.float64) * _kept(FILLED)
+    needs = [True, True, True, gated, True, True, gated]
+    got = torch.ops.moe.peer_mlp_grads(grad_y, x, h1, h3, w1, w2, w3, activation, act_args, FILLED,
+                                       [False, False, False], needs)
+    grad_x, weights, biases = _split_grads(grad_y, x, h1, h3, w1, w2, w3, activation, act_args, FILLED)
+    torch.testing.assert_close(got[0], grad_x)
+    for a, b in zip(got[1:4], weights):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(got[4:7], biases):
+        torch.testing.assert_close(a, b)
+    if not gated:
+        assert got[3].numel() == 0 and got[6].numel() == 0
+
+
+def test_an_expert_no_row_reaches_gets_zero_gradients_and_unneeded_ones_are_empty():
+    gen = torch.Generator().manual_seed(7)
+    filled = torch.tensor([[3, 0], [ROWS, 0], [1, 0]])
+    x, w1, w2, *_ = (t.detach() if t is not None else None for t in _inputs(gen, False, False, filled))
+    _, h1, h3 = torch.ops.moe.peer_mlp(x, w1, w2, None, "relu", None, None, None, [], filled)
+    grad_y = torch.randn(PEERS, LOCAL, ROWS, MODEL_DIM, generator=gen, dtype=torch.float64) * _kept(filled)
+    grad_x, gw1, gw2, gw3, gb1, gb2, gb3 = torch.ops.moe.peer_mlp_grads(
+        grad_y, x, h1, h3, w1, w2, None, "relu", [], filled, [False, True, False],
+        [True, True, True, False, True, False, False])
+    assert torch.equal(gw1[1], torch.zeros_like(gw1[1])) and torch.equal(gw2[1], torch.zeros_like(gw2[1]))
+    assert torch.equal(gb1[1], torch.zeros_like(gb1[1]))
+    assert torch.equal(grad_x[:, 1], torch.zeros_like(grad_x[:, 1]))
+    assert gw2.shape == w2.shape and gw2.transpose(1, 2).is_contiguous()    # its stored layout: [El, H, M]
+    assert gw3.numel() == 0 and gb2.numel() == 0 and gb3.numel() == 0
+    _, weights, _ = _split_grads(grad_y, x, h1, h3, w1, w2, None, "relu", [], filled)
+    torch.testing.assert_close(gw1, weights[0])
+    torch.testing.assert_close(gw2, weights[1])
+
+
+def test_frozen_expert_weights_get_no_gradient():
+    """A weight that does not require grad (frozen experts, adapters trained around them) is not computed."""
+    gen = torch.Generator().manual_seed(8)
+    x, w1, w2, *_ = _inputs(gen, False, False)
+    w1.requires_grad_(False)
+    y, _, _ = torch.ops.moe.peer_mlp(x, w1, w2, None, "relu", None, None, None, [], FILLED)
+    ref = experts_peers_decomposed(x, w1, w2, None, "relu", filled=FILLED)
+    grad = torch.randn(y.shape, generator=gen, dtype=y.dtype) * _kept(FILLED)
+    for a, b in zip(torch.autograd.grad(y, (x, w2), grad), torch.autograd.grad(ref, (x, w2), grad)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("activation, gated", [("relu", False), ("swiglu_oai", True)])
+def test_opcheck_of_the_fused_backward(activation, gated):
+    gen = torch.Generator().manual_seed(9)
+    x, w1, w2, w3, *_ = (t.detach() if t is not None else None for t in _inputs(gen, gated, False))
+    act_args = ACT_ARGS.get(activation, [])
+    _, h1, h3 = torch.ops.moe.peer_mlp(x, w1, w2, w3, activation, None, None, None, act_args, FILLED)
+    grad_y = torch.randn(PEERS, LOCAL, ROWS, MODEL_DIM, generator=gen, dtype=torch.float64) * _kept(FILLED)
+    torch.library.opcheck(torch.ops.moe.peer_mlp_grads.default,
+                          (grad_y, x, h1, h3, w1, w2, w3, activation, act_args, FILLED, [False, True, False],
+                           [True, True, True, gated, True, True, gated]))

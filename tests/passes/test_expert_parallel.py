@@ -309,7 +309,7 @@ def test_experts_run_on_the_received_buffer_without_copies(fake_group, aot_graph
     """Issue 19: the experts read the first all-to-all's buffer as it arrives (peer-major) and write the
     buffer the second one sends: no transposing copy either side of them, forward or backward. On the CPU
     the MLP is one ``moe.peer_mlp`` (every block's matmuls and activation) and its backward one
-    ``moe.peer_mlp_backward`` (the input gradient) and one ``peer_bmm_weight_grad`` per expert matrix."""
+    ``moe.peer_mlp_grads`` (the input and weight gradients, per block)."""
     fake_group(world_size)
     _train_step(model, torch.randn(2, 8, 8, requires_grad=True), {"ep_group": "world"})
     forward, backward = aot_graphs
@@ -317,5 +317,7 @@ def test_experts_run_on_the_received_buffer_without_copies(fake_group, aot_graph
         assert _count(gm, COPIES) == 0, [n.format_node() for n in gm.graph.nodes if n.target in COPIES]
         assert _count(gm, {torch.ops.aten.bmm.default, torch.ops.moe.peer_bmm.default}) == 0
     assert _count(forward, {torch.ops.moe.peer_mlp.default}) == 1
-    assert _count(backward, {torch.ops.moe.peer_mlp_backward.default}) == 1
-    assert _count(backward, {torch.ops.moe.peer_bmm_weight_grad.default}) == matrices
+    assert _count(backward, {torch.ops.moe.peer_mlp_grads.default}) == 1
+    assert _count(backward, {torch.ops.moe.peer_mlp_backward.default, torch.ops.moe.peer_bmm_weight_grad.default}) == 0
+    (grads,) = [n for n in backward.graph.nodes if n.target is torch.ops.moe.peer_mlp_grads.default]
+    assert len({u.args[1] for u in grads.users} & {1, 2, 3}) == matrices   # a gradient per expert matrix

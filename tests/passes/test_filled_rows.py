@@ -33,8 +33,8 @@ def _dump(debug_dir, stage):
 
 @pytest.fixture
 def counted(monkeypatch):
-    """The rows ``moe.peer_mlp``, its backward and ``moe.peer_bmm_weight_grad`` multiply per block, call by
-    call."""
+    """The rows ``moe.peer_mlp`` and its backward (``moe.peer_mlp_grads`` in fp32: the input and weight
+    gradients in one per-block loop) multiply per block, call by call."""
     calls = []
     original = peer_bmm_module.filled_counts
 
@@ -63,8 +63,8 @@ def test_the_experts_multiply_the_routed_rows_only(tmp_path, counted, top_k, cap
     capacity = -(-top_k * capacity_factor * tokens.shape[0] // 4)
     locations, _ = expert_locations(ids, 4, int(capacity))
     kept = [int(((ids == e) & (locations >= 0)).sum()) for e in range(4)]
-    # forward: the MLP; backward: its input gradient and the two weight gradients, all on those rows
-    assert len(counted) == 4 and all(counts == [kept] for _, counts in counted)
+    # forward: the MLP; backward: its input and weight gradients, all on those rows
+    assert len(counted) == 2 and all(counts == [kept] for _, counts in counted)
     assert all(shape[2] == int(capacity) for shape, _ in counted)
     assert sum(kept) < 4 * int(capacity) or capacity_factor < 1  # padding skipped (f < 1: every expert full)
 

@@ -121,8 +121,8 @@ def check_tutel(seq: list[str], order: list[int]) -> None:
 # --------------------------------------------------------------------------- order after stage 2
 
 
-def _graphs(aot_graphs, world, chunks, schedule, compressor="int8", experts=4):
-    train_step(GShardMoE(8, 16, experts, top_k=2), torch.randn(12, 8, requires_grad=True),
+def _graphs(aot_graphs, world, chunks, schedule, compressor="int8", experts=4, dtype=torch.float32):
+    train_step(GShardMoE(8, 16, experts, top_k=2).to(dtype), torch.randn(12, 8, dtype=dtype, requires_grad=True),
                {"ep_group": "world", "num_chunks": chunks, "schedule": schedule, "compressor": compressor})
     forward, backward = aot_graphs
     return forward, backward
@@ -156,9 +156,11 @@ def test_order_world_4_uncompressed(fake_group, aot_graphs, schedule):
 def test_expert_weight_gradients_fill_the_second_backward_exchange(fake_group, aot_graphs, schedule, chunks):
     """Backward: the experts' weight-gradient matmuls of a chunk (they read the chunk's first exchange but
     feed nothing the second one sends) run after that chunk's second issue and before its wait, so they
-    overlap the exchange (issue 19 item 2: the other direction's gradient work), with r = 1 too."""
+    overlap the exchange (issue 19 item 2: the other direction's gradient work), with r = 1 too. In bf16, where
+    they are nodes of their own (``moe.peer_bmm_weight_grad``); in fp32 on the CPU ``moe.peer_mlp_grads``
+    computes them per block with the input gradient (ops/peer_mlp.py)."""
     fake_group(2)
-    _, backward = _graphs(aot_graphs, 2, chunks, schedule, compressor="none")
+    _, backward = _graphs(aot_graphs, 2, chunks, schedule, compressor="none", dtype=torch.bfloat16)
     nodes = list(backward.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     issues = calls(backward, A2A)

@@ -34,9 +34,9 @@ from tests.passes.test_expert_parallel import fake_group  # noqa: F401  (fixture
 ON_STREAM = torch.ops.moe.on_stream.default
 CHUNK_SOURCES = {torch.ops.moe.chunk_rows.default, torch.ops.moe.split_rows.default}
 #: the experts on the received peer-major buffer, by the name the streams log: on the CPU the MLP per block
-#: and its input gradient (ops/peer_mlp.py), the weight gradients (ops/peer_bmm.py)
-EXPERT_OPS = {"moe.peer_mlp.default", "moe.peer_mlp_backward.default", "moe.peer_bmm.default",
-              "moe.peer_bmm_weight_grad.default"}
+#: and its gradients (ops/peer_mlp.py; in bf16 the weight gradients apart, ops/peer_bmm.py)
+EXPERT_OPS = {"moe.peer_mlp.default", "moe.peer_mlp_grads.default", "moe.peer_mlp_backward.default",
+              "moe.peer_bmm.default", "moe.peer_bmm_weight_grad.default"}
 
 
 @contextlib.contextmanager
