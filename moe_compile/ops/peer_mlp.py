@@ -213,9 +213,7 @@ def peer_mlp_grads(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w1: Tensor
     P, El, R, M = grad_y.shape
     H = w1.shape[1]
     gated, keep_output = w3 is not None, _saves_output(activation, w3)
-    grad_x = grad_y.new_empty(P, El, R, M) if needs[0] else grad_y.new_empty(0)
-    stored = [_stored_grad(w, t, need) for w, t, need in zip((w1, w2, w3), transposed, needs[1:4])]
-    biases = [grad_y.new_empty(El, d) if need else grad_y.new_empty(0) for d, need in zip((H, M, H), needs[4:7])]
+    grad_x, stored, biases = _empty_grads(grad_y, w1, w2, w3, transposed, needs)
     gh1_block, gh3_block = grad_y.new_empty(R, H), grad_y.new_empty(R, H) if gated else None
     h_block = None if keep_output else grad_y.new_empty(R, H)
     counts = filled_counts(grad_y, filled)
@@ -228,21 +226,19 @@ def peer_mlp_grads(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w1: Tensor
             if not n:
                 continue
             g, rows, a = grad_y[p, e, :n], x[p, e, :n], h1[p, e, :n]
-            gh1 = gh1_block[:n]
+            gh1, gh3 = gh1_block[:n], gh3_block[:n] if gated else None
             torch.mm(g, w2[e], out=gh1)                               # grad_h = grad_y W2
             if keep_output:
                 h = a
                 torch.ops.aten.threshold_backward.grad_input(gh1, a, 0, grad_input=gh1)
             else:
                 h = h_block[:n]
-                _activation_vjp_(gh1, gh3_block[:n] if gated else None, h, a, h3[p, e, :n] if gated else None,
-                                 activation, act_args)
+                _activation_vjp_(gh1, gh3, h, a, h3[p, e, :n] if gated else None, activation, act_args)
             if needs[0]:
                 out = grad_x[p, e, :n]
                 torch.mm(gh1, w1[e], out=out)
                 if gated:
-                    out.addmm_(gh3_block[:n], w3[e])
-            gh3 = gh3_block[:n] if gated else None
+                    out.addmm_(gh3, w3[e])
             for grad, t, (left, right) in zip(stored, transposed, ((gh1, rows), (g, h), (gh3, rows))):
                 if grad is not None:                                   # grad_W = leftᵀ right, or its transpose
                     _accumulate_(grad[e], *((right, left) if t else (left, right)), first)
@@ -257,9 +253,25 @@ def peer_mlp_grads(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w1: Tensor
             for t in (*(grad for grad in stored if grad is not None), *(b for b, need in zip(biases, needs[4:7])
                                                                           if need)):
                 t[e].zero_()
-    weights = [grad_y.new_empty(0) if grad is None else (grad.transpose(1, 2) if t else grad)
-               for grad, t in zip(stored, transposed)]
-    return grad_x, *weights, *biases
+    return grad_x, *_as_read(grad_y, stored, transposed), *biases
+
+
+def _empty_grads(grad_y: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, transposed: Sequence[bool],
+                 needs: Sequence[bool]) -> tuple[Tensor, list[Tensor | None], list[Tensor]]:
+    """``peer_mlp_grads``' outputs, unwritten: ``grad_x``, the weight gradients in their stored layouts (None
+    where not needed) and the bias gradients (empty where not needed)."""
+    P, El, R, M = grad_y.shape
+    H = w1.shape[1]
+    grad_x = grad_y.new_empty(P, El, R, M) if needs[0] else grad_y.new_empty(0)
+    stored = [_stored_grad(w, t, need) for w, t, need in zip((w1, w2, w3), transposed, needs[1:4])]
+    biases = [grad_y.new_empty(El, d) if need else grad_y.new_empty(0) for d, need in zip((H, M, H), needs[4:7])]
+    return grad_x, stored, biases
+
+
+def _as_read(grad_y: Tensor, stored: list[Tensor | None], transposed: Sequence[bool]) -> list[Tensor]:
+    """The weight gradients as the op reads the weights (a stored-transposed one as its view), empty if None."""
+    return [grad_y.new_empty(0) if grad is None else (grad.transpose(1, 2) if t else grad)
+            for grad, t in zip(stored, transposed)]
 
 
 def _stored_grad(weight: Tensor | None, transposed: bool, needed: bool) -> Tensor | None:
@@ -272,15 +284,8 @@ def _stored_grad(weight: Tensor | None, transposed: bool, needed: bool) -> Tenso
 
 @peer_mlp_grads.register_fake
 def _peer_mlp_grads_fake(grad_y, x, h1, h3, w1, w2, w3, activation, act_args, filled, transposed, needs):
-    P, El, R, M = grad_y.shape
-    H = w1.shape[1]
-    grad_x = grad_y.new_empty(P, El, R, M) if needs[0] else grad_y.new_empty(0)
-    weights = []
-    for w, t, need in zip((w1, w2, w3), transposed, needs[1:4]):
-        grad = _stored_grad(w, t, need)
-        weights.append(grad_y.new_empty(0) if grad is None else (grad.transpose(1, 2) if t else grad))
-    biases = [grad_y.new_empty(El, d) if need else grad_y.new_empty(0) for d, need in zip((H, M, H), needs[4:7])]
-    return grad_x, *weights, *biases
+    grad_x, stored, biases = _empty_grads(grad_y, w1, w2, w3, transposed, needs)
+    return grad_x, *_as_read(grad_y, stored, transposed), *biases
 
 
 def _check(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None) -> None:
@@ -309,8 +314,6 @@ def _backward(ctx, grad_y, _grad_h1, _grad_h3):
     grad_y = grad_y.contiguous()
     need = list(ctx.needs_input_grad[:4]) + [
         dtype is not None and needed for dtype, needed in zip(ctx.bias_dtypes, ctx.needs_input_grad[5:8])]
-    if w3 is None:
-        need[3] = need[6] = False
     if fuses_weight_grads(grad_y):
         grads = peer_mlp_grads(grad_y, x, h1, h3, w1, w2, w3, ctx.activation, ctx.act_args, filled,
                                [_transposed(w) for w in (w1, w2, w3)], need)

@@ -118,12 +118,7 @@ def test_every_layer_placed_and_backward_pops_what_forward_kept(gloo_world_1):
     loss_ref.backward()
     assert _pending() == 0
     for (name, p), p_ref in zip(model.named_parameters(), eager.parameters()):
-        # fp32 sums in another order (the experts per block, the rows placed elsewhere): an element's rounding is
-        # bounded by its gradient's scale, not by its own value (a near-cancelled element of a gradient of scale
-        # 10 differs by ~2e-5; the same model in fp64 agrees to 1e-14)
-        atol = TOL["atol"] * max(1.0, p_ref.grad.abs().max().item())
-        torch.testing.assert_close(p.grad, p_ref.grad, rtol=TOL["rtol"], atol=atol,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(p.grad, p_ref.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("options, words", [
