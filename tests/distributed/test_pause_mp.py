@@ -189,16 +189,16 @@ def _run_cases(rank: int, world_size: int, cases: list[Case], ep: int, debug_roo
     return results
 
 
+#: the layout's cases at 4 ranks. Plain EP without PauseMP (the "off" choice) runs once per layout here: its
+#: chunked and per-pattern variants are tests/distributed/test_schedule.py's and test_expert_parallel.py's
 CASES_4 = [
     Case("gshard baseline", "gshard", "off", "off"),
     Case("gshard s2", "gshard", "s2", "s2"),
     Case("gshard s1, fixed capacity: the batch's drops", "gshard", "s1", "s1"),
     Case("sort s1", "sort", "s1", "s1"),
     Case("loop s1", "loop", "s1", "s1"),
-    Case("loop baseline", "loop", "off", "off"),
     Case("sort s2 chunked r=2 (SAA)", "sort", "s2", "s2", options=(("num_chunks", 2),)),
     Case("gshard cf=0.5 s1 (overflow: the batch's drops)", "gshard_tight", "s1", "s1"),
-    Case("gshard baseline chunked r=2", "gshard", "off", "off", options=(("num_chunks", 2),)),
     Case("sort s1 int8", "sort", "s1", "s1", options=(("compressor", "int8"),), tol=(5e-2, 5e-2)),
     Case("gshard s2 int8", "gshard", "s2", "s2", options=(("compressor", "int8"),), tol=(5e-2, 5e-2)),
     Case("sort auto, models favour s1", "sort", "auto", "s1", models="s1"),
