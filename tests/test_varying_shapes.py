@@ -17,8 +17,8 @@ rewritten is counted per graph: ``moe.dispatch`` nodes in each Dynamo graph afte
 
 Layers: 2 has one record made stale (the second layer's, by the first rewrite); 3 has two in one graph, the
 third layer's read from a size that two earlier rewrites (the second one a re-matched region) moved. A fourth
-layer is the third's case again (it is matched again for the same reason), so the single-rank and the 2-rank
-cases use 3 (which holds the 2-layer case in its first two layers); the fake-group graph-shape cases use 2.
+layer is the third's case again (it is matched again for the same reason), so every case uses 3 (``LAYERS``,
+which holds the 2-layer case in its first two layers).
 
 Gradients are compared with ``rtol=1e-4`` (atol 1e-5): through stacked layers the canonical ops'
 re-ordered fp32 sums differ from eager's by a few 1e-5 relative. Single-layer shape changes (batch and
@@ -45,6 +45,7 @@ from tests.models.sort import SortMoE
 
 DIM = 8
 SEQ_LENS = (5, 7, 9)
+LAYERS = 3   # the deep case of the module docstring
 
 
 class Stack(nn.Module):
@@ -106,20 +107,20 @@ def _run(model, pattern, backend, dynamic, options=None, compare=True, backward=
                                        msg=lambda m: f"grad of {name} at length {seq}: {m}")
 
 
-#: (pattern, num_layers, dynamic) → the aot-eager graph count: the single-rank and the fake-group test of the
-#: same model and lengths compare with the same count, so it is compiled once per module run
+#: (pattern, dynamic) → the aot-eager graph count of the LAYERS-layer model: the single-rank and the fake-group
+#: test of the same model and lengths compare with the same count, so it is compiled once per module run
 _AOT_EAGER_GRAPHS: dict[tuple, int] = {}
 
 
-def _aot_eager_graphs(pattern, num_layers, dynamic) -> int:
+def _aot_eager_graphs(pattern, dynamic) -> int:
     """How many graphs a counting aot-eager backend receives for the same model and lengths."""
-    key = (pattern, num_layers, dynamic)
+    key = (pattern, dynamic)
     if key not in _AOT_EAGER_GRAPHS:
-        _AOT_EAGER_GRAPHS[key] = _count_aot_eager_graphs(pattern, num_layers, dynamic)
+        _AOT_EAGER_GRAPHS[key] = _count_aot_eager_graphs(pattern, dynamic)
     return _AOT_EAGER_GRAPHS[key]
 
 
-def _count_aot_eager_graphs(pattern, num_layers, dynamic) -> int:
+def _count_aot_eager_graphs(pattern, dynamic) -> int:
     calls = []
 
     def counting(gm, example_inputs):
@@ -127,7 +128,7 @@ def _count_aot_eager_graphs(pattern, num_layers, dynamic) -> int:
         return aot_eager(gm, example_inputs)
 
     torch._dynamo.reset()
-    _run(_model(pattern, num_layers), pattern, counting, dynamic, compare=False, backward=False)
+    _run(_model(pattern, LAYERS), pattern, counting, dynamic, compare=False, backward=False)
     torch._dynamo.reset()
     return len(calls)
 
@@ -159,17 +160,16 @@ def _capture_where():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dynamic", [None, True], ids=["default", "dynamic"])
-@pytest.mark.parametrize("num_layers", [3])   # 2 layers' one stale record is the second layer's case here too
 @pytest.mark.parametrize("pattern", ["transformer", "gshard", "sort", "loop"])
-def test_every_layer_rewritten_on_every_length(pattern, num_layers, dynamic, per_graph):
+def test_every_layer_rewritten_on_every_length(pattern, dynamic, per_graph):
     """3 sequence lengths, one compiled model: eager's outputs and gradients, every layer in every graph
     rewritten, as many graphs as aot-eager (see the module docstring for the measure)."""
-    expected = _aot_eager_graphs(pattern, num_layers, dynamic)
+    expected = _aot_eager_graphs(pattern, dynamic)
     moe_compile.counters.clear()
-    _run(_model(pattern, num_layers), pattern, "moe", dynamic)
+    _run(_model(pattern, LAYERS), pattern, "moe", dynamic)
     graphs = moe_compile.counters["graphs"]
     assert graphs == expected, f"moe compiled {graphs} graphs, aot_eager {expected} ({dict(moe_compile.counters)})"
-    assert per_graph["dispatch"] == [num_layers] * graphs, dict(moe_compile.counters)
+    assert per_graph["dispatch"] == [LAYERS] * graphs, dict(moe_compile.counters)
     assert moe_compile.counters["regions_skipped"] == 0, dict(moe_compile.counters)
 
 
@@ -179,19 +179,17 @@ def test_expert_parallel_on_every_length(fake_world, pattern, dynamic, per_graph
     """Under ``options["ep_group"]`` (2-rank fake group: graph shape only, no numerics): every layer of
     every graph rewritten and exchanged (2 all-to-alls each), as many graphs as aot-eager (the passes
     that plan the exchange add no guard on the token count either)."""
-    expected = _aot_eager_graphs(pattern, 2, dynamic)
+    expected = _aot_eager_graphs(pattern, dynamic)
     moe_compile.counters.clear()
-    _run(_model(pattern, 2), pattern, "moe", dynamic, {"ep_group": "world"}, compare=False)
+    _run(_model(pattern, LAYERS), pattern, "moe", dynamic, {"ep_group": "world"}, compare=False)
     graphs = moe_compile.counters["graphs"]
     assert graphs == expected, f"moe compiled {graphs} graphs, aot_eager {expected} ({dict(moe_compile.counters)})"
-    assert per_graph["dispatch"] == [2] * graphs, dict(moe_compile.counters)
-    assert per_graph["all_to_all"] == [4] * graphs, per_graph
-    assert moe_compile.counters["regions_expert_parallel"] == 2 * graphs, dict(moe_compile.counters)
+    assert per_graph["dispatch"] == [LAYERS] * graphs, dict(moe_compile.counters)
+    assert per_graph["all_to_all"] == [2 * LAYERS] * graphs, per_graph
+    assert moe_compile.counters["regions_expert_parallel"] == LAYERS * graphs, dict(moe_compile.counters)
 
 
 # --------------------------------------------------------------------------- 2 gloo ranks
-
-LAYERS_ON_RANKS = 3   # the deep case of the module docstring
 
 
 def _ep_varying_lengths(rank: int, world_size: int) -> dict:
@@ -203,7 +201,7 @@ def _ep_varying_lengths(rank: int, world_size: int) -> dict:
         for pattern in ("transformer", "gshard", "sort", "loop"):
             torch._dynamo.reset()
             moe_compile.counters.clear()
-            model = _model(pattern, LAYERS_ON_RANKS)
+            model = _model(pattern, LAYERS)
             eager = copy.deepcopy(model)
             compiled = torch.compile(model, backend="moe", fullgraph=True, options={"ep_group": "world"})
             gen = torch.Generator().manual_seed(11 + rank)
@@ -235,4 +233,4 @@ def test_three_layers_expert_parallel_on_every_length_on_two_ranks():
     for rank, counts in enumerate(spawn(_ep_varying_lengths, 2, timeout=600)):
         for pattern, c in counts.items():
             assert c["regions_skipped"] == 0, (rank, pattern, c)
-            assert c["regions_expert_parallel"] == LAYERS_ON_RANKS * c["graphs"] > 0, (rank, pattern, c)
+            assert c["regions_expert_parallel"] == LAYERS * c["graphs"] > 0, (rank, pattern, c)
