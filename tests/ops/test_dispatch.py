@@ -154,6 +154,17 @@ def test_matches_onehot_random_routing(top_k, num_experts, capacity_factor, dtyp
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_onehot_over_several_gate_gradient_blocks(dtype):
+    """Enough buffer rows (E·C = 3 · 250) that combine's backward takes the gate gradient's row dots over
+    several blocks of ``_DOT_BLOCK_ROWS``, the last one partial; a fixed capacity that drops choices too."""
+    from moe_compile.ops.dispatch import _DOT_BLOCK_ROWS
+
+    routing = check_against_onehot(300, 8, 3, 2, 250, skew=0.5, dtype=dtype, seed=3)
+    rows = 3 * routing.buffer_capacity
+    assert rows > 2 * _DOT_BLOCK_ROWS and rows % _DOT_BLOCK_ROWS and routing.dropped > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("top_k,num_experts", K_E)
 @pytest.mark.parametrize("capacity", [3, 0, -3], ids=["C3", "dropless", "capped3"])
 def test_matches_onehot_all_tokens_to_one_expert(top_k, num_experts, capacity, dtype):
