@@ -69,7 +69,12 @@ def compile_and_compare(model, *inputs, options=None, rtol=None, atol=None, dyna
         if p_e.grad is None:
             assert p_c.grad is None, name
             continue
-        torch.testing.assert_close(p_c.grad, p_e.grad, rtol=rtol, atol=atol, msg=lambda m: f"grad of {name}: {m}")
+        # fp32 sums in another order: an element's rounding is bounded by its gradient's scale, not by its own
+        # value (a near-cancelled element of a router gradient of scale ~950 differed by 1.3e-5 on one machine;
+        # the same model in fp64 agrees to 1e-13), so atol scales with the gradient's largest element
+        grad_atol = None if atol is None else atol * max(1.0, p_e.grad.abs().max().item())
+        torch.testing.assert_close(p_c.grad, p_e.grad, rtol=rtol, atol=grad_atol,
+                                   msg=lambda m: f"grad of {name}: {m}")
     for x_c, x_e in zip(inputs_c, inputs_e):
         if x_e.grad is not None:
             torch.testing.assert_close(x_c.grad, x_e.grad, rtol=rtol, atol=atol)

@@ -36,6 +36,24 @@ FP32 = {"rtol": 1e-5, "atol": 1e-5}
 #: bf16 autocast: both runs round the matmul inputs to bf16 (8 bits of mantissa) in different places
 #: (the expert buffer is gathered before the cast in one, after in the other): losses within 2e-2
 BF16 = {"rtol": 2e-2, "atol": 2e-2}
+#: AdamW's learning rate in ``_train``
+LR = 1e-2
+#: bf16 parameters after training: AdamW's first update is ``lr · sign(g)`` however small ``g`` is, and later
+#: ones stay near ``lr``, so an element whose bf16 gradient rounds to the other sign moves up to ``2 · lr`` per step
+#: away from eager's (seen: one of 768 ``qkv.weight`` elements off by 0.027). Such elements may be at most this
+#: fraction of a parameter, each within ``2 · lr`` per step; every other element within ``BF16``
+BF16_SIGN_FLIPS = 0.01
+
+
+def _assert_params_close(got: torch.Tensor, expected: torch.Tensor, tol: dict, steps: int, msg: str) -> None:
+    if tol is FP32:
+        torch.testing.assert_close(got, expected, **tol, msg=lambda m: f"{msg}: {m}")
+        return
+    diff = (got.float() - expected.float()).abs()
+    outside = diff > tol["atol"] + tol["rtol"] * expected.float().abs()
+    assert diff.max().item() <= 2 * LR * steps + tol["atol"], f"{msg}: max difference {diff.max().item():.3g}"
+    assert outside.float().mean().item() <= BF16_SIGN_FLIPS, (
+        f"{msg}: {int(outside.sum())} of {outside.numel()} elements differ beyond {tol} (more than Adam's sign flips)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +118,7 @@ def _wrap(model, case: Case, compiled: bool):
 
 def _train(model, case: Case, rank: int) -> list[torch.Tensor]:
     example = _example_module()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for step, seq in enumerate(case.seq_lengths):
         optimizer.zero_grad()
@@ -141,8 +159,8 @@ def _run(rank: int, world_size: int) -> list[str]:
                                    msg=lambda m: f"{case.name} rank {rank} losses: {m}")
         reference = {n.replace("_orig_mod.", ""): q for n, q in eager.named_parameters()}
         for name, p in compiled.named_parameters():
-            torch.testing.assert_close(p.full_tensor(), reference[name.replace("_orig_mod.", "")].full_tensor(), **tol,
-                                       msg=lambda m: f"{case.name} rank {rank} {name}: {m}")
+            _assert_params_close(p.full_tensor(), reference[name.replace("_orig_mod.", "")].full_tensor(), tol,
+                                 len(case.seq_lengths), f"{case.name} rank {rank} {name}")
         dist.barrier()
         done.append(case.name)
     # FSDP2's mixed precision would not cast the experts it leaves to the EP mesh: a ConfigError says what works
