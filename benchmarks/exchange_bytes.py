@@ -16,8 +16,8 @@ same routing as ep_step (GShard's top-k of the seeded batches, kept by the capac
 from ``moe.filled_rows``). ``4 per step`` is four exchanges (two forward, two backward), what one
 training step of the layer issues; ``saved`` is against the full exchange.
 
-    python benchmarks/exchange_bytes.py                   # P = 2, ep_step's default shapes
-    python benchmarks/exchange_bytes.py --world-size 4 --json /tmp/x.json
+    python benchmarks/exchange_bytes.py                   # P = 2, ep_step's default shapes; JSON to benchmarks/results/
+    python benchmarks/exchange_bytes.py --world-size 4 --repeat 20
 """
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeat", type=int, default=40)
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "exchange_bytes.json")
     args = parser.parse_args(argv)
     if args.experts % args.world_size:
         parser.error(f"--experts {args.experts} must be divisible by --world-size {args.world_size}")
@@ -109,8 +109,9 @@ def main(argv=None) -> int:
     print_table(f"one exchange of ep_step's layer, P = {args.world_size} gloo ranks (slowest rank, {args.repeat} calls)",
                 ["variant", "MiB in the call", "median ms", "p90 ms", "4 per step ms", "saved per step ms"], rows,
                 left={"variant"})
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.json.relative_to(ROOT) if args.json.is_relative_to(ROOT) else args.json}")
     return 0
 
 
