@@ -175,6 +175,8 @@ def _run(rank: int, world_size: int) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.timeout(660)
 def test_training_stack_on_two_ranks():
-    results = spawn(_run, 2, timeout=280)
+    # 49-153 s under pytest-xdist on 2 cores, by what the other worker runs beside it
+    results = spawn(_run, 2, timeout=600)
     assert results[0] == results[1] == [c.name for c in CASES] + ["sharded+mixed_precision refused"]
