@@ -17,14 +17,16 @@ torch._logging._internal.trace_log.propagate = True
 # pytest-xdist (pyproject's addopts: `-n auto --dist loadfile`) runs the files on one worker process per core:
 # most of the suite is compiling, one Python thread each. Each worker's ops then get its share of the cores,
 # not all of them.
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+    torch.set_num_threads(max(1, _CORES // _WORKERS))
 
 
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: one worker per core, at most 4 (the spawned tests run up to 8 ranks of their own)."""
-    return max(1, min(4, os.cpu_count() or 1))
+    """`-n auto`: one worker per core this process may run on, at most 4 (the spawned tests run up to 8 ranks
+    of their own)."""
+    return max(1, min(4, _CORES))
 
 
 @pytest.fixture(autouse=True)
