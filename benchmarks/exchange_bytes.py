@@ -49,8 +49,10 @@ def _splits(rank: int, world_size: int, args) -> dict[str, tuple[list[int], list
     dense = GShardMoE(args.model_dim, args.hidden_dim, args.experts, top_k=args.top_k,
                       capacity_factor=args.capacity_factor)
     block = args.experts // world_size * ep_step.capacity(args)
-    received = [sum(rows) for rows in ep_step._received_rows(dense, rank, world_size, args)]
-    sent = [sum(ep_step._received_rows(dense, peer, world_size, args)[rank]) for peer in range(world_size)]
+    # every rank's [P][El] received rows, once: this rank receives its own row and sends its column
+    rows = [ep_step._received_rows(dense, peer, world_size, args) for peer in range(world_size)]
+    received = [sum(per_expert) for per_expert in rows[rank]]
+    sent = [sum(rows[peer][rank]) for peer in range(world_size)]
 
     def remote(rows):
         return [0 if peer == rank else n for peer, n in enumerate(rows)]

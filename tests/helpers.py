@@ -24,6 +24,18 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t
 
 
+def assert_grad_close(got: torch.Tensor, expected: torch.Tensor, rtol: float | None, atol: float | None,
+                      msg: str) -> None:
+    """``got`` equals the gradient ``expected`` within ``rtol`` and ``atol`` scaled by ``expected``'s largest element.
+
+    fp32 sums in another order (the experts per block, the rows placed elsewhere): an element's rounding is bounded
+    by its gradient's scale, not by its own value (a near-cancelled element of a router gradient of scale ~950
+    differed by 1.3e-5 on one machine; of a gradient of scale 10, by ~2e-5; the same models in fp64 agree to 1e-13).
+    """
+    scaled = None if atol is None else atol * max(1.0, expected.abs().max().item())
+    torch.testing.assert_close(got, expected, rtol=rtol, atol=scaled, msg=lambda m: f"{msg}: {m}")
+
+
 def assert_grads_match(model: torch.nn.Module, reference: torch.nn.Module, tol: dict, what: str) -> None:
     """Every parameter of ``model`` has a gradient, equal (globally, for sharded experts) to the gradient of
     ``reference``'s parameter of the same name."""
@@ -69,12 +81,7 @@ def compile_and_compare(model, *inputs, options=None, rtol=None, atol=None, dyna
         if p_e.grad is None:
             assert p_c.grad is None, name
             continue
-        # fp32 sums in another order: an element's rounding is bounded by its gradient's scale, not by its own
-        # value (a near-cancelled element of a router gradient of scale ~950 differed by 1.3e-5 on one machine;
-        # the same model in fp64 agrees to 1e-13), so atol scales with the gradient's largest element
-        grad_atol = None if atol is None else atol * max(1.0, p_e.grad.abs().max().item())
-        torch.testing.assert_close(p_c.grad, p_e.grad, rtol=rtol, atol=grad_atol,
-                                   msg=lambda m: f"grad of {name}: {m}")
+        assert_grad_close(p_c.grad, p_e.grad, rtol, atol, f"grad of {name}")
     for x_c, x_e in zip(inputs_c, inputs_e):
         if x_e.grad is not None:
             torch.testing.assert_close(x_c.grad, x_e.grad, rtol=rtol, atol=atol)

@@ -18,6 +18,7 @@ import torch
 import moe_compile
 from moe_compile.config import MoECompileConfig
 from moe_compile.errors import ConfigError
+from tests.helpers import assert_grad_close
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 OPTIONS = {"ep_group": "world", "ranks_per_node": 1, "sample_placement": "netmoe", "inner": "eager"}
@@ -43,12 +44,7 @@ def _equal_to_eager(out, ref, model, eager, unused_in_eager: bool = False) -> No
     for (name, p), p_ref in zip(model.named_parameters(), eager.parameters()):
         if unused_in_eager and p_ref.grad is None:
             continue
-        # fp32 sums in another order (the experts per block, the rows placed elsewhere): an element's rounding is
-        # bounded by its gradient's scale, not by its own value (a near-cancelled element of a gradient of scale
-        # 10 differs by ~2e-5; the same model in fp64 agrees to 1e-14)
-        atol = TOL["atol"] * max(1.0, p_ref.grad.abs().max().item())
-        torch.testing.assert_close(p.grad, p_ref.grad, rtol=TOL["rtol"], atol=atol,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+        assert_grad_close(p.grad, p_ref.grad, TOL["rtol"], TOL["atol"], name)
 
 
 def _pending():
