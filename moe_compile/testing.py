@@ -8,8 +8,11 @@
 
     results = spawn(check, 2, 1)              # [result of rank 0, result of rank 1]
 
-Each rank is a fresh process (``torch.multiprocessing`` "spawn") with
-``torch.set_num_threads(1)`` and a gloo process group over loopback TCP. A rank
+Each rank is a new process with ``torch.set_num_threads(1)`` and a gloo process
+group over loopback TCP: forked from a ``forkserver`` that imported torch, Dynamo and
+moe_compile once (a spawned interpreter spends about 6 s of CPU importing them, on
+every rank of every call), or spawned where the platform has no forkserver or the
+environment variables read at import changed since the server started. A rank
 that raises stops the whole run: the other ranks are killed and the error is
 re-raised here with the failing rank's traceback. A run that exceeds ``timeout``
 seconds (a hung collective) is killed and reported the same way, so a test never
@@ -44,7 +47,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
     """
     if world_size < 1:
         raise ValueError(f"spawn: world_size={world_size} must be >= 1")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results: queue_lib.Queue = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     procs = [
@@ -78,6 +81,34 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
                 p.kill()
                 p.join()
     return [out[r] for r in range(world_size)]
+
+
+#: modules every rank imports before it runs anything (about 6 s of CPU per rank on the 2-core CI box: torch,
+#: Dynamo, moe_compile): imported once, in the forkserver, which forks each rank from them
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "moe_compile", "moe_compile.testing"]
+#: the environment the forkserver was started with (what its preloaded modules read at import: MOE_COMPILE_*,
+#: TRITON_*, TORCH_*), None before it starts
+_server_environ: dict[str, str] | None = None
+
+
+def _read_at_import(environ) -> dict[str, str]:
+    return {k: v for k, v in environ.items() if k.startswith(("MOE_COMPILE_", "TRITON_", "TORCH", "PYTORCH_"))}
+
+
+def _context():
+    """The ranks' start method: ``forkserver`` with :data:`_PRELOAD` imported in the server (each rank a fork of
+    it, no import of its own), where the platform has it and the variables read at import are those the server
+    started with; else ``spawn`` (a fresh interpreter per rank, which imports everything itself)."""
+    global _server_environ
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    environ = _read_at_import(os.environ)
+    if _server_environ is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        _server_environ = environ
+        return ctx
+    return mp.get_context("forkserver" if environ == _server_environ else "spawn")
 
 
 def _worker(fn, rank, world_size, init_method, timeout, args, results) -> None:
