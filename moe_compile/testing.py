@@ -86,12 +86,14 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
 #: modules every rank imports before it runs anything (about 6 s of CPU per rank on the 2-core CI box: torch,
 #: Dynamo, moe_compile): imported once, in the forkserver, which forks each rank from them
 _PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "moe_compile", "moe_compile.testing"]
-#: the environment the forkserver was started with (what its preloaded modules read at import: MOE_COMPILE_*,
-#: TRITON_*, TORCH_*), None before it starts
+#: the variables the forkserver was started with that its preloaded modules read at import
+#: (:func:`_read_at_import`), None before it starts
 _server_environ: dict[str, str] | None = None
 
 
 def _read_at_import(environ) -> dict[str, str]:
+    """The variables torch, Triton and moe_compile may read at import: ``MOE_COMPILE_*``, ``TRITON_*``, ``TORCH*``,
+    ``PYTORCH_*``."""
     return {k: v for k, v in environ.items() if k.startswith(("MOE_COMPILE_", "TRITON_", "TORCH", "PYTORCH_"))}
 
 
