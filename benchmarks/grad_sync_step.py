@@ -23,7 +23,13 @@ FIFO), the training step of the examples' ``MoETransformer`` compiled whole with
 
 Calibration: the ``end`` variant on a free link gives Σ compute per phase; the link's bandwidth
 is set so that the backward's communication (two all-to-alls per layer plus the ring all-reduce
-of every gradient) takes ``--comm-ratio`` × the backward's compute. Columns: step, forward and
+of every gradient the step synchronizes) takes ``--comm-ratio`` × the backward's compute. Experts are
+replicated by default (each rank holds all E, so their gradients are all-reduced too: 80 % of the bytes at the
+issue's sizes); ``--shard-experts`` calls ``moe_compile.shard_experts`` first, FSMoE's setting, where only the
+non-expert gradients are all-reduced. The title states the **floor**: no placement can end the backward before
+``max(Σ backward comm, Σ backward compute + t_ar(embedding gradient))``: the embedding is the forward's first
+op, so its gradient is the backward's last, and its all-reduce starts only when the compute is over (under DDP
+as in the graph). Columns: step, forward and
 backward medians (slowest rank), ``link busy in bwd`` (rank 0: the union of the link's exchanges
 inside the backward, from the link's own bookings; above Σ backward comm when the real transfer ends
 after its α-β time, e.g. a rank issuing late), ``overlap`` = Σ backward compute + link busy −
@@ -162,7 +168,7 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
 
     import moe_compile.ops  # noqa: F401  (registers the ops)
     assert moe_compile.ops
-    from moe_compile.collectives.emulated import record_bookings, ring_bytes, sent_bytes
+    from moe_compile.collectives.emulated import link_seconds, record_bookings, ring_bytes, sent_bytes
     from moe_compile.schedule.cost_model import AlphaBeta, CostModels, task_key
 
     example = _example()
@@ -171,11 +177,20 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
                                   num_layers=args.layers, num_heads=args.heads)
     tokens = example.synthetic_batch(args.batch, args.seq, args.vocab, torch.Generator().manual_seed(rank + 1))
     work = Path(tempfile.mkdtemp(prefix="grad_sync_step_"))
+    import moe_compile
+
+    # the bytes each step all-reduces: every parameter, or with --shard-experts the non-expert ones only
+    expert_names = set()
+    if args.shard_experts:
+        expert_names = set(moe_compile.shard_experts(copy.deepcopy(base), "world", tokens, options={"ep_group": "world"}))
+    synced_bytes = sum(p.numel() * 4 for n, p in base.named_parameters() if n not in expert_names)
 
     def build(variant: str, link: dict, models: str | None = None, backward_ms: float | None = None):
         torch._dynamo.reset()
         model = copy.deepcopy(base)
         options = {"ep_group": "world", "inner": args.inner, "emulate_link": link}
+        if args.shard_experts:   # E/P experts per rank: DDP ignores them, dp_group only divides their gradients
+            moe_compile.shard_experts(model, "world", tokens, options=options)
         if args.num_chunks != "1":
             options["num_chunks"] = int(args.num_chunks) if args.num_chunks.isdigit() else args.num_chunks
         if variant == "ddp":
@@ -229,12 +244,18 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
     E, M = args.experts, args.dim
     rows = -(-2 * int(1.25 * args.batch * args.seq) // E)                  # the example's GShard capacity (k=2, f=1.25)
     a2a_bytes = sent_bytes(E * rows * M * 4, world)
-    grad_bytes = ring_bytes(sum(p.numel() * 4 for p in base.parameters()), world)
+    grad_bytes = ring_bytes(synced_bytes, world)
     backward_bytes = 2 * args.layers * a2a_bytes + grad_bytes
     gbps = backward_bytes / (compute["backward"] * args.comm_ratio) / 1e9
     link = {"alpha_us": args.alpha_us, "gbps": gbps}
     comm = {"forward": 2 * args.layers * (a2a_bytes / (gbps * 1e9) + args.alpha_us * 1e-6),
             "backward": backward_bytes / (gbps * 1e9)}
+    # The least backward any placement can reach: the link carries Σ backward comm, and the embedding's gradient
+    # (the forward's first op, so the backward's last) exists only when the backward's compute is over, and its
+    # all-reduce can start no earlier (the graph waits for it before it returns; DDP's hook likewise)
+    last_grad = link_seconds(ring_bytes(base.embed.weight.numel() * 4, world), args.alpha_us, gbps)
+    floor = max(comm["backward"], compute["backward"] + last_grad)
+    a2a_backward = 2 * args.layers * link_seconds(a2a_bytes, args.alpha_us, gbps)
     # 2. cost models of the link (the all-to-all per payload byte, the ring all-reduce per buffer byte), experts
     beta = 1.0 / (gbps * 1e9)
     models = CostModels({
@@ -244,7 +265,6 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
     path = str(models.save(work / "cost_models.json"))
     # 3. the variants, first step compiles; gradients against "end"; the timeline's plan (buckets left to the end,
     # the calibration) recorded from the backward graph
-    import moe_compile
     from moe_compile.schedule.grad_timeline import TIMELINE_META
 
     timeline_reports: dict = {}
@@ -304,6 +324,9 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
         rows_out.append({"P": world, "variant": v, "step_ms": statistics.median(a + b for a, b in times[v]) * 1e3,
                          "forward_ms": fwd * 1e3, "backward_ms": bwd * 1e3,
                          "backward_vs_bound": bwd / max(compute["backward"], comm["backward"]),
+                         "floor_ms": floor * 1e3,
+                         "floor_vs_bound": floor / max(compute["backward"], comm["backward"]),
+                         "a2a_backward_ms": a2a_backward * 1e3, "last_grad_ms": last_grad * 1e3,
                          "link_busy_ms": statistics.median(b for b, _ in busy[v]) * 1e3,
                          "exchanges": statistics.median(n for _, n in busy[v]),
                          "a2a_queued_ms": statistics.median(q for q, _ in queue[v]) * 1e3,
@@ -312,7 +335,7 @@ def _run_rank(rank: int, world: int, args) -> list[dict]:
                          "comm_ms": {k: s * 1e3 for k, s in comm.items()}, "link": link,
                          "measured_backward_ms": measured_backward_s * 1e3,
                          "timeline": timeline_reports.get(v),
-                         "grad_bytes": sum(p.numel() * 4 for p in base.parameters())})
+                         "grad_bytes": synced_bytes, "shard_experts": args.shard_experts})
     ddp = rows_out[0]["step_ms"]
     for row in rows_out:
         row["speedup_vs_ddp"] = ddp / row["step_ms"]
@@ -343,6 +366,9 @@ def parse_args(argv=None):
                              "(with 'fsmoe' the backward degree is re-solved with the assigned all-reduce)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="comma-separated subset of " + ", ".join(VARIANTS) + " (ddp and end always run)")
+    parser.add_argument("--shard-experts", action="store_true",
+                        help="moe_compile.shard_experts before compiling (FSMoE's setting: E/P experts per rank, the "
+                             "gradient all-reduce over the non-expert parameters only); default: replicated experts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/grad_sync_step.json"))
@@ -366,8 +392,11 @@ def main(argv=None):
     title = (f"MoETransformer step, {args.layers} MoE layers, dim {args.dim}, hidden {args.hidden}, E {args.experts}, "
              f"{args.batch}x{args.seq} tokens/rank; backward compute {r0['compute_ms']['backward']:.1f} ms, backward "
              f"comm {r0['comm_ms']['backward']:.1f} ms (link {r0['link']['gbps'] * 1e3:.1f} MB/s); "
-             f"{r0['grad_bytes'] / 2**20:.2f} MiB of gradients; measure_tasks' backward compute (timeline_cal) "
-             f"{r0['measured_backward_ms']:.1f} ms")
+             f"{r0['grad_bytes'] / 2**20:.2f} MiB of gradients all-reduced"
+             f"{' (experts sharded)' if r0['shard_experts'] else ''}; measure_tasks' backward compute (timeline_cal) "
+             f"{r0['measured_backward_ms']:.1f} ms. Of the backward comm, {r0['a2a_backward_ms']:.1f} ms is the "
+             f"all-to-alls; the embedding gradient's all-reduce, {r0['last_grad_ms']:.1f} ms, can start only when the "
+             f"compute is over: no placement beats {r0['floor_ms']:.1f} ms = {r0['floor_vs_bound']:.2f}x the bound")
     body = [[str(r["P"]), r["variant"], f"{r['step_ms']:.1f}", f"{r['forward_ms']:.1f}", f"{r['backward_ms']:.1f}",
              f"{r['link_busy_ms']:.1f}", f"{r['compute_ms']['backward'] + r['link_busy_ms'] - r['backward_ms']:.1f}",
              f"{r['a2a_queued_ms']:.1f}", f"{r['link_idle_ms']:.1f}",
