@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ..errors import ConfigError
 from .algorithms import ALL_TO_ALLS, AllToAll, make_topology
+from .compile_time import real_collectives
 
 __all__ = ["all_to_all", "all_to_all_names", "get_all_to_all", "register_all_to_all", "verify_all_to_all"]
 
@@ -118,15 +119,16 @@ def verify_all_to_all(algorithm: str, group_name: str, ranks_per_node: int) -> N
     group = dist.distributed_c10d._resolve_process_group(group_name)
     if dist.get_backend(group) == "fake":
         return
-    gen = torch.Generator().manual_seed(1000 + topology.rank)
-    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    x = torch.randint(0, 256, (topology.size * 3, 5), generator=gen, dtype=torch.uint8).to(device)
-    splits = [3] * topology.size
-    expected = get_all_to_all("flat")(x, splits, list(splits), topology)
-    actual = get_all_to_all(algorithm)(x, splits, list(splits), topology)
-    mismatch = torch.tensor([0 if actual.shape == expected.shape and torch.equal(actual, expected) else 1],
-                            device=device)
-    dist.all_reduce(mismatch, group=group)
+    with real_collectives():  # real bytes, even when called from inside a compile: see compile_time.py
+        gen = torch.Generator().manual_seed(1000 + topology.rank)
+        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+        x = torch.randint(0, 256, (topology.size * 3, 5), generator=gen, dtype=torch.uint8).to(device)
+        splits = [3] * topology.size
+        expected = get_all_to_all("flat")(x, splits, list(splits), topology)
+        actual = get_all_to_all(algorithm)(x, splits, list(splits), topology)
+        mismatch = torch.tensor([0 if actual.shape == expected.shape and torch.equal(actual, expected) else 1],
+                                device=device)
+        dist.all_reduce(mismatch, group=group)
     if int(mismatch.item()):
         raise ConfigError(
             f"options['all_to_all']={algorithm!r}: its output differs from the flat all-to-all on the compile-time "

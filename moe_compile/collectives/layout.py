@@ -36,6 +36,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from .compile_time import real_collectives
 from .group import EPGroup, resolve_group
 
 __all__ = ["MoELayout", "clear_layout_cache", "resolve_layout"]
@@ -133,7 +134,8 @@ def _expert_group(ep: EPGroup, esp: EPGroup | None, mp: EPGroup | None, key: tup
         "ep_rank": ep.rank, "esp_rank": esp.rank if esp else 0,
     }
     everyone: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(everyone, me)
+    with real_collectives():  # may run inside AOTAutograd's compile: see compile_time.py
+        dist.all_gather_object(everyone, me)
     by_rank = {info["rank"]: info for info in everyone}
 
     def expert_members(info: dict) -> tuple[int, ...]:

@@ -33,8 +33,9 @@ import hashlib
 from collections.abc import Sequence
 
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import GraphModule, Node
+
+from ..collectives.compile_time import real_collectives
 
 __all__ = ["AGREEMENT_META", "Agreement", "agree_placement", "graph_fingerprint"]
 
@@ -75,7 +76,7 @@ def agree_placement(gm: GraphModule, points: Sequence[Node], layers: Sequence | 
     mine = {"rank": dist.get_rank(), "graph": graph_fingerprint(gm), "positions": own,
             "layers": tuple(layers) if layers is not None else (None,) * len(own)}
     everyone: list = [None] * dist.get_world_size(group)
-    with unset_fake_temporarily():  # the backward is compiled under AOTAutograd's fake mode: real bytes here
+    with real_collectives():  # compiled under AOTAutograd's fake mode and Python dispatcher: see compile_time.py
         dist.all_gather_object(everyone, mine, group=group)
     first = everyone[0]
     other_graphs = [e["rank"] for e in everyone if e["graph"] != first["graph"]]

@@ -30,9 +30,12 @@ def _as_rank1(monkeypatch, rank0: dict):
     monkeypatch.setattr(grad_agree.dist, "get_world_size", lambda *a: 2)
 
     def all_gather_object(out, obj, group=None):
+        seen.append(torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher))
         out[0], out[1] = rank0, obj
 
+    seen: list[bool] = []
     monkeypatch.setattr(grad_agree.dist, "all_gather_object", all_gather_object)
+    return seen
 
 
 def test_fingerprint_names_the_graph_not_the_object():
@@ -62,3 +65,18 @@ def test_different_graphs_raise_naming_the_option_and_ranks(monkeypatch):
     with pytest.raises(RuntimeError, match=r"options\['dp_placement'\]='fsmoe': the backward graph of ranks \[1\] "
                                            r"differs from rank 0's"):
         agree_placement(gm, [list(gm.graph.nodes)[1]], None, None, "fsmoe")
+
+
+def test_the_all_gather_runs_outside_the_python_dispatcher(monkeypatch):
+    """The backward is compiled inside the forward's AOTAutograd compile, with the Python dispatcher on; a gloo
+    collective issued there can deadlock (moe_compile/collectives/compile_time.py), so the agreement's all-gather
+    runs with it off."""
+    from torch._dispatch.python import enable_python_dispatcher
+
+    gm = _graph()
+    nodes = list(gm.graph.nodes)
+    seen = _as_rank1(monkeypatch, {"rank": 0, "graph": graph_fingerprint(gm), "positions": (1,), "layers": (None,)})
+    with enable_python_dispatcher():
+        assert torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher)
+        agree_placement(gm, [nodes[1]], None, None, "timeline")
+    assert seen == [False]
