@@ -21,10 +21,9 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moe_compile.passes.state import moe_state
-from moe_compile.testing import _free_port
+from moe_compile.testing import _context, _free_port
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -82,7 +81,7 @@ def _exit(results, code: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["exit", "sleep"])
 def test_peer_fault_names_layer_and_collective(fault):
-    ctx = mp.get_context("spawn")
+    ctx = _context()   # the preloaded forkserver of moe_compile.testing.spawn (or spawn): no import per rank
     results = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     procs = [ctx.Process(target=_rank, args=(r, 2, init_method, fault, results), daemon=True) for r in range(2)]
