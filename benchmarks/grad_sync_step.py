@@ -24,8 +24,8 @@ FIFO), the training step of the examples' ``MoETransformer`` compiled whole with
 Calibration: the ``end`` variant on a free link gives Σ compute per phase; the link's bandwidth
 is set so that the backward's communication (two all-to-alls per layer plus the ring all-reduce
 of every gradient the step synchronizes) takes ``--comm-ratio`` × the backward's compute. Experts are
-replicated by default (each rank holds all E, so their gradients are all-reduced too: 80 % of the bytes at the
-issue's sizes); ``--shard-experts`` calls ``moe_compile.shard_experts`` first, FSMoE's setting, where only the
+replicated by default (each rank holds all E, so their gradients are all-reduced too: 82 % of the bytes at the
+README's sizes, zeros on the ranks that do not own the expert); ``--shard-experts`` calls ``moe_compile.shard_experts`` first, FSMoE's setting, where only the
 non-expert gradients are all-reduced. The title states the **floor**: no placement can end the backward before
 ``max(Σ backward comm, Σ backward compute + t_ar(embedding gradient))``: the embedding is the forward's first
 op, so its gradient is the backward's last, and its all-reduce starts only when the compute is over (under DDP
