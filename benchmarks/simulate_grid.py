@@ -240,7 +240,7 @@ def phase_bound(times_of, ar: AlphaBeta, grads, dense_s: float) -> float:
     """The phase's lower bound ``max(Σ compute, Σ comm)`` (issue 20's target is FSMoE's placement within 1.10x of
     it): each layer's tasks at ``r = 1`` (chunking only adds α), split into the compute stream's and the link's,
     plus the dense backward (``dense_s``, compute) and one all-reduce per gradient in ``grads`` (bytes; link)."""
-    compute, comm = dense_s, sum(ar.alpha + ar.beta * g for g in grads if g > 0)
+    compute, comm = dense_s, sum(ar(g) for g in grads if g > 0)
     for times in times_of:
         table, _ = task_times(times(1))
         compute += sum(table[(k, 1)] for k in COMPUTE_KINDS)
@@ -251,12 +251,13 @@ def phase_bound(times_of, ar: AlphaBeta, grads, dense_s: float) -> float:
 def _dp_row(label, model_name, n_layers, phases, dense_s, total_bytes, bound_s):
     ms = {k: (p.time + dense_s) * 1e3 for k, p in phases.items()}
     fs = phases["fsmoe"]
-    return {"fsmoe_vs_bound": ms["fsmoe"] / (bound_s * 1e3), "testbed": label, "model": model_name, "layers": n_layers, **{f"{k}_ms": v for k, v in ms.items()},
+    return {"testbed": label, "model": model_name, "layers": n_layers, **{f"{k}_ms": v for k, v in ms.items()},
             "fsmoe_vs_tutel": ms["tutel"] / ms["fsmoe"], "schemoe_vs_tutel": ms["tutel"] / ms["schemoe"],
             "fsmoe_vs_schemoe": ms["schemoe"] / ms["fsmoe"], "fsmoe_vs_sequential": ms["sequential"] / ms["fsmoe"],
             "overlapped_fraction": fs.overlapped_bytes / total_bytes if total_bytes else 0.0,
             "mean_r_fsmoe": statistics.mean(l.chunks for l in fs.layers),
-            "fsmoe_excess_ms": sum(l.excess for l in fs.layers) * 1e3, "fsmoe_at_end_ms": fs.t_end * 1e3}
+            "fsmoe_excess_ms": sum(l.excess for l in fs.layers) * 1e3, "fsmoe_at_end_ms": fs.t_end * 1e3,
+            "fsmoe_vs_bound": ms["fsmoe"] / (bound_s * 1e3)}
 
 
 def run_table2(args) -> list[dict]:
@@ -309,9 +310,10 @@ def summarise_grid(rows: list[dict]) -> dict:
     for key in ("fsmoe_ms", "tutel_ms", "schemoe_ms", "sequential_ms"):
         out[key] = statistics.median(r[key] for r in rows)
     for key in ("fsmoe_vs_tutel", "schemoe_vs_tutel", "fsmoe_vs_schemoe", "fsmoe_vs_sequential",
-                "overlapped_fraction", "mean_r_fsmoe", "fsmoe_vs_bound"):
+                "overlapped_fraction", "mean_r_fsmoe"):
         out[key] = statistics.mean(r[key] for r in rows)
         out[f"worst_{key}"] = min(r[key] for r in rows)
+    out["fsmoe_vs_bound"] = statistics.mean(r["fsmoe_vs_bound"] for r in rows)
     out["worst_fsmoe_vs_bound"] = max(r["fsmoe_vs_bound"] for r in rows)   # above the bound: the larger, the worse
     return out
 
