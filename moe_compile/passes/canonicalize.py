@@ -231,7 +231,8 @@ def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
             ids = call("reshape", ids, (-1, 1), method=True)
             weights = call(torch.ones_like, call("reshape", weights, (-1, 1), method=True))
         linears = (experts.w1, experts.w2, experts.w3)
-        w1, w2, w3 = (_canonical_weight(call, lin, env) if lin is not None else None for lin in linears)
+        w1, w2, w3 = (_canonical_weight(call, lin, env, experts.compute_dtype) if lin is not None else None
+                      for lin in linears)
         b1, b2, b3 = (_canonical_bias(call, lin, env) if lin is not None else None for lin in linears)
         dispatch = call(torch.ops.moe.dispatch.default, tokens, ids, num_experts, region.capacity)
         buffer = call(operator.getitem, dispatch, 0)
@@ -240,6 +241,8 @@ def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
         while len(args) > 5 and args[-1] in (None, []):  # the schema's defaults left out
             args.pop()
         expert_out = call(torch.ops.moe.experts.default, *args)
+        if experts.compute_dtype is not None:   # matmuls in the model's dtype, the result in the tokens' (type_as)
+            expert_out = call("to", expert_out, example_value(tokens).dtype, method=True)
         combined = call(torch.ops.moe.combine.default, expert_out, ids, locations, weights)
         if region.scaled_before:   # [T·k, M] → the sum of each token's k outputs
             combined = call("sum", call("reshape", combined, (-1, k, model_dim), method=True), 1, method=True)
@@ -264,8 +267,9 @@ def _same_shape(a: tuple | None, b: tuple | None) -> bool:
         statically_known_true(x == y) for x, y in zip(a, b))
 
 
-def _canonical_weight(call, linear: ExpertLinear, env: dict[Node, Node]) -> Node:
-    """The linear's weights as one ``[E, out, in]`` tensor (views of stacked params; stack of a ModuleList)."""
+def _canonical_weight(call, linear: ExpertLinear, env: dict[Node, Node], dtype: torch.dtype | None = None) -> Node:
+    """The linear's weights as one ``[E, out, in]`` tensor (views of stacked params; stack of a ModuleList),
+    cast to ``dtype`` when the model computes the experts in another dtype than its weights'."""
     if len(linear.weights) == 1:
         weight = env[linear.weights[0]]
     else:
@@ -275,6 +279,8 @@ def _canonical_weight(call, linear: ExpertLinear, env: dict[Node, Node]) -> Node
     if linear.rows is not None:
         start, stop = linear.rows
         weight = call(operator.getitem, weight, (slice(None), slice(start, stop, linear.row_step)))
+    if dtype is not None:
+        weight = call("to", weight, dtype, method=True)
     return weight
 
 
@@ -290,12 +296,15 @@ def _canonical_bias(call, linear: ExpertLinear, env: dict[Node, Node]) -> Node |
 
 
 def _eliminate_dead_code(graph: Graph) -> None:
-    """Drop unused nodes, in-place ones too when nothing live reads the tensor they mutate."""
+    """Drop unused nodes, in-place ones too when nothing live reads the tensor they mutate. An in-place op on a
+    tensor from outside the layer (a buffer: torchtitan's ``tokens_per_expert_E.add_(counts)``, a bias update, a
+    running statistic) is an effect of the layer, kept; so is a random draw (it advances the generator every later
+    draw reads)."""
     changed = True
     while changed:
         changed = False
         for node in reversed(list(graph.nodes)):
-            if node.op in ("placeholder", "output") or node.users:
+            if node.op in ("placeholder", "output") or node.users or _is_effect(node):
                 continue
             if is_inplace(node) and node.args and isinstance(node.args[0], Node):
                 base = node.args[0]
@@ -303,6 +312,48 @@ def _eliminate_dead_code(graph: Graph) -> None:
                     continue
             graph.erase_node(node)
             changed = True
+
+
+def _is_effect(node: Node) -> bool:
+    """``node`` changes state outside the layer's values: it mutates an input of the layer (through views), or
+    draws random numbers."""
+    if is_inplace(node) and node.args and isinstance(node.args[0], Node):
+        return _view_base(node.args[0]).op in ("placeholder", "get_attr")
+    return is_random(node)
+
+
+#: view ops: a write through their result is a write to their input
+_VIEW_METHODS = ("view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze",
+                 "transpose", "permute", "expand", "narrow", "select", "t", "detach", "contiguous", "as_strided")
+
+
+def _view_base(node: Node) -> Node:
+    """The tensor ``node`` is a view of (following view methods and indexing back), itself when none."""
+    while node.op in ("call_method", "call_function") and node.args and isinstance(node.args[0], Node) and (
+            (node.op == "call_method" and node.target in _VIEW_METHODS) or node.target is operator.getitem):
+        node = node.args[0]
+    return node
+
+
+#: random draws, by name: torch functions and Tensor methods
+_RANDOM = {"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm", "bernoulli",
+           "bernoulli_", "multinomial", "normal", "normal_", "uniform_", "exponential_", "geometric_",
+           "log_normal_", "cauchy_", "random_", "poisson", "dropout", "dropout_", "alpha_dropout",
+           "feature_alpha_dropout", "rrelu", "gumbel_softmax"}
+
+
+def is_random(node: Node) -> bool:
+    """``node`` draws from a random generator (``torch.rand``, ``x.uniform_()``, dropout in training, ...)."""
+    if node.op == "call_method":
+        return node.target in _RANDOM
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        if name in ("dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d"):
+            training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+            p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+            return training is not False and p != 0
+        return name in _RANDOM
+    return False
 
 
 # --------------------------------------------------------------------------- verify
@@ -357,8 +408,12 @@ def _verify(original: GraphModule, canonical: GraphModule, region: MoERegion, cf
             args = [_probe(node, region, equal, gen) for node in region.inputs]
         except _CannotProbe as e:  # an unchecked rewrite could be silently wrong: the layer stays as written
             return f"it cannot be checked against the original ({e})"
-        expected = _run_seeded(original, [a.clone() if isinstance(a, torch.Tensor) else a for a in args])
-        actual = _run_seeded(canonical, args)
+        expected_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        expected, expected_rng = _run_seeded(original, expected_args)
+        actual, actual_rng = _run_seeded(canonical, args)
+        effect = _effects_differ(region, expected_args, args, expected_rng, actual_rng)
+        if effect is not None:
+            return f"its effects differ on {_probe_name(equal, _num_tokens(region))}: {effect}"
         for e, a in zip(expected, actual):
             if not isinstance(e, torch.Tensor):
                 continue
@@ -375,6 +430,18 @@ def _verify(original: GraphModule, canonical: GraphModule, region: MoERegion, cf
                 first = str(err).strip().splitlines()[0]
                 where = _first_difference(original, canonical, args, region, cfg)
                 return f"outputs differ on {what}: {first}; {where}"
+    return None
+
+
+def _effects_differ(region: MoERegion, expected_args: list, actual_args: list, expected_rng: torch.Tensor,
+                    actual_rng: torch.Tensor) -> str | None:
+    """What the canonical copy does differently besides its outputs: an input it leaves otherwise (a buffer the
+    layer updates in place), or the random numbers it draws (the generator's state after it); None if nothing."""
+    for node, e, a in zip(region.inputs, expected_args, actual_args):
+        if isinstance(e, torch.Tensor) and not torch.equal(torch.nan_to_num(e), torch.nan_to_num(a)):
+            return f"the input {node.name} after the call (an in-place update of it is not kept)"
+    if not torch.equal(expected_rng, actual_rng):
+        return "the random generator's state after the call (a random draw of the layer is not kept)"
     return None
 
 
@@ -453,7 +520,8 @@ def _op_name(node: Node) -> str:
 
 
 def _run_seeded(gm, args: list):
-    """Run ``gm`` from a fixed RNG state, in a fork that leaves the caller's RNG as it was.
+    """Run ``gm`` from a fixed RNG state, in a fork that leaves the caller's RNG as it was; its outputs and the
+    CPU generator's state after it (what a later draw reads: the layer's draws are one of its effects).
 
     Both copies keep the router as written, so a training-mode router that draws random numbers (logit
     noise, Switch input jitter, sparsemixer's Gumbel sampling) draws the same numbers in each run; without
@@ -462,7 +530,8 @@ def _run_seeded(gm, args: list):
     devices = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         torch.manual_seed(_VERIFY_SEED)
-        return gm(*args)
+        outputs = gm(*args)
+        return outputs, torch.get_rng_state()
 
 
 _VERIFY_SEED = 20240601

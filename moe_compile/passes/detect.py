@@ -164,7 +164,7 @@ def find_moe_regions(graph: Graph) -> tuple[list[MoERegion], list[Skip]]:
                 # a max over a linear's outputs with no experts after it (a classifier's prediction)
                 log.debug("moe_compile: %s in %s is not an MoE router: %s", selection.name, _module_name(selection), e)
                 continue
-            skips.append(Skip(_module_name(selection), str(e)))
+            skips.append(Skip(getattr(e, "layer", None) or _module_name(selection), str(e)))
             continue
         if claimed.intersection(region.nodes):
             skips.append(Skip(region.name, "overlaps a layer matched before"))
@@ -268,7 +268,11 @@ def _match(graph: Graph, router: Router) -> MoERegion:
         output, hidden = _layer_output(inputs, outputs)
         if output is None:
             continue
-        experts, expert_input = expert_mlp(region, router.num_experts, selection, router.gate_weights)
+        try:
+            experts, expert_input = expert_mlp(region, router.num_experts, selection, router.gate_weights)
+        except NoMatch as e:
+            e.layer = name   # the layer it stopped in, not the router's own module
+            raise
         tokens = expert_tokens(router, expert_input)
         copy = pass_through_copy(region, tokens) if router.capacity is not None or router.kept is not None else None
         if copy is not None:

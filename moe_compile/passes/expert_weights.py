@@ -149,8 +149,21 @@ def expert_mlp(region: list[Node], num_experts: int, topk: Node,
         w2=_expert_linear(down, None, 1, num_experts, among, among_biases),
         w3=w3,
         activation_args=act_args,
+        compute_dtype=_compute_dtype(template),
     )
     return experts, up1.input
+
+
+def _compute_dtype(linears: list[_Linear]) -> torch.dtype | None:
+    """The dtype the expert matmuls run in when it is not their weights' (weights cast in the forward, as
+    torchtitan's bf16 ``_grouped_mm`` over fp32 parameters), else None. Matmuls of mixed dtypes are no one MLP
+    the canonical op computes."""
+    computed = {example_value(lin.node).dtype for lin in linears}
+    stored = {example_value(lin.weight).dtype for lin in linears}
+    if len(computed) != 1:
+        raise NoMatch(f"its expert matmuls run in several dtypes ({', '.join(sorted(map(str, computed)))})")
+    (dtype,) = computed
+    return None if stored == {dtype} else dtype
 
 
 _VIEWS = ("to", "float", "contiguous", "unsqueeze", "squeeze", "view", "reshape")

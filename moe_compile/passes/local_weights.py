@@ -241,6 +241,8 @@ def _per_expert_view(node: Node, num_experts: int) -> bool:
     if name in ("chunk", "split", "narrow"):
         dim = node.kwargs.get("dim", args[0] if name == "narrow" else args[1] if len(args) > 1 else 0)
         return isinstance(dim, int) and dim % ndim != 0
+    if name == "to":   # a dtype cast (normalize writes every cast as to(dtype)): elementwise
+        return len(args) == 1 and isinstance(args[0], torch.dtype) and not node.kwargs
     return name == "contiguous" and not args
 
 

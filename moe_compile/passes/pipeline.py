@@ -5,11 +5,11 @@ Stage 1 runs on Dynamo's graph (torch IR, before AOTAutograd); each pass
 either decides (writes the per-layer plans of ``gm.meta["moe"]``,
 :mod:`.state`) or builds from what was decided::
 
-    detect → canonicalize → [sample_placement] → expert_parallel → pause_mp → chunk → exchange → filled_rows
-    (find)   (rewrite to     (plan: group,     (plan:      (plan:  (build every plan's  (the layers left
-              moe.dispatch/   layout,           Parm's      r)      exchange, once)      on this rank skip
-              experts/        algorithm)        schedule)                                their padding rows)
-              combine)
+    normalize → detect → canonicalize → [sample_placement] → expert_parallel → pause_mp → chunk → exchange → filled_rows
+    (one cast   (find)   (rewrite to     (plan: group,     (plan:      (plan:  (build every plan's  (the layers left
+     spelling)           moe.dispatch/   layout,           Parm's      r)      exchange, once)      on this rank skip
+                         experts/        algorithm)        schedule)                                their padding rows)
+                         combine)
 
 Stage 2 runs on each of AOTAutograd's forward and backward graphs (aten IR) and
 changes order and placement only, never values::
@@ -33,6 +33,7 @@ from .expert_parallel import ExpertParallel
 from .filled_rows import FilledRows
 from .grad_sync import GradSync, GradSyncPlan
 from .lower import Lower
+from .normalize import Normalize
 from .pause_mp import PauseMP
 from .sample_placement import SamplePlacement
 from .schedule import SchedulePass
@@ -41,7 +42,7 @@ from .streams import StreamsPass
 __all__ = ["STAGE1", "STAGE2", "stage1_passes", "stage2_passes"]
 
 #: the built-in passes of stage 1 (Dynamo graph), in the order they run
-STAGE1 = ("detect", "canonicalize", "sample_placement", "expert_parallel", "pause_mp", "chunk", "exchange",
+STAGE1 = ("normalize", "detect", "canonicalize", "sample_placement", "expert_parallel", "pause_mp", "chunk", "exchange",
           "filled_rows")
 #: the built-in passes of stage 2 (each AOTAutograd graph), in the order they run
 STAGE2 = ("drop_dead_collectives", "schedule", "lower", "streams", "grad_sync")
@@ -54,7 +55,7 @@ def stage1_passes(cfg: MoECompileConfig, body: bool = False) -> list:
         return []
     group = resolve_group(cfg.ep_group)
     layout = resolve_layout(cfg.ep_group, cfg.esp_group, cfg.mp_group) if group is not None else None
-    passes = [Detect(expert_parallel=group is not None, report_empty=not body), Canonicalize(cfg), SamplePlacement(cfg, group, body=body),
+    passes = [Normalize(), Detect(expert_parallel=group is not None, report_empty=not body), Canonicalize(cfg), SamplePlacement(cfg, group, body=body),
               ExpertParallel(cfg, group, layout),
               PauseMP(cfg), Chunk(cfg), Exchange(cfg, group), FilledRows()]
     assert tuple(p.name for p in passes) == STAGE1

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from torch.fx import Node
 
 __all__ = ["ExpertLinear", "ExpertMLP", "MoERegion", "NoMatch", "Skip"]
@@ -40,13 +42,16 @@ class ExpertLinear:
 @dataclasses.dataclass(frozen=True)
 class ExpertMLP:
     """``down(act(up1(x)) [* up3(x)])``; ``activation`` a name of ``moe_compile.ops.experts`` (ACTIVATIONS or
-    GATED) with its numeric ``activation_args`` (gpt-oss's α and limit)."""
+    GATED) with its numeric ``activation_args`` (gpt-oss's α and limit); ``compute_dtype`` the dtype the model
+    runs the expert matmuls in when it is not the weights' own (torchtitan's ``GroupedExperts``: bf16
+    ``_grouped_mm`` on fp32 parameters, the result cast back to the tokens' dtype), None when it is."""
 
     activation: str
     w1: ExpertLinear
     w2: ExpertLinear
     w3: ExpertLinear | None
     activation_args: tuple[float, ...] = ()
+    compute_dtype: torch.dtype | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,117 @@
+"""Normalise: one spelling per concept in Dynamo's graph, before any MoE layer is recognised (stage 1, first).
+
+Users write the same computation many ways: a dtype cast is ``x.float()``, ``x.bfloat16()``,
+``x.half()``, ``x.type(torch.float32)``, ``x.type_as(y)``, ``x.to(dtype=...)`` or
+``x.to(y.device, torch.bfloat16)``; a cast to the dtype a tensor already has is a no-op.
+The recognisers (:mod:`.routing`, :mod:`.capacity_router`, :mod:`.expert_weights`) look
+through exactly one cast form, ``x.to(dtype)``, so this pass rewrites every other spelling
+into it and removes the casts that change nothing, the way Inductor's ``joint_graph``
+passes (``pointless_convert``, ``remove_no_ops``) normalise before any pattern is matched::
+
+    Before:
+        w1 = self.w1.bfloat16()              # torchtitan's GroupedExperts
+        s = linear(x, self.wg.weight.float())  # DeepSpeed's gate on fp32 weights (x already fp32)
+        y = out.type_as(x)
+
+    After:
+        w1 = self.w1.to(torch.bfloat16)
+        s = linear(x, self.wg.weight)        # the no-op cast removed: fp32 weights
+        y = out.to(torch.float32)
+
+Contract: every rewrite is exact, values, dtype, device and aliasing alike (``x.float()``
+of an fp32 ``x`` returns ``x`` itself, so dropping it aliases as before); a cast whose
+source or target this pass cannot read from the example values (a cast to another
+device, ``copy=True``, ``memory_format``, a string type name) is left as written. Through
+AOTAutograd every spelling lowers to the same aten graph, so a graph with no MoE layer
+compiles exactly as it would without this pass.
+
+Steps, per ``call_method`` node in graph order:
+
+1. read the target dtype of the cast (:func:`cast_dtype`), None when it is not a pure
+   dtype cast on one device;
+2. if the input already has that dtype, replace the cast's uses by its input and erase it;
+3. otherwise, if it is not already ``to(dtype)``, replace it by ``to(dtype)`` (meta kept).
+"""
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..counters import counters
+from .graph_utils import example_value
+from .manager import PassResult
+
+__all__ = ["CAST_METHODS", "Normalize", "cast_dtype"]
+
+#: ``Tensor`` methods that cast to a fixed dtype
+CAST_METHODS = {
+    "float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16,
+    "int": torch.int32, "long": torch.int64, "short": torch.int16, "char": torch.int8, "byte": torch.uint8,
+    "bool": torch.bool,
+}
+
+#: keyword arguments of ``Tensor.to`` that keep it a pure cast
+_PURE_TO_KWARGS = {"dtype", "device", "non_blocking"}
+
+
+class Normalize:
+    """Stage-1 pass: every dtype cast as ``x.to(dtype)``, casts that change nothing removed."""
+
+    name = "normalize"
+
+    def __call__(self, gm: GraphModule) -> PassResult:
+        modified = False
+        for node in list(gm.graph.nodes):
+            if node.op != "call_method":
+                continue
+            dtype = cast_dtype(node)
+            if dtype is None:
+                continue
+            source = node.args[0]
+            if example_value(source).dtype == dtype:
+                node.replace_all_uses_with(source)
+                gm.graph.erase_node(node)
+                counters["normalize:no_op_cast"] += 1
+                modified = True
+            elif not (node.target == "to" and len(node.args) == 2 and node.args[1] == dtype and not node.kwargs):
+                with gm.graph.inserting_before(node):
+                    cast = gm.graph.call_method("to", (source, dtype))
+                cast.meta = dict(node.meta)
+                node.replace_all_uses_with(cast)
+                gm.graph.erase_node(node)
+                counters["normalize:cast"] += 1
+                modified = True
+        return PassResult(gm, modified)
+
+
+def cast_dtype(node: Node) -> torch.dtype | None:
+    """The dtype a ``call_method`` node casts its tensor to, when it is a pure dtype cast that stays on the
+    tensor's device (read from the example values); else None."""
+    source = node.args[0] if node.args else None
+    before, after = example_value(source), example_value(node)
+    if not isinstance(before, torch.Tensor) or not isinstance(after, torch.Tensor):
+        return None
+    if before.device != after.device:
+        return None
+    target = node.target
+    if target in CAST_METHODS:
+        simple = len(node.args) == 1 and set(node.kwargs) <= {"memory_format"} and \
+            node.kwargs.get("memory_format", torch.preserve_format) is torch.preserve_format
+        return CAST_METHODS[target] if simple else None
+    if target == "type" and len(node.args) == 2 and not node.kwargs and isinstance(node.args[1], torch.dtype):
+        return node.args[1]
+    if target == "type_as" and len(node.args) == 2 and not node.kwargs:
+        other = example_value(node.args[1])
+        return other.dtype if isinstance(other, torch.Tensor) and other.device == before.device else None
+    if target == "to":
+        if not set(node.kwargs) <= _PURE_TO_KWARGS:
+            return None
+        dtypes = [a for a in (*node.args[1:], node.kwargs.get("dtype")) if isinstance(a, torch.dtype)]
+        dtypes += [example_value(a).dtype for a in node.args[1:2]
+                   if isinstance(example_value(a), torch.Tensor)]   # to(other): other's dtype (same device)
+        rest = [a for a in node.args[1:] if not isinstance(a, (torch.dtype, torch.device, str))
+                and not isinstance(example_value(a), torch.Tensor)]
+        if len(dtypes) != 1 or rest or after.dtype != dtypes[0]:
+            return None   # to(device) only, or a form this pass does not read
+        return dtypes[0]
+    return None

@@ -1,0 +1,129 @@
+"""normalize: every dtype cast written as ``to(dtype)``, the casts that change nothing removed, values unchanged."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import moe_compile
+from moe_compile.passes.normalize import Normalize
+from tests.helpers import compile_and_compare
+
+
+def _dynamo_graph(fn, *args):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return graphs[0]
+
+
+def _casts(gm):
+    return [(n.target, n.args[1:], dict(n.kwargs)) for n in gm.graph.nodes if n.op == "call_method"]
+
+
+def test_every_cast_spelling_becomes_to_dtype_and_values_stay():
+    def fn(x, y, w):
+        a = x.bfloat16()
+        b = w.half().float()
+        c = x.type(torch.float64)
+        d = a.type_as(y)            # bf16 → y's fp32
+        e = x.to(dtype=torch.bfloat16)
+        f = x.to("cpu", torch.float16)
+        g = x.float()               # no-op: x is fp32
+        h = x.to(y)                 # no-op: y is fp32
+        return a, b, c, d, e, f, g, h
+
+    x, y, w = torch.randn(4, 3), torch.randn(2), torch.randn(3, 3)
+    gm = _dynamo_graph(fn, x, y, w)
+    expected = gm(x, y, w)
+    result = Normalize()(gm)
+    assert result.modified
+    gm.recompile()
+    casts = _casts(gm)
+    assert all(target == "to" and len(args) == 1 and isinstance(args[0], torch.dtype) and not kwargs
+               for target, args, kwargs in casts), casts
+    assert len(casts) == 7, casts   # a b(half) b(float) c d e f; g and h removed
+    for got, want in zip(gm(x, y, w), expected):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_no_op_cast_removed_aliases_like_eager():
+    """``x.float()`` of an fp32 ``x`` is ``x`` itself: an in-place write through it writes ``x``, with or without it."""
+    def fn(x):
+        y = x.float()
+        y.add_(1)
+        return x * 2
+
+    gm = _dynamo_graph(fn, torch.zeros(3))
+    Normalize()(gm)
+    gm.recompile()
+    assert not any(n.target == "float" for n in gm.graph.nodes)
+    (out,) = gm(torch.zeros(3))
+    torch.testing.assert_close(out, torch.full((3,), 2.0))
+
+
+def test_a_cast_to_another_device_or_memory_format_is_left_as_written():
+    def fn(x):
+        return x.to(torch.float64, memory_format=torch.channels_last), x.float(memory_format=torch.contiguous_format)
+
+    x = torch.randn(2, 3, 4, 5)
+    gm = _dynamo_graph(fn, x)
+    before = _casts(gm)
+    Normalize()(gm)
+    assert _casts(gm) == before
+
+
+class _CastExperts(nn.Module):
+    """A sort-style layer whose experts run in bf16 on fp32 weights, spelled with ``.bfloat16()`` / ``type_as``
+    (torchtitan's ``GroupedExperts``), and a gate linear on ``weight.float()`` (DeepSpeed's gate)."""
+
+    def __init__(self, model_dim=16, hidden_dim=32, num_experts=4, top_k=2):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(model_dim, num_experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(num_experts, hidden_dim, model_dim) / math.sqrt(model_dim))
+        self.w2 = nn.Parameter(torch.randn(num_experts, model_dim, hidden_dim) / math.sqrt(hidden_dim))
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        scores = F.softmax(F.linear(x.float(), self.gate.weight.float()), dim=-1)
+        top_scores, ids = torch.topk(scores, self.top_k, dim=-1)
+        order = torch.argsort(ids.reshape(-1), stable=True)
+        tokens = order // self.top_k
+        counts = torch.histc(ids.float(), bins=self.w1.shape[0], min=0, max=self.w1.shape[0] - 1)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        rows = x[tokens]
+        h = F.relu(torch._grouped_mm(rows.bfloat16(), self.w1.bfloat16().transpose(-2, -1), offs=offsets))
+        y = torch._grouped_mm(h, self.w2.bfloat16().transpose(-2, -1), offs=offsets).type_as(x)
+        y = y * top_scores.reshape(-1)[order].unsqueeze(-1)
+        out = torch.zeros_like(x).scatter_add(0, tokens.unsqueeze(-1).expand(-1, x.shape[-1]), y)
+        return out.reshape(shape)
+
+
+def test_experts_cast_to_bf16_on_fp32_weights_are_rewritten_and_equal():
+    """Found through the casts, and computed in the dtype the model computes them in (bf16), so the result is
+    the model's to fp32 rounding of the same bf16 products."""
+    torch.manual_seed(0)
+    moe_compile.counters.clear()
+    compile_and_compare(_CastExperts(), torch.randn(2, 9, 16), rtol=1e-5, atol=1e-5)
+    assert moe_compile.counters["regions_rewritten"] == 1
+
+
+def test_experts_computed_in_bf16_are_refused_when_computed_in_fp32(monkeypatch):
+    """Without the model's compute dtype, the canonical experts would run in fp32 and differ: the region check
+    refuses that, which is what kept such layers correct before (the check is a safety net, not the rule)."""
+    import moe_compile.passes.expert_weights as expert_weights
+
+    monkeypatch.setattr(expert_weights, "_compute_dtype", lambda linears: None)
+    torch.manual_seed(0)
+    moe_compile.counters.clear()
+    compile_and_compare(_CastExperts(), torch.randn(2, 9, 16), rtol=1e-5, atol=1e-5)
+    assert moe_compile.counters["regions_rewritten"] == 0
