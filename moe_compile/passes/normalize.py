@@ -18,6 +18,8 @@ passes (``pointless_convert``, ``remove_no_ops``) normalise before any pattern i
         s = linear(x, self.wg.weight)        # the no-op cast removed: fp32 weights
         y = out.to(torch.float32)
 
+and ``linear(x, weight=w)`` as ``linear(x, w)``: every argument in its position.
+
 Contract: every rewrite is exact, values, dtype, device and aliasing alike (``x.float()``
 of an fp32 ``x`` returns ``x`` itself, so dropping it aliases as before); a cast whose
 source or target this pass cannot read from the example values (a cast to another
@@ -62,6 +64,8 @@ class Normalize:
     def __call__(self, gm: GraphModule) -> PassResult:
         modified = False
         for node in list(gm.graph.nodes):
+            if node.op == "call_function" and node.target in _LINEAR and node.kwargs:
+                modified |= _positional_linear(node)
             if node.op != "call_method":
                 continue
             dtype = cast_dtype(node)
@@ -82,6 +86,25 @@ class Normalize:
                 counters["normalize:cast"] += 1
                 modified = True
         return PassResult(gm, modified)
+
+
+#: ``F.linear`` as Dynamo records it
+_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
+
+
+def _positional_linear(node: Node) -> bool:
+    """``linear(x, weight=w, bias=None)`` → ``linear(x, w)``: the arguments in their positions (DeepSpeed's gate
+    passes its weight by keyword); False when a keyword is not one of ``linear``'s."""
+    names = ("input", "weight", "bias")
+    kwargs = dict(node.kwargs)
+    if not set(kwargs) <= set(names[len(node.args):]):
+        return False
+    args = list(node.args) + [kwargs.pop(name, None) for name in names[len(node.args):]]
+    while len(args) > 2 and args[-1] is None:
+        args.pop()
+    node.args, node.kwargs = tuple(args), {}
+    counters["normalize:linear_arguments"] += 1
+    return True
 
 
 def cast_dtype(node: Node) -> torch.dtype | None:

@@ -12,10 +12,11 @@ from tests.helpers import compile_and_compare
 
 
 def _dynamo_graph(fn, *args):
+    """Dynamo's graph of ``fn`` and the inputs it takes, in its placeholders' order."""
     graphs = []
 
     def backend(gm, example_inputs):
-        graphs.append(gm)
+        graphs.append((gm, list(example_inputs)))
         return gm.forward
 
     torch._dynamo.reset()
@@ -40,8 +41,8 @@ def test_every_cast_spelling_becomes_to_dtype_and_values_stay():
         return a, b, c, d, e, f, g, h
 
     x, y, w = torch.randn(4, 3), torch.randn(2), torch.randn(3, 3)
-    gm = _dynamo_graph(fn, x, y, w)
-    expected = gm(x, y, w)
+    gm, inputs = _dynamo_graph(fn, x, y, w)
+    expected = gm(*inputs)
     result = Normalize()(gm)
     assert result.modified
     gm.recompile()
@@ -49,7 +50,7 @@ def test_every_cast_spelling_becomes_to_dtype_and_values_stay():
     assert all(target == "to" and len(args) == 1 and isinstance(args[0], torch.dtype) and not kwargs
                for target, args, kwargs in casts), casts
     assert len(casts) == 7, casts   # a b(half) b(float) c d e f; g and h removed
-    for got, want in zip(gm(x, y, w), expected):
+    for got, want in zip(gm(*inputs), expected):
         assert got.dtype == want.dtype
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
@@ -61,7 +62,7 @@ def test_no_op_cast_removed_aliases_like_eager():
         y.add_(1)
         return x * 2
 
-    gm = _dynamo_graph(fn, torch.zeros(3))
+    gm, _ = _dynamo_graph(fn, torch.zeros(3))
     Normalize()(gm)
     gm.recompile()
     assert not any(n.target == "float" for n in gm.graph.nodes)
@@ -74,7 +75,7 @@ def test_a_cast_to_another_device_or_memory_format_is_left_as_written():
         return x.to(torch.float64, memory_format=torch.channels_last), x.float(memory_format=torch.contiguous_format)
 
     x = torch.randn(2, 3, 4, 5)
-    gm = _dynamo_graph(fn, x)
+    gm, _ = _dynamo_graph(fn, x)
     before = _casts(gm)
     Normalize()(gm)
     assert _casts(gm) == before
@@ -127,3 +128,18 @@ def test_experts_computed_in_bf16_are_refused_when_computed_in_fp32(monkeypatch)
     moe_compile.counters.clear()
     compile_and_compare(_CastExperts(), torch.randn(2, 9, 16), rtol=1e-5, atol=1e-5)
     assert moe_compile.counters["regions_rewritten"] == 0
+
+
+def test_linear_arguments_by_keyword_become_positional():
+    """DeepSpeed's gate: ``F.linear(x, weight=w.float(), bias=None)``."""
+    def fn(x, w, b):
+        return F.linear(x, weight=w.float(), bias=None) + F.linear(input=x, weight=w, bias=b)
+
+    x, w, b = torch.randn(4, 3), torch.randn(5, 3), torch.randn(5)
+    gm, inputs = _dynamo_graph(fn, x, w, b)
+    expected = gm(*inputs)
+    Normalize()(gm)
+    gm.recompile()
+    linears = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (torch._C._nn.linear, F.linear)]
+    assert [len(n.args) for n in linears] == [2, 3] and not any(n.kwargs for n in linears)
+    torch.testing.assert_close(gm(*inputs), expected, rtol=0, atol=0)
