@@ -30,7 +30,9 @@ After::
                             # its local tensor: rows r·El .. (r+1)·El-1; what the optimizer,
                             # state_dict() and DCP see, under the original name
     moe.w1 : Tensor [E, M, H]               # what attribute access (the model's forward) reads:
-                            # a NaN placeholder, stride 0, one element of storage
+                            # a NaN placeholder, stride 0 over the experts, one
+                            # expert's [M, H] of storage (_grouped_mm rejects a
+                            # matrix of stride 0); a per-expert weight: one element
     moe.experts[e].w1.weight                # unchanged for local e; a NaN placeholder otherwise
 
 The model's own code still reads ``moe.w1`` with its full shape, so Dynamo traces
@@ -194,7 +196,7 @@ def shard_experts(
         else:  # a per-expert weight of a remote expert
             local_name = None
             del module._parameters[name]
-        placeholder = torch.full((), float("nan"), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+        placeholder = _placeholder(weight)
         setattr(placeholder, SHARD_ATTR, ExpertShard(weakref.ref(module), name, local_name, num_experts, ep.size,
                                                      ep.rank, expert_index, mesh))
         object.__setattr__(module, name, placeholder)
@@ -232,18 +234,31 @@ class _Captured(Exception):
         self.found = found
 
 
+def _placeholder(weight: torch.Tensor) -> torch.Tensor:
+    """The NaN tensor of ``weight``'s shape the model's code reads in place of a sharded or remote weight: for a
+    stacked ``[E, ..., a, b]`` weight one expert's ``[a, b]`` matrix expanded over the leading dims (stride 0 there;
+    ``torch._grouped_mm``, torchtitan's experts, checks that a matrix's own strides are those of a matrix), else one
+    element expanded."""
+    nan = float("nan")
+    if weight.dim() >= 3:
+        return torch.full(weight.shape[-2:], nan, dtype=weight.dtype, device=weight.device).expand(weight.shape)
+    return torch.full((), nan, dtype=weight.dtype, device=weight.device).expand(weight.shape)
+
+
 def _trace_expert_weights(model, args, kwargs, cfg: MoECompileConfig) -> list[tuple[torch.Tensor, int, int | None]]:
     """Trace ``model`` with Dynamo; (weight, E, expert index or None if stacked) of each layer that
     canonicalization with ``cfg`` (the user's options) rewrites."""
     from .passes.canonicalize import Canonicalize
     from .passes.checkpoint_bodies import checkpoint_bodies, checkpoint_calls
     from .passes.detect import find_moe_regions, layers_in_bodies
+    from .passes.normalize import Normalize
 
     canonicalize = Canonicalize(cfg)
     found, seen = [], set()
 
     def shard_layers(graph_module, real: dict) -> None:
         """The layers of ``graph_module`` the backend rewrites; ``real``: its placeholders' tensors."""
+        Normalize()(graph_module)   # as stage 1 does before detection
         regions, skips = find_moe_regions(graph_module.graph)
         for skip in skips:
             log.info("moe_compile: shard_experts: %s not sharded: %s", skip.name, skip.reason)

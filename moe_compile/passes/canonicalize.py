@@ -241,8 +241,8 @@ def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
         while len(args) > 5 and args[-1] in (None, []):  # the schema's defaults left out
             args.pop()
         expert_out = call(torch.ops.moe.experts.default, *args)
-        if experts.compute_dtype is not None:   # matmuls in the model's dtype, the result in the tokens' (type_as)
-            expert_out = call("to", expert_out, example_value(tokens).dtype, method=True)
+        # with experts.compute_dtype, expert_out has it (bf16 on fp32 weights): combine weighs it in the dtype it
+        # promotes to with the gate weights', as the model's fp32 scores weigh its cast-back rows
         combined = call(torch.ops.moe.combine.default, expert_out, ids, locations, weights)
         if region.scaled_before:   # [T·k, M] → the sum of each token's k outputs
             combined = call("sum", call("reshape", combined, (-1, k, model_dim), method=True), 1, method=True)
