@@ -24,6 +24,7 @@ from .compile_context import CompileContext
 from .config import ConfigError, MoECompileConfig, config
 from .counters import counters
 from .faults import name_collective_faults
+from .graph_breaks import report_graph_breaks
 from .passes import pipeline
 from .passes.checkpoint_bodies import checkpoint_bodies, mark_sharded_operands, mark_traced_operands
 from .passes.safe_views import reshape_unsafe_views
@@ -99,6 +100,7 @@ def _timed(key: str):
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: MoECompileConfig):
     """Stage 1, then :func:`_compile` (AOTAutograd, stage 2, the inner compiler)."""
     counters["graphs"] += 1
+    report_graph_breaks()  # an MoE layer Dynamo split across graphs is in none of them: named here
     context = CompileContext(cfg)
     allow_data_dependent_sizes(gm)
     if sharded_placeholders(gm):  # stage 1 adds inputs for the shards: not to Dynamo's own graph

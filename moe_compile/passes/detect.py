@@ -44,6 +44,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from ..counters import counters
 from ..debug import log
+from ..graph_breaks import split_layers
 from .expert_weights import expert_mlp, is_parameter, routed_output
 from .graph_utils import example_value, module_region, region_boundary, shape_of, strip
 from .manager import PassResult
@@ -91,7 +92,11 @@ class Detect:
             counters["regions_skipped"] += 1
             log.warning("moe_compile: MoE-like layer %s left unchanged: %s%s", skip.name, skip.reason, local)
         empty = not regions and not skips and self.report_empty and not checkpoint_bodies(gm)  # bodies report theirs
-        if empty and self.expert_parallel:
+        split = [layer.name for layer in split_layers()]
+        if empty and split:   # the layer is in no graph: its graph break was named at WARNING (graph_breaks.py)
+            log.info("moe_compile: no MoE layer in this graph; compiled unchanged (Dynamo split %s across graphs)",
+                     ", ".join(split))
+        elif empty and self.expert_parallel:
             log.warning(
                 "moe_compile: no MoE layer in this graph (no top-k over [T, E] router scores); compiled unchanged: "
                 "under options['ep_group'] an MoE layer in it would run all of its experts locally on every rank. "
