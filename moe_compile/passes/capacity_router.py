@@ -42,7 +42,7 @@ from torch.fx import Node
 
 from .graph_utils import getitem_user, is_call, reachable, shape_of, strip
 from .regions import NoMatch
-from .routing import _CASTS, NotARouter, Router, _gate_linear, _is_linear_like, _router_nodes, same_size
+from .routing import _CASTS, NotARouter, Router, _gate_linear, _is_linear_like, _router_nodes, drops_by_score, same_size
 
 __all__ = ["CapacityMask", "capacity_mask", "is_argmax", "pass_through_copy", "read_argmax_router"]
 
@@ -173,6 +173,8 @@ def read_argmax_router(argmax: Node) -> Router:
     if gate is None:
         raise NotARouter(f"{argmax.name}: an argmax over scores that no gate linear computes")
     hots = [u for u in _users(argmax) if is_call(u, *_ONE_HOT, method=("one_hot",))]
+    if hots:
+        drops_by_score(argmax)
     if not hots:
         raise NotARouter(f"{argmax.name}: an argmax whose ids no one-hot of the experts reads (a prediction)")
     if _first_pick(scores):
@@ -182,7 +184,8 @@ def read_argmax_router(argmax: Node) -> Router:
     if second is not None:
         raise NoMatch(
             f"its router picks a second expert by a second argmax ({second.name}) over the scores without the first "
-            f"({argmax.name}): NLLB-MoE's top-2 router, its capacity positions of the second choices counted after "
+            f"({argmax.name}): GShard's top-2 router as fairscale's Top2Gate, DeepSpeed-MoE's top2gating and "
+            "NLLB-MoE write it, its capacity positions of the second choices counted after "
             "all first choices and its weights renormalised over the kept choices, is not read (only Switch's "
             "top-1 argmax router is); the layer trains as written (equal to eager, not expert-parallel)")
     mask = capacity_mask(argmax, num_experts)

@@ -276,8 +276,15 @@ def _match(graph: Graph, router: Router) -> MoERegion:
         try:
             experts, expert_input = expert_mlp(region, router.num_experts, selection, router.gate_weights)
         except NoMatch as e:
+            buffer = _dispatched_buffer(region, router.num_experts) if str(e).startswith(_NO_EXPERTS) else None
+            if buffer is not None:
+                e = NoMatch(
+                    f"no expert linear reads its [E, C, M] expert buffer {buffer.name} (GShard's dispatch) in a form "
+                    "the recognisers read: stacked [E, ...] weights in an einsum / bmm over the buffer are; a "
+                    "ModuleList applied to the buffer's chunks (DeepSpeed-MoE's and fairscale's Experts) is not yet. "
+                    "The layer trains as written (equal to eager, not expert-parallel)")
             e.layer = name   # the layer it stopped in, not the router's own module
-            raise
+            raise e
         tokens = expert_tokens(router, expert_input)
         copy = pass_through_copy(region, tokens) if router.capacity is not None or router.kept is not None else None
         if copy is not None:
@@ -330,6 +337,17 @@ _SPLIT_HINT = (
     "(e.g. transformers' experts_implementation=\"eager\", a loop over nonzero()). Compile with fullgraph=True "
     "to see where; for a transformers model call moe_compile.hf.prepare(model) first"
 )
+
+
+def _dispatched_buffer(region: list[Node], num_experts: int) -> Node | None:
+    """GShard's dispatched expert buffer in ``region``: the first ``[E, C, M]`` value (a one-hot einsum, or a
+    gather of the tokens viewed as one)."""
+    for node in region:
+        shape = shape_of(node)
+        if node.op in ("call_function", "call_method") and shape is not None and len(shape) == 3 and same_size(
+                shape[0], num_experts) and example_value(node).is_floating_point():
+            return node
+    return None
 
 
 def _leaves_graph(node: Node) -> bool:

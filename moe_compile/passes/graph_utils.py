@@ -154,6 +154,24 @@ def reachable(
     return seen
 
 
+def reachable_with_writes(starts: Iterable[Node]) -> set[Node]:
+    """What a value computed from ``starts`` can reach, an in-place write included: an op that writes into a
+    tensor (``source.scatter_(0, slots, rows)``, DeepSpeed's table of each expert slot's token) reaches every
+    later reader of that tensor, though the readers name the tensor, not the write."""
+    order = {n: i for i, n in enumerate(next(iter(starts)).graph.nodes)} if starts else {}
+    seen: set[Node] = set()
+    stack = list(starts)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.users)
+        if is_inplace(node) and node.args and isinstance(node.args[0], Node):
+            stack.extend(u for u in node.args[0].users if order.get(u, -1) > order[node])
+    return seen
+
+
 def depends_on(node: Node, targets: set[Node]) -> bool:
     """``node`` is one of ``targets`` or is computed from one of them (stops at the first found)."""
     seen: set[Node] = set()

@@ -18,7 +18,8 @@ passes (``pointless_convert``, ``remove_no_ops``) normalise before any pattern i
         s = linear(x, self.wg.weight)        # the no-op cast removed: fp32 weights
         y = out.to(torch.float32)
 
-and ``linear(x, weight=w)`` as ``linear(x, w)``: every argument in its position.
+and ``linear(x, weight=w)`` as ``linear(x, w)``: every argument in its position; a one-hot built by a scatter
+(``zeros(T, E).scatter_(-1, ids.unsqueeze(-1), 1)``, fairscale's) as ``one_hot(ids, E)``.
 
 Contract: every rewrite is exact, values, dtype, device and aliasing alike (``x.float()``
 of an fp32 ``x`` returns ``x`` itself, so dropping it aliases as before); a cast whose
@@ -66,6 +67,8 @@ class Normalize:
         for node in list(gm.graph.nodes):
             if node.op == "call_function" and node.target in _LINEAR and node.kwargs:
                 modified |= _positional_linear(node)
+            if node.op == "call_method" and node.target == "scatter_":
+                modified |= _scattered_one_hot(gm, node)
             if node.op != "call_method":
                 continue
             dtype = cast_dtype(node)
@@ -104,6 +107,52 @@ def _positional_linear(node: Node) -> bool:
         args.pop()
     node.args, node.kwargs = tuple(args), {}
     counters["normalize:linear_arguments"] += 1
+    return True
+
+
+def _scattered_one_hot(gm: GraphModule, scatter: Node) -> bool:
+    """``zeros(ids.shape + (E,)).scatter_(-1, ids.unsqueeze(-1), 1)`` → ``one_hot(ids, E)`` (fairscale's one_hot,
+    a workaround of an old torch issue), read by every later user of the zeros; False when it is not that form
+    (a k-hot mask of [T, k] ids, another value, other users of the zeros before the scatter)."""
+    base = scatter.args[0] if scatter.args else None
+    if not isinstance(base, Node) or base.op != "call_function" or base.target not in (torch.zeros, torch.zeros_like):
+        return False
+    dim = scatter.kwargs.get("dim", scatter.args[1] if len(scatter.args) > 1 else None)
+    index = scatter.kwargs.get("index", scatter.args[2] if len(scatter.args) > 2 else None)
+    value = scatter.kwargs.get("value", scatter.args[3] if len(scatter.args) > 3 else None)
+    if value is None:
+        value = scatter.kwargs.get("src")
+    if len(scatter.args) + len(scatter.kwargs) != 4 or value != 1 or not isinstance(index, Node):
+        return False
+    if not (index.op == "call_method" and index.target == "unsqueeze" and index.args[1:] in ((-1,),)):
+        return False
+    ids, out = index.args[0], example_value(base)
+    ids_value = example_value(ids)
+    if not isinstance(ids_value, torch.Tensor) or ids_value.dtype != torch.int64 or not isinstance(out, torch.Tensor):
+        return False
+    if dim not in (-1, out.dim() - 1) or tuple(out.shape[:-1]) != tuple(ids_value.shape):
+        return False
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    if any(order[u] < order[scatter] for u in base.users if u is not scatter):
+        return False
+    num_classes = out.shape[-1]
+    if not isinstance(num_classes, int):
+        return False
+    with gm.graph.inserting_after(scatter):
+        hot = gm.graph.call_function(torch.nn.functional.one_hot, (ids, num_classes))
+        hot.meta = {**base.meta, "example_value": out if out.dtype == torch.int64 else out.to(torch.int64)}
+        result = hot
+        if out.dtype != torch.int64:
+            with gm.graph.inserting_after(hot):
+                result = gm.graph.call_method("to", (hot, out.dtype))
+            result.meta = dict(base.meta)
+    for user in list(base.users):
+        if user is not scatter and user is not hot:
+            user.replace_input_with(base, result)
+    scatter.replace_all_uses_with(result)
+    gm.graph.erase_node(scatter)
+    gm.graph.erase_node(base)
+    counters["normalize:one_hot"] += 1
     return True
 
 

@@ -152,6 +152,8 @@ def read_router(selection: Node) -> Router:
     """The router whose (last) selection is ``selection`` (raises NoMatch / NotARouter, see the module)."""
     if is_table_lookup(selection):
         return _read_hash_router(selection)
+    _capacity_selection(selection)
+    drops_by_score(selection)
     k, dim = _selection_args(selection)
     scores = selection.args[0]
     shape = shape_of(scores)
@@ -350,6 +352,44 @@ def scales_expert_input(router: Router, expert_input: Node, tokens: Node) -> boo
 
 
 # --------------------------------------------------------------------------- selection and gate
+
+
+def _capacity_selection(selection: Node) -> None:
+    """NotARouter for a top-k over the tokens (dim 0 of ``[T, E]``) of scores another selection chose: the
+    capacity selection of that router (DeepSpeed-MoE's ``drop_policy="probs"``: each expert keeps the C tokens
+    of highest gate), reported with it, never as a router of its own."""
+    if not is_call(selection, torch.topk, method=("topk",)):
+        return
+    args = list(selection.args[1:]) + [None, None]
+    dim = selection.kwargs.get("dim", args[1] if args[1] is not None else -1)
+    shape = shape_of(selection.args[0])
+    if shape is None or len(shape) != 2 or dim not in (0, -2):
+        return
+    picks = lambda n: is_selection(n) or is_call(n, torch.argmax, method=("argmax",))  # noqa: E731
+    earlier = [n for n in reachable([selection.args[0]], forward=False, stop=lambda n: n is not selection.args[0]
+                                    and picks(n)) if n is not selection and picks(n)]
+    if earlier:
+        raise NotARouter(f"{selection.name}: a top-k over the tokens of scores {earlier[0].name} chose (its "
+                         "router's capacity selection: each expert keeps the tokens of highest gate)")
+
+
+def drops_by_score(selection: Node) -> None:
+    """NoMatch when a capacity selection (:func:`_capacity_selection`) drops this router's choices by a score per
+    token (each expert keeps its C highest-scored tokens: by gate, or by a random draw): the canonical dispatch
+    keeps the first C in k-major token order, so the layer would compute something else."""
+    later = reachable(selection.users, stop=lambda n: n is not selection and is_selection(n))
+    for node in later:
+        if node is selection or not is_call(node, torch.topk, method=("topk",)):
+            continue
+        try:
+            _capacity_selection(node)
+        except NotARouter:
+            raise NoMatch(
+                f"it drops tokens by a score per token: {node.name} keeps, for each expert, the tokens of highest "
+                f"{strip(node.args[0]).name} up to its capacity (DeepSpeed-MoE's top-k drop_policy=\"probs\" by gate, "
+                "its top-1 use_rts by a random draw), where the canonical dispatch keeps the "
+                "first C in token order (k-major); not rewritten, the layer trains as written (equal to eager, not "
+                "expert-parallel); DeepSpeed-MoE's dropless top-k (drop_tokens=False) is read") from None
 
 
 def _selection_args(selection: Node) -> tuple[int, int]:

@@ -143,3 +143,32 @@ def test_linear_arguments_by_keyword_become_positional():
     linears = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (torch._C._nn.linear, F.linear)]
     assert [len(n.args) for n in linears] == [2, 3] and not any(n.kwargs for n in linears)
     torch.testing.assert_close(gm(*inputs), expected, rtol=0, atol=0)
+
+
+def test_a_one_hot_built_by_scatter_becomes_one_hot():
+    """fairscale's ``one_hot``: zeros of ``ids.shape + (E,)``, a 1 scattered at each id."""
+    def fn(logits):
+        ids = torch.argmax(logits, dim=1)
+        ret = torch.zeros(ids.shape + (4,), dtype=ids.dtype)
+        ret.scatter_(-1, ids.unsqueeze(-1), 1)
+        return torch.cumsum(ret, dim=0) - 1, ret.float()
+
+    gm, inputs = _dynamo_graph(fn, torch.randn(6, 4))
+    expected = gm(*inputs)
+    assert Normalize()(gm).modified
+    gm.recompile()
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function" and n.target is F.one_hot] == [F.one_hot]
+    assert not any(n.target == "scatter_" for n in gm.graph.nodes)
+    for got, want in zip(gm(*inputs), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_k_hot_scatter_is_left_as_written():
+    """torchtitan's routing map scatters [T, k] ids: no one-hot."""
+    def fn(scores):
+        ids = torch.topk(scores, 2, dim=-1).indices
+        return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, ids, True).sum(0)
+
+    gm, _ = _dynamo_graph(fn, torch.randn(6, 4))
+    Normalize()(gm)
+    assert any(n.target == "scatter_" for n in gm.graph.nodes)

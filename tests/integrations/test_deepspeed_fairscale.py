@@ -1,0 +1,122 @@
+"""DeepSpeed-MoE 0.19.8 and fairscale 0.4.13 MoE layers compiled unchanged: rewritten where the rewrite is exact,
+else left as written with one WARNING that names the true cause; equal to eager either way.
+
+Both libraries need an initialised process group (their layers read the expert-parallel group), so each check runs
+in one spawned gloo rank. Their routers draw noise from a ``torch.distributions`` sampler they cache in a module
+dict on the first call, which Dynamo cannot create inside a graph: the tests call the layer once eagerly first, as
+a training loop's warm-up step would.
+"""
+from __future__ import annotations
+
+import pytest
+
+from moe_compile.testing import spawn
+
+pytest.importorskip("deepspeed", reason="deepspeed is in the test extra: pip install -e '.[test]'")
+pytest.importorskip("fairscale", reason="fairscale is in the test extra: pip install -e '.[test]'")
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600),
+              pytest.mark.filterwarnings("ignore")]
+
+M, H, E = 16, 32, 4
+
+#: (name, k, capacity_factor, drop_tokens, use_rts, expected): "rewritten" or a phrase of the WARNING
+DEEPSPEED = [
+    ("top-1, random token selection", 1, 1.0, True, True, "drops tokens by a score per token"),
+    ("top-2 (GShard's two argmax)", 2, 2.0, True, False, "picks a second expert by a second argmax"),
+    ("top-3, capacity by gate", 3, 1.0, True, False, "drops tokens by a score per token"),
+    ("top-3, dropless", 3, 1.0, False, False, "rewritten"),
+]
+
+
+
+
+def _check(compiled_model, eager_model, x, logs, expected: str, what: str) -> None:
+    import torch
+
+    import moe_compile
+
+    state = torch.get_rng_state()
+    out = compiled_model(x)
+    torch.set_rng_state(state)
+    torch.testing.assert_close(out, eager_model(x), msg=lambda m: f"{what}: {m}")
+    warned = [m for m in logs if "left unchanged" in m]
+    if expected == "rewritten":
+        assert moe_compile.counters["regions_rewritten"] == 1 and not warned, (what, warned)
+    else:
+        assert moe_compile.counters["regions_rewritten"] == 0, what
+        assert len(warned) == 1 and expected in warned[0], (what, warned)
+
+
+def _run(rank: int, world_size: int) -> int:
+    import copy
+    import logging
+    import warnings
+
+    import torch
+
+    import moe_compile
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    from deepspeed.moe.layer import MoE
+
+    logs: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING:
+                logs.append(record.getMessage())
+
+    logging.getLogger("moe_compile").addHandler(Collect())
+
+    class Wrap(torch.nn.Module):
+        def __init__(self, moe):
+            super().__init__()
+            self.moe = moe
+
+        def forward(self, x):
+            return self.moe(x)[0]
+
+    checked = 0
+    for name, k, factor, drop, rts, expected in DEEPSPEED:
+        torch.manual_seed(0)
+        expert = torch.nn.Sequential(torch.nn.Linear(M, H), torch.nn.ReLU(), torch.nn.Linear(H, M))
+        model = Wrap(MoE(M, expert, num_experts=E, ep_size=1, k=k, capacity_factor=factor, eval_capacity_factor=factor,
+                         min_capacity=1, drop_tokens=drop, use_rts=rts))
+        eager = copy.deepcopy(model)
+        model(torch.randn(2, 8, M))   # warm-up: DeepSpeed caches its samplers on the first call
+        eager(torch.randn(2, 8, M))
+        torch._dynamo.reset()
+        moe_compile.counters.clear()
+        logs.clear()
+        compiled = torch.compile(model, backend="moe", fullgraph=True)
+        x = torch.randn(2, 8, M)
+        _check(compiled, eager, x, logs, expected, f"DeepSpeed {name}")
+        gate, gate_e = model.moe.deepspeed_moe, eager.moe.deepspeed_moe
+        torch.testing.assert_close(gate.l_aux, gate_e.l_aux, msg=lambda m: f"DeepSpeed {name} l_aux: {m}")
+        torch.testing.assert_close(gate.exp_counts, gate_e.exp_counts, msg=lambda m: f"DeepSpeed {name} exp_counts: {m}")
+        checked += 1
+
+    from fairscale.nn.moe import MOELayer, Top2Gate
+
+    def fairscale_layer():
+        torch.manual_seed(0)
+        experts = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(M, H), torch.nn.ReLU(), torch.nn.Linear(H, M))
+                                      for _ in range(E))
+        return MOELayer(Top2Gate(M, E), experts)
+
+    layer, eager = fairscale_layer(), fairscale_layer()
+    layer(torch.randn(4, 8, M))
+    eager(torch.randn(4, 8, M))
+    torch._dynamo.reset()
+    moe_compile.counters.clear()
+    logs.clear()
+    _check(torch.compile(layer, backend="moe", fullgraph=True), eager, torch.randn(4, 8, M), logs,
+           "picks a second expert by a second argmax", "fairscale Top2Gate")
+    torch.testing.assert_close(layer.l_aux, eager.l_aux)
+    return checked + 1
+
+
+def test_deepspeed_and_fairscale_layers_rewritten_or_named():
+    assert spawn(_run, 1, timeout=500) == [len(DEEPSPEED) + 1]
