@@ -155,11 +155,12 @@ def test_debug_dumps_show_the_rewrite(tmp_path):
                         options={"debug_dir": str(tmp_path)})
     (graph_dir,) = (tmp_path / "rank0").glob("graph*")
     names = sorted(p.name for p in graph_dir.iterdir())
-    assert names[:4] == [
-        "00_detect_after.py", "00_detect_before.py", "01_canonicalize_after.py", "01_canonicalize_before.py",
+    assert names[:6] == [
+        "00_normalize_after.py", "00_normalize_before.py", "01_detect_after.py", "01_detect_before.py",
+        "02_canonicalize_after.py", "02_canonicalize_before.py",
     ]
-    before = (graph_dir / "01_canonicalize_before.py").read_text()
-    after = (graph_dir / "01_canonicalize_after.py").read_text()
+    before = (graph_dir / "02_canonicalize_before.py").read_text()
+    after = (graph_dir / "02_canonicalize_after.py").read_text()
     assert "einsum('tec,tm->ecm'" in before and "einsum('tec,ecm->tm'" in before
     assert "torch.ops.moe.dispatch.default(" in after and "torch.ops.moe.combine.default(" in after
     assert "torch.ops.moe.experts.default(" in after
@@ -169,7 +170,7 @@ def test_debug_dumps_show_the_rewrite(tmp_path):
 def test_debug_dir_from_config_patch(tmp_path):
     with moe_compile.config.patch(debug_dir=str(tmp_path)):
         compile_and_compare(GShardMoE(16, 32, 4, top_k=1), torch.randn(2, 6, 16))
-    assert list(tmp_path.glob("rank0/graph*/01_canonicalize_after.py"))
+    assert list(tmp_path.glob("rank0/graph*/02_canonicalize_after.py"))
 
 
 # --------------------------------------------------------------------------- inference

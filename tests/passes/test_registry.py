@@ -58,8 +58,8 @@ def test_stage1_pass_after_canonicalize_runs_and_is_dumped(registered, tmp_path)
     compile_and_compare(GShardMoE(16, 32, 4), torch.randn(8, 16), options={"debug_dir": str(tmp_path)})
     assert tag.seen and int(tag.seen[0].split()[0]) > 0
     names = sorted(p.name for p in tmp_path.glob("rank0/graph*/*.py"))
-    assert "02_tag_moe_nodes_before.py" in names and "02_tag_moe_nodes_after.py" in names
-    assert "03_sample_placement_before.py" in names and "04_expert_parallel_before.py" in names  # built-ins keep their order
+    assert "03_tag_moe_nodes_before.py" in names and "03_tag_moe_nodes_after.py" in names
+    assert "04_sample_placement_before.py" in names and "05_expert_parallel_before.py" in names  # built-ins keep their order
 
 
 def test_stage2_pass_runs_on_forward_and_backward(registered, tmp_path):
@@ -93,7 +93,7 @@ def test_a_pass_that_edits_the_graph(registered):
 
 @pytest.mark.parametrize("where, error, match", [
     ({"after": "fuse_everything"}, ValueError,
-     r"after='fuse_everything'\): not a pass of the moe backend; stage 1: detect, canonicalize, sample_placement, expert_parallel, "
+     r"after='fuse_everything'\): not a pass of the moe backend; stage 1: normalize, detect, canonicalize, sample_placement, expert_parallel, "
      r"pause_mp, chunk, exchange, filled_rows; stage 2: drop_dead_collectives, schedule, lower, streams, grad_sync"),
     ({}, ValueError, "exactly one of before= or after="),
     ({"before": "lower", "after": "lower"}, ValueError, "exactly one"),
