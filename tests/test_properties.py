@@ -1,4 +1,5 @@
-"""Property tests (hypothesis): compiled single-process MoE output and gradients equal eager.
+"""Property tests (hypothesis): compiled single-process MoE output and gradients equal eager, with the region
+check (``verify_regions``) off: the rewrite is right by construction, the check only a safety net.
 
 What varies: the pattern (gshard / sort / loop), the number of experts E, top-k k,
 dtype (float32, bfloat16), the hidden size M, the capacity factor option (None = the
@@ -67,7 +68,7 @@ def _build(pattern, num_experts, top_k, dtype, capacity_factor):
     """(compiled model, its eager reference): same parameters, the reference has the asked capacity."""
     torch.manual_seed(num_experts * 10 + top_k)
     dim = MODEL_DIM[pattern]
-    options = {}
+    options = {"verify_regions": False}   # the property holds without the region check: it is a safety net only
     if pattern == "gshard":
         model = GShardMoE(dim, 2 * dim, num_experts, top_k=top_k, capacity_factor=1.0)
         reference = copy.deepcopy(model)
