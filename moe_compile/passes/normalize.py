@@ -21,7 +21,8 @@ passes (``pointless_convert``, ``remove_no_ops``) normalise before any pattern i
 and ``linear(x, weight=w)`` as ``linear(x, w)``: every argument in its position; a one-hot built by a scatter
 (``zeros(T, E).scatter_(-1, ids.unsqueeze(-1), 1)``, fairscale's) as ``one_hot(ids, E)``.
 
-Contract: every rewrite is exact, values, dtype, device and aliasing alike (``x.float()``
+Contract: a graph with no selection a router could be (``topk``, ``argmax``, ``max`` over a dim, a
+table lookup) is left as it is; in the others every rewrite is exact, values, dtype, device and aliasing alike (``x.float()``
 of an fp32 ``x`` returns ``x`` itself, so dropping it aliases as before); a cast whose
 source or target this pass cannot read from the example values (a cast to another
 device, ``copy=True``, ``memory_format``, a string type name) is left as written. Through
@@ -41,8 +42,10 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..counters import counters
+from .capacity_router import is_argmax
 from .graph_utils import example_value
 from .manager import PassResult
+from .routing import is_selection
 
 __all__ = ["CAST_METHODS", "Normalize", "cast_dtype"]
 
@@ -63,6 +66,8 @@ class Normalize:
     name = "normalize"
 
     def __call__(self, gm: GraphModule) -> PassResult:
+        if not any(is_selection(n) or is_argmax(n) for n in gm.graph.nodes):
+            return PassResult(gm, False)   # no router, no MoE layer: the user's graph stays exactly as written
         modified = False
         for node in list(gm.graph.nodes):
             if node.op == "call_function" and node.target in _LINEAR and node.kwargs:

@@ -25,7 +25,10 @@ def _dynamo_graph(fn, *args):
 
 
 def _casts(gm):
-    return [(n.target, n.args[1:], dict(n.kwargs)) for n in gm.graph.nodes if n.op == "call_method"]
+    from moe_compile.passes.normalize import CAST_METHODS
+
+    return [(n.target, n.args[1:], dict(n.kwargs)) for n in gm.graph.nodes
+            if n.op == "call_method" and n.target in {*CAST_METHODS, "to", "type", "type_as"}]
 
 
 def test_every_cast_spelling_becomes_to_dtype_and_values_stay():
@@ -38,7 +41,7 @@ def test_every_cast_spelling_becomes_to_dtype_and_values_stay():
         f = x.to("cpu", torch.float16)
         g = x.float()               # no-op: x is fp32
         h = x.to(y)                 # no-op: y is fp32
-        return a, b, c, d, e, f, g, h
+        return a, b, c, d, e, f, g, h, x.topk(1).values   # a selection: the graph could hold a router
 
     x, y, w = torch.randn(4, 3), torch.randn(2), torch.randn(3, 3)
     gm, inputs = _dynamo_graph(fn, x, y, w)
@@ -60,19 +63,20 @@ def test_no_op_cast_removed_aliases_like_eager():
     def fn(x):
         y = x.float()
         y.add_(1)
-        return x * 2
+        return x * 2, x.argmax(-1)
 
     gm, _ = _dynamo_graph(fn, torch.zeros(3))
     Normalize()(gm)
     gm.recompile()
     assert not any(n.target == "float" for n in gm.graph.nodes)
-    (out,) = gm(torch.zeros(3))
+    out, _ = gm(torch.zeros(3))
     torch.testing.assert_close(out, torch.full((3,), 2.0))
 
 
 def test_a_cast_to_another_device_or_memory_format_is_left_as_written():
     def fn(x):
-        return x.to(torch.float64, memory_format=torch.channels_last), x.float(memory_format=torch.contiguous_format)
+        return (x.to(torch.float64, memory_format=torch.channels_last), x.float(memory_format=torch.contiguous_format),
+                x.topk(1).indices)
 
     x = torch.randn(2, 3, 4, 5)
     gm, _ = _dynamo_graph(fn, x)
@@ -133,7 +137,8 @@ def test_experts_computed_in_bf16_are_refused_when_computed_in_fp32(monkeypatch)
 def test_linear_arguments_by_keyword_become_positional():
     """DeepSpeed's gate: ``F.linear(x, weight=w.float(), bias=None)``."""
     def fn(x, w, b):
-        return F.linear(x, weight=w.float(), bias=None) + F.linear(input=x, weight=w, bias=b)
+        y = F.linear(x, weight=w.float(), bias=None) + F.linear(input=x, weight=w, bias=b)
+        return y, y.topk(2).indices
 
     x, w, b = torch.randn(4, 3), torch.randn(5, 3), torch.randn(5)
     gm, inputs = _dynamo_graph(fn, x, w, b)
@@ -142,7 +147,20 @@ def test_linear_arguments_by_keyword_become_positional():
     gm.recompile()
     linears = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (torch._C._nn.linear, F.linear)]
     assert [len(n.args) for n in linears] == [2, 3] and not any(n.kwargs for n in linears)
-    torch.testing.assert_close(gm(*inputs), expected, rtol=0, atol=0)
+    for got, want in zip(gm(*inputs), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_graph_without_a_selection_is_left_as_written():
+    """No topk / argmax / max over a dim: no router, so no MoE layer; the user's graph is not touched."""
+    def fn(x, w):
+        return F.linear(x.float(), weight=w.bfloat16().float())
+
+    gm, _ = _dynamo_graph(fn, torch.randn(4, 3), torch.randn(5, 3))
+    before = gm.code
+    assert not Normalize()(gm).modified
+    gm.recompile()
+    assert gm.code == before
 
 
 def test_a_one_hot_built_by_scatter_becomes_one_hot():
