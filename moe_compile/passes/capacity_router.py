@@ -175,8 +175,9 @@ def read_argmax_router(argmax: Node) -> Router:
     hots = [u for u in _users(argmax) if is_call(u, *_ONE_HOT, method=("one_hot",))]
     if hots:
         drops_by_score(argmax)
-    if not hots:
-        raise NotARouter(f"{argmax.name}: an argmax whose ids no one-hot of the experts reads (a prediction)")
+    elif _weights(argmax, scores) is None:
+        raise NotARouter(f"{argmax.name}: an argmax whose ids no one-hot of the experts reads and whose score no "
+                         "weight reads (a prediction)")
     if _first_pick(scores):
         raise NotARouter(f"{argmax.name}: the second pick of a two-argmax router (read with its first pick)")
     second = next((n for n in reachable(hots, stop=lambda n: n not in hots and (is_argmax(n) or _is_linear_like(n)))

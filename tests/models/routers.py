@@ -158,6 +158,18 @@ class SwitchMaxMoE(_RoutedMoE):
         return ids, weight
 
 
+class ArgmaxMoE(_RoutedMoE):
+    """Top-1 as ``argmax`` over softmax scores, the weight gathered at the id (no one-hot, no capacity)."""
+
+    def __init__(self, model_dim, hidden_dim, num_experts=4):
+        super().__init__(model_dim, hidden_dim, num_experts, 1)
+
+    def route(self, x):
+        probs = F.softmax(self.router(x), dim=-1)
+        ids = torch.argmax(probs, dim=-1)
+        return ids, probs.gather(1, ids.unsqueeze(1)).squeeze(1)
+
+
 class NoisyTopkMoE(_RoutedMoE):
     def __init__(self, model_dim, hidden_dim, num_experts=6, top_k=2):
         super().__init__(model_dim, hidden_dim, num_experts, top_k)

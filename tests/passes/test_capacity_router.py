@@ -9,12 +9,13 @@ from __future__ import annotations
 import copy
 import logging
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import moe_compile
-from tests.models.routers import SwitchCapacityMoE
+from tests.models.routers import ArgmaxMoE, SwitchCapacityMoE
 
 OPTIONS = {"inner": "eager"}
 
@@ -192,3 +193,33 @@ def test_switch_capacity_varying_batch_shapes(caplog):
             torch.testing.assert_close(compiled(x), eager(x), msg=lambda m: f"{per_sequence} {shape}: {m}")
         assert moe_compile.counters["regions_rewritten"] == moe_compile.counters["graphs"] >= 2
     assert not _warnings(caplog)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_top1_without_one_hot_is_a_router(dtype):
+    """``ids = argmax(probs, -1)`` with its weight gathered at the id: a top-1 router, rewritten and equal to eager
+    with the region check off (the canonical dispatch reads the model's own ids, so ties route alike)."""
+    torch.manual_seed(0)
+    model = ArgmaxMoE(16, 32, 4).to(dtype)
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 7, 16, dtype=dtype)
+    x[0, :3] = x[0, 0]   # equal tokens: equal scores, the same pick
+    moe_compile.counters.clear()
+    out = torch.compile(model, backend="moe", fullgraph=True, options={"verify_regions": False})(x)
+    torch.testing.assert_close(out, reference(x))
+    assert moe_compile.counters["regions_rewritten"] == 1
+
+
+def test_an_argmax_prediction_is_no_router(caplog):
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return torch.argmax(self.head(x), dim=-1)
+
+    moe_compile.counters.clear()
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        torch.compile(Classifier(), backend="moe", fullgraph=True)(torch.randn(3, 16))
+    assert moe_compile.counters["regions_found"] == 0 and not caplog.records
