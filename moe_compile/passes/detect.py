@@ -38,21 +38,23 @@ reads the structure right but the semantics wrong is still caught.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 
+import torch
 from torch.fx import Graph, GraphModule, Node
 
 from ..counters import counters
 from ..debug import log
 from ..graph_breaks import split_layers
 from .expert_weights import expert_mlp, is_parameter, routed_output
-from .graph_utils import example_value, module_region, region_boundary, shape_of, strip
+from .graph_utils import example_value, is_call, module_region, reachable, region_boundary, shape_of, strip
 from .manager import PassResult
 from .checkpoint_bodies import checkpoint_bodies
 from .regions import MoERegion, NoMatch, Skip
 from .capacity_router import is_argmax, pass_through_copy, read_argmax_router
 from .routing import (
-    NotARouter, Router, expert_tokens, is_selection, read_router, router_part, same_size, scales_expert_input,
+    NotARouter, _is_linear_like, Router, expert_tokens, is_selection, read_router, router_part, same_size, scales_expert_input,
     selection_of,
 )
 from .state import moe_state
@@ -276,7 +278,15 @@ def _match(graph: Graph, router: Router) -> MoERegion:
         try:
             experts, expert_input = expert_mlp(region, router.num_experts, selection, router.gate_weights)
         except NoMatch as e:
-            buffer = _dispatched_buffer(region, router.num_experts) if str(e).startswith(_NO_EXPERTS) else None
+            no_experts = str(e).startswith(_NO_EXPERTS)
+            buffer = _dispatched_buffer(region, router.num_experts, router.tokens) if no_experts else None
+            dense = _dense_mixture(region, router) if no_experts and buffer is None else None
+            if dense is not None:
+                e = NoMatch(
+                    f"its experts run on every token before the routing applies (the linear {dense.name} reads "
+                    "tokens no router choice selected; every expert's output weighted by a [T, E] gate, 0 for the "
+                    "experts not chosen): a dense mixture, not read; the layer trains as written (equal to eager, "
+                    "not expert-parallel)")
             if buffer is not None:
                 e = NoMatch(
                     f"no expert linear reads its [E, C, M] expert buffer {buffer.name} (GShard's dispatch) in a form "
@@ -339,14 +349,33 @@ _SPLIT_HINT = (
 )
 
 
-def _dispatched_buffer(region: list[Node], num_experts: int) -> Node | None:
-    """GShard's dispatched expert buffer in ``region``: the first ``[E, C, M]`` value (a one-hot einsum, or a
-    gather of the tokens viewed as one)."""
+def _dispatched_buffer(region: list[Node], num_experts: int, tokens: Node) -> Node | None:
+    """GShard's dispatched expert buffer in ``region``: the first ``[E, C, M]`` value computed from the tokens (a
+    one-hot einsum, or a gather of the tokens viewed as one), not a stacked weight."""
+    from_tokens = reachable([tokens])
     for node in region:
         shape = shape_of(node)
-        if node.op in ("call_function", "call_method") and shape is not None and len(shape) == 3 and same_size(
-                shape[0], num_experts) and example_value(node).is_floating_point():
+        if (node in from_tokens and node.op in ("call_function", "call_method") and shape is not None
+                and len(shape) == 3 and same_size(shape[0], num_experts) and example_value(node).is_floating_point()):
             return node
+    return None
+
+
+def _dense_mixture(region: list[Node], router: Router) -> Node | None:
+    """A linear on a parameter, outside the router, whose output the router's choice multiplies (every expert
+    computed on every token, weighted afterwards by a ``[T, E]`` gate); None when there is none (a shared
+    expert's output is added, not weighted by the routing)."""
+    chosen = reachable(router.selection.users)
+    for node in region:
+        if (node in chosen or node is router.gate or node in router.nodes or not _is_linear_like(node)
+                or not any(is_parameter(a) for a in node.all_input_nodes)):
+            continue
+        computed = reachable([node])
+        for product in computed & chosen:
+            inputs = product.all_input_nodes
+            if is_call(product, operator.mul, torch.mul, method=("mul",)) and any(
+                    a in computed and a not in chosen for a in inputs) and any(a in chosen for a in inputs):
+                return node
     return None
 
 

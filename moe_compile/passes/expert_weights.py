@@ -605,6 +605,8 @@ def _weight_source(node: object) -> tuple[Node, bool, bool] | None:
             if is_parameter(node):
                 return node, flips, gathered
             return None
+        if _stacked_parameters(node):   # ModuleList weights stacked in the forward: one [E, ...] weight
+            return node, flips, gathered
         if not gathered and _indexed_weight(node) is not None:
             return node, flips, False
         if is_call(node, method=("transpose", "t", "mT")) or is_call(node, torch.transpose):
@@ -618,6 +620,16 @@ def _weight_source(node: object) -> tuple[Node, bool, bool] | None:
         else:
             return None
     return None
+
+
+def _stacked_parameters(node: Node) -> bool:
+    """``torch.stack([experts[0].w, ..., experts[E-1].w])``: per-expert parameters stacked in the forward."""
+    if node.op != "call_function" or node.target is not torch.stack or not node.args:
+        return False
+    members = node.args[0]
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+    return (dim == 0 and isinstance(members, (list, tuple)) and len(members) > 1
+            and all(isinstance(m, Node) and is_parameter(m) for m in members))
 
 
 def _on_weight(node, x, w, transposed, num_experts, bias=None) -> _Linear | None:

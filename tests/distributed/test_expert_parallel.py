@@ -29,6 +29,7 @@ TOL = dict(rtol=1e-4, atol=1e-5)
 class Case:
     name: str
     model: str                      # "gshard" (stacked, fixed capacity), "sort" (stacked, dropless), "loop" (ModuleList),
+                                    # "stacked" (ModuleList weights stacked in the forward),
                                     # "mixtral" (Hugging Face MixtralForCausalLM, 2 MoE layers, grouped_mm experts)
     num_experts: int
     top_k: int
@@ -55,6 +56,10 @@ def _model(case: Case) -> torch.nn.Module:
         from tests.models.sort import SortMoE
 
         return SortMoE(8, 16, case.num_experts, top_k=case.top_k)
+    if case.model == "stacked":
+        from tests.models.spellings import StackedInForwardMoE
+
+        return StackedInForwardMoE(8, 16, case.num_experts, top_k=case.top_k)
     from tests.models.loop import LoopMoE
 
     return LoopMoE(8, 16, case.num_experts, top_k=case.top_k)
@@ -182,6 +187,7 @@ CASES_2 = [
     Case("sort k=2 cf=0.5 fixed with overflow, sharded", "sort", 4, 2, sharded=True, capacity_factor=0.5),
     Case("loop k=2 replicated", "loop", 4, 2),
     Case("loop k=2 sharded, unequal batches", "loop", 4, 2, sharded=True, unequal_batches=True),
+    Case("ModuleList stacked in the forward, k=2, unequal batches", "stacked", 4, 2, unequal_batches=True),
 ]
 
 CASES_4 = [

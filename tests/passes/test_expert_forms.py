@@ -254,3 +254,25 @@ def test_post_expert_norm_is_named(caplog):
     assert moe_compile.counters["regions_rewritten"] == 0
     (message,) = [r.getMessage() for r in caplog.records if "left unchanged" in r.getMessage()]
     assert "normalise each output row before the gate weights" in message and "= mean over" in message, message
+
+
+@pytest.mark.parametrize("verify_regions", [True, False])
+def test_modulelist_weights_stacked_in_the_forward_are_experts(verify_regions):
+    from tests.models.spellings import StackedInForwardMoE
+
+    torch.manual_seed(0)
+    moe_compile.counters.clear()
+    compile_and_compare(StackedInForwardMoE(), torch.randn(2, 5, 16), options={"verify_regions": verify_regions},
+                        rtol=1e-4, atol=1e-5)
+    assert moe_compile.counters["regions_rewritten"] == 1
+
+
+def test_a_dense_mixture_is_named(caplog):
+    from tests.models.spellings import DenseMixtureMoE
+
+    torch.manual_seed(0)
+    moe_compile.counters.clear()
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        compile_and_compare(DenseMixtureMoE(), torch.randn(2, 5, 16), options={"verify_regions": False})
+    assert moe_compile.counters["regions_rewritten"] == 0
+    assert "every token before the routing applies" in caplog.text and "dense mixture" in caplog.text
