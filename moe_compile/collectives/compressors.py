@@ -24,6 +24,10 @@ Built-in (DESIGN.md "Registries"):
 | ``fp8`` | 1 byte (e4m3) + a 4-byte scale per row | ``|x|·2^-4`` + subnormal step |
 | ``zfp`` | 1 byte + 1 exponent byte per 16 values | half a mantissa step of the block |
 
+A byte payload row is zero-padded to a multiple of 16 bytes (``round_up(M + 4, 16)`` for
+int8 / fp8, ``round_up(17·Mp/16, 16)`` for zfp): rows start 16-byte aligned, so the
+kernels move 16-byte words (``moe_compile/triton_kernels/row_codec.py``).
+
 A NaN or Inf is never turned into a finite number: casts propagate them, the
 byte codecs decode a non-finite row (or zfp block) as NaN; an all-zero row
 decodes to zeros. ``nan_check=True`` raises instead.

@@ -23,6 +23,7 @@ After::
     s  = moe.on_stream([rows], [splits...], "issue_<hash>", "comm", False);  a = s[0]
     ...
     r  = moe.on_stream([a], [], "receive_<hash>", "comm", True);             d = r[0]
+    moe.hold_until_join(d, [rows])             # rows stays allocated up to here
     e  = view(d, ...)
 
 Each group is ONE opaque op, so the inner compiler cannot move another kernel
@@ -38,6 +39,19 @@ At run time (:func:`on_stream`)::
     if join: current.wait(side)         # the receive group: the consumer sees finished data
 
 Its fake implementation runs the program on the fake inputs, so shapes trace.
+
+Buffers read on the side stream are held until the join. An issue program reads its
+inputs (``rows``) on the side stream after the call returns; ``record_stream`` keeps the
+caching allocator from handing their memory out early, but Inductor reuses a dead
+buffer itself (``buf7 = buf3; del buf3  # reuse``), and its kernels would then write
+``rows`` while the side stream may still read it. So each exchange gets
+``moe.hold_until_join(joined, held)`` right after its join point: ``joined`` is the
+receive group's output (``current.wait(side)`` has run) or, for a bare wait, the waited
+tensor (compute waited for the collective, which waited for the side stream at its
+issue); ``held`` are the issue program's tensor inputs. The op does nothing at run time;
+it is side-effectful (never dead code) and reads both, so the inner compiler keeps
+``held`` alive, and cannot place the op before the join. :func:`check_held` asserts it
+on the rewritten graph.
 
 Groups, per exchange of every chain (:func:`.schedule.find_chains`):
 
@@ -77,7 +91,7 @@ from .graph_utils import example_value, is_call
 from .manager import PassResult
 from .schedule import find_chains
 
-__all__ = ["COMM", "StreamsPass", "on_stream", "program"]
+__all__ = ["COMM", "StreamsPass", "check_held", "hold_until_join", "on_stream", "program"]
 
 COMM = "comm"
 _COMPRESS = torch.ops.moe.compress.default
@@ -117,6 +131,23 @@ def _on_stream_fake(inputs, sizes, program_name, stream, join):
     return list(program(program_name)(*inputs, *sizes))
 
 
+_ON_STREAM = torch.ops.moe.on_stream.default
+
+
+@torch.library.custom_op("moe::hold_until_join", mutates_args=())
+def hold_until_join(joined: Tensor, held: list[Tensor]) -> None:
+    """Nothing at run time: ``held`` (an issue program's inputs) stays allocated until ``joined`` is ready."""
+
+
+@hold_until_join.register_fake
+def _hold_until_join_fake(joined, held):
+    return None
+
+
+_HOLD = torch.ops.moe.hold_until_join.default
+torch.fx.node.has_side_effect(_HOLD)   # never dead code, in FX and in Inductor's scheduler
+
+
 @dataclasses.dataclass(frozen=True)
 class Group:
     """Nodes of one exchange that run as one ``moe.on_stream`` call."""
@@ -154,11 +185,14 @@ class StreamsPass:
         receives = 0
         for issue in issues:   # an issue's group first: its wait then reads the new output
             wait = _wait(issue)
-            _rewrite(gm.graph, _issue_group(issue), self.stream)
+            issue_call, _ = _rewrite(gm.graph, _issue_group(issue), self.stream)
             receive = _receive_group(wait)
+            joined = wait
             if receive is not None:
-                _rewrite(gm.graph, receive, self.stream)
+                _, joined = _rewrite(gm.graph, receive, self.stream)
                 receives += 1
+            _hold(gm.graph, joined, issue_call.args[0])
+        check_held(gm)
         counters["stream_groups"] += len(issues) + receives
         log.info("moe_compile: streams: %d issue and %d receive groups on side stream %r", len(issues), receives,
                  self.stream)
@@ -209,8 +243,8 @@ def _unexpected(issue: Node) -> str | None:
     return None
 
 
-def _rewrite(graph: Graph, group: Group, stream: str) -> Node:
-    """Replace ``group`` by ``moe.on_stream`` + ``getitem`` at the group's first node."""
+def _rewrite(graph: Graph, group: Group, stream: str) -> tuple[Node, Node]:
+    """Replace ``group`` by ``moe.on_stream`` + ``getitem`` at the group's first node; (call, getitem)."""
     members = set(group.nodes)
     external = list(dict.fromkeys(i for n in group.nodes for i in n.all_input_nodes if i not in members))
     tensors = [n for n in external if isinstance(example_value(n), Tensor)]
@@ -237,7 +271,45 @@ def _rewrite(graph: Graph, group: Group, stream: str) -> Node:
     group.output.replace_all_uses_with(out, delete_user_cb=lambda user: user not in members)
     for n in reversed(group.nodes):
         graph.erase_node(n)
-    return call
+    return call, out
+
+
+def _hold(graph: Graph, joined: Node, held: list[Node]) -> None:
+    """``moe.hold_until_join(joined, held)`` right after ``joined``."""
+    with graph.inserting_after(joined):
+        hold = graph.call_function(_HOLD, (joined, list(held)))
+    hold.meta["val"] = None
+
+
+def _joins(node: Node) -> bool:
+    """``node`` is a join point: a receive program's output, or a ``wait_tensor`` on the compute stream."""
+    if is_wait(node):
+        return True
+    parent = node.args[0] if node.target is operator.getitem else None
+    return isinstance(parent, Node) and parent.target is _ON_STREAM and parent.args[4] is True
+
+
+def check_held(gm: GraphModule) -> None:
+    """Raise unless every issue program's tensor inputs are held until its own exchange's join.
+
+    For each ``moe.on_stream`` issue call: its output is read by exactly one join point (the
+    receive program, or a bare ``wait_tensor``), and a ``moe.hold_until_join`` of that join
+    point holds every tensor the issue program reads.
+    """
+    for call in gm.graph.nodes:
+        if call.target is not _ON_STREAM or call.args[4]:
+            continue
+        (out,) = call.users
+        reached = [u for u in out.users if u.target is _ON_STREAM or is_wait(u)]
+        joins = [j for r in reached for j in ([r] if is_wait(r) else r.users) if _joins(j)]
+        held = {h for j in joins for u in j.users if u.target is _HOLD for h in u.args[1]}
+        missing = [n.name for n in call.args[0] if n not in held]
+        if len(joins) != 1 or missing:
+            raise AssertionError(
+                f"streams: issue {call.args[2]} ({call.name}) reads {[n.name for n in call.args[0]]} on the side "
+                f"stream, but {missing or 'they'} are not held until its join ({[j.name for j in joins]}): "
+                f"the inner compiler could reuse their memory while the side stream reads it"
+            )
 
 
 def _register(gm: GraphModule, role: str, stream: str, join: bool) -> str:

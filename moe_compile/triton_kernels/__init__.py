@@ -10,6 +10,8 @@
   bits, tile sizes); no kernels of its own.
 - :mod:`.decode_int8`: decode straight from an int8 payload, dequantizing on the fly (fused
   ``decompress`` + ``combine``, ``moe.decode_int8_triton``).
+- :mod:`.aot`: every kernel compiled ahead of time for sm_90a / sm_80 without a GPU (registers,
+  spills, access widths), for the tests and ``benchmarks/kernels.py --static``.
 
 Importing ``moe_compile`` does not import Triton: the ``lower`` pass calls
 :func:`load` when it swaps the torch references for these kernels (on CUDA, or

@@ -153,7 +153,7 @@ def decode_triton(
     expert_out = expert_out.contiguous()
     expert_ids, locations = expert_ids.contiguous(), locations.contiguous()
     weights = gate_weights.contiguous() if has_weights else locations  # unused pointer when unweighted
-    block_t, block_m = block_sizes(model_dim)
+    block_t, block_m = block_sizes(model_dim, top_k)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(model_dim, block_m))
     _decode_kernel[grid](
         y,

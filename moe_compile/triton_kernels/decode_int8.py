@@ -30,7 +30,7 @@ kernel's result is the one ``moe::decode_triton`` gives), and a dropped k = 1
 token is ``+0.0`` where the reference may give ``-0.0``.
 
 Memory traffic (bytes; ``n = T·k_kept`` gathered rows, ``s`` = itemsize of ``dtype``,
-``s_y`` of the output, ``B = round_up(M + 4, 4)``; see :func:`memory_traffic`)::
+``s_y`` of the output, ``B = round_up(M + 4, 16)``; see :func:`memory_traffic`)::
 
     unfused  E·C·B  +  E·C·M·s  +  n·M·s  +  T·M·s_y     (decompress: read payload, write rows;
                                                             combine: gather rows, write y)
@@ -205,7 +205,7 @@ def decode_int8_triton(
     expert_ids, locations = expert_ids.contiguous(), locations.contiguous()
     has_weights = gate_weights is not None
     weights = gate_weights.contiguous() if has_weights else locations  # unused pointer when unweighted
-    block_t, block_m = block_sizes(model_dim)
+    block_t, block_m = block_sizes(model_dim, top_k)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(model_dim, block_m))
     _decode_int8_kernel[grid](
         y,

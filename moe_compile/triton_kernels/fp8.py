@@ -8,7 +8,7 @@ with the layout of :mod:`.int8`, only the element code differs::
 
     bytes[:, 0:M]     q, the e4m3fn bit pattern
     bytes[:, M:M+4]   s, little-endian float32
-    bytes[:, M+4:B]   zero padding,  B = payload_bytes(M) = round_up(M + 4, 4)
+    bytes[:, M+4:B]   zero padding,  B = payload_bytes(M) = round_up(M + 4, 16)
 
 Decode: ``x̂ = float(q) · s`` (float32), cast to the requested dtype. e4m3fn: sign bit,
 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 holds the subnormals
@@ -52,6 +52,7 @@ from .row_codec import (
     scale_from_bytes,
     store_from_f32,
     store_scale_tail,
+    tile_rows,
     tile_sizes,
     tl,
     triton,
@@ -142,7 +143,7 @@ def _fp8_compress_kernel(
     X, P, R, M, B, stride_xr, stride_pr,
     IN_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tile_rows(BLOCK_R)
     row_mask = rows < R
     absmax, bad = row_absmax(X, rows, row_mask, M, stride_xr, IN_BF16, BLOCK_R, BLOCK_M)
     s = tl.div_rn(absmax, 448.0)
@@ -162,7 +163,7 @@ def _fp8_decompress_kernel(
     P, Y, R, M, stride_pr, stride_yr,
     OUT_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tile_rows(BLOCK_R)
     row_mask = rows < R
     s = load_scale(P, rows, row_mask, stride_pr, M)
     for m0 in range(0, M, BLOCK_M):

@@ -8,10 +8,13 @@ Rows ``x: [R, M]`` (float32, float16 or bfloat16) become a uint8 payload
 
     bytes[:, 0:M]     q, the int8 bit pattern
     bytes[:, M:M+4]   s, little-endian float32
-    bytes[:, M+4:B]   zero padding,  B = payload_bytes(M) = round_up(M + 4, 4)
+    bytes[:, M+4:B]   zero padding,  B = payload_bytes(M) = round_up(M + 4, 16)
 
 Decode: ``x̂ = q · s`` (float32), cast to the requested dtype (round to nearest even).
-B is a multiple of 4 so the caller can view the payload as float32 words.
+B is a multiple of 16 (:data:`.row_codec.ROW_ALIGN`): every row starts 16-byte aligned, so
+the kernels read and write its bytes as 16-byte words (``ld/st.global.v4.b32``), and the
+caller can view the payload as float32 words. (Before, ``B = round_up(M + 4, 4)``: a stride
+of 4100 bytes at M = 4096 gave Triton no alignment and the kernels moved single bytes.)
 
 Special rows:
 
@@ -58,6 +61,7 @@ from .row_codec import (
     scale_from_bytes,
     store_from_f32,
     store_scale_tail,
+    tile_rows,
     tile_sizes,
     tl,
     triton,
@@ -123,7 +127,7 @@ def _int8_compress_kernel(
     X, P, R, M, B, stride_xr, stride_pr,
     IN_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tile_rows(BLOCK_R)
     row_mask = rows < R
     absmax, bad = row_absmax(X, rows, row_mask, M, stride_xr, IN_BF16, BLOCK_R, BLOCK_M)
     s = tl.div_rn(absmax, 127.0)
@@ -143,7 +147,7 @@ def _int8_decompress_kernel(
     P, Y, R, M, stride_pr, stride_yr,
     OUT_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tile_rows(BLOCK_R)
     row_mask = rows < R
     s = load_scale(P, rows, row_mask, stride_pr, M)
     for m0 in range(0, M, BLOCK_M):

@@ -11,6 +11,12 @@ parts that are the same for all three:
   :func:`payload_bytes`, :func:`row_scale`, :func:`scale_bytes` /
   :func:`scale_from_bytes` (torch) and :func:`store_scale_tail` / :func:`load_scale`
   (Triton);
+- the row stride: every payload row is a multiple of :data:`ROW_ALIGN` = 16 bytes
+  (``B = round_up(M + 4, 16)`` here, ``round_up(17·Mp/16, 16)`` for zfp), so each row
+  starts on a 16-byte boundary, Triton sees a stride divisible by 16 and moves the
+  element bytes as ``ld/st.global.v4.b32`` (16 bytes) instead of one byte at a time;
+- 64-bit row offsets: :func:`tile_rows` gives a program's rows as int64, so
+  ``rows * stride`` cannot wrap at 2^31 bytes (a payload past 2 GiB);
 - Triton tile helpers: bfloat16 travels as int16 bits and is converted by bit
   arithmetic (:func:`load_f32`, :func:`store_from_f32`; exact, round to nearest
   even), :func:`row_absmax`, :func:`round_half_even`, :func:`tile_sizes`;
@@ -40,6 +46,7 @@ except Exception:  # no (working) triton: the torch references and the CPU ops s
 __all__ = [
     "DTYPES",
     "HAS_TRITON",
+    "ROW_ALIGN",
     "as_kernel_input",
     "cast_slack",
     "check_payload",
@@ -49,12 +56,14 @@ __all__ = [
     "payload_bytes",
     "require_triton",
     "round_half_even",
+    "round_up",
     "row_absmax",
     "row_scale",
     "scale_bytes",
     "scale_from_bytes",
     "store_from_f32",
     "store_scale_tail",
+    "tile_rows",
     "tile_sizes",
     "tl",
     "triton",
@@ -69,9 +78,17 @@ TILE_ELEMENTS = 8192
 # --------------------------------------------------------------------------- checks, bounds, the scaled-row layout
 
 
+#: Bytes every payload row is a multiple of: rows start 16-byte aligned, so the kernels move 16-byte words.
+ROW_ALIGN = 16
+
+
+def round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
 def payload_bytes(model_dim: int) -> int:
-    """B: bytes per payload row of the scaled-row layout (int8, fp8), ``round_up(M + 4, 4)``."""
-    return (model_dim + 4 + 3) // 4 * 4
+    """B: bytes per payload row of the scaled-row layout (int8, fp8), ``round_up(M + 4, 16)``."""
+    return round_up(model_dim + 4, ROW_ALIGN)
 
 
 def check_rows(x: Tensor, codec: str) -> None:
@@ -166,9 +183,15 @@ def round_half_even(y):
 
 
 @triton.jit
+def tile_rows(BLOCK_R: tl.constexpr):
+    """This program's ``BLOCK_R`` rows, int64: ``rows * stride`` is then 64-bit and cannot wrap at 2^31."""
+    return tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+
+
+@triton.jit
 def store_scale_tail(P, rows, row_mask, stride_pr, M, B, s):
-    """Write ``s`` as 4 little-endian bytes at columns M..M+3 and zeros up to B (at most 7 bytes)."""
-    k = tl.arange(0, 8)
+    """Write ``s`` as 4 little-endian bytes at columns M..M+3 and zeros up to B (``B - M < 20``)."""
+    k = tl.arange(0, 32)
     bits = s.to(tl.int32, bitcast=True)
     byte = tl.where(k[None, :] < 4, (bits[:, None] >> (8 * (k[None, :] & 3))) & 0xFF, 0)
     mask = row_mask[:, None] & (k[None, :] < B - M)

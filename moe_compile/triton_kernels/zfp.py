@@ -12,7 +12,7 @@ uint8 payload ``[R, B]``::
 
     bytes[:, 0:Mp]            m, int8 bit patterns (block k holds columns 16k..16k+15)
     bytes[:, Mp:Mp + Mp/16]   e, one int8 per block
-    bytes[:, Mp + Mp/16:B]    zero padding,  B = payload_bytes(M) = round_up(17·Mp/16, 4)
+    bytes[:, Mp + Mp/16:B]    zero padding,  B = payload_bytes(M) = round_up(17·Mp/16, 16)
 
 Decode: ``v̂ = m · 2^(e - 7)`` (exact in float32), cast to the requested dtype.
 
@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .row_codec import (
+    ROW_ALIGN,
     as_kernel_input,
     cast_slack,
     check_payload,
@@ -55,7 +56,9 @@ from .row_codec import (
     load_f32,
     require_triton,
     round_half_even,
+    round_up,
     store_from_f32,
+    tile_rows,
     tile_sizes,
     tl,
     triton,
@@ -85,9 +88,9 @@ def padded_dim(model_dim: int) -> int:
 
 
 def payload_bytes(model_dim: int) -> int:
-    """B: bytes per payload row, ``round_up(Mp + Mp/16, 4)``."""
+    """B: bytes per payload row, ``round_up(Mp + Mp/16, 16)`` (rows 16-byte aligned, :mod:`.row_codec`)."""
     mp = padded_dim(model_dim)
-    return (mp + mp // BLOCK + 3) // 4 * 4
+    return round_up(mp + mp // BLOCK, ROW_ALIGN)
 
 
 def _pow2(k: Tensor) -> Tensor:
@@ -162,7 +165,7 @@ def _zfp_compress_kernel(
     IN_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     NB: tl.constexpr = BLOCK_M // 16
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tile_rows(BLOCK_R)
     row_mask = rows < R
     r3 = rows[:, None, None]
     rm3 = row_mask[:, None, None]
@@ -185,11 +188,11 @@ def _zfp_compress_kernel(
             (e & 0xFF).to(tl.uint8),
             mask=row_mask[:, None] & (bcol < Mp // 16)[None, :],
         )
-    k = tl.arange(0, 4)
+    k = tl.arange(0, 16)
     tail = Mp + Mp // 16
     tl.store(
         P + rows[:, None] * stride_pr + tail + k[None, :],
-        tl.zeros([BLOCK_R, 4], dtype=tl.uint8),
+        tl.zeros([BLOCK_R, 16], dtype=tl.uint8),
         mask=row_mask[:, None] & (k < B - tail)[None, :],
     )
 
@@ -200,7 +203,7 @@ def _zfp_decompress_kernel(
     OUT_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     NB: tl.constexpr = BLOCK_M // 16
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tile_rows(BLOCK_R)
     row_mask = rows < R
     r3 = rows[:, None, None]
     rm3 = row_mask[:, None, None]

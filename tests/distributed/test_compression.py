@@ -161,8 +161,8 @@ def test_every_compressor_on_2_ranks():
     for rank_ratios in ratios:
         # payload bytes over fp32 bytes on the wire, forward and backward
         assert rank_ratios["fp16"] == pytest.approx(0.5) and rank_ratios["bf16"] == pytest.approx(0.5)
-        # 1 byte per value + a 4-byte fp32 scale per row: (M + 4) / 4M
-        assert rank_ratios["int8"] == pytest.approx((MODEL_DIM + 4) / (4 * MODEL_DIM))
-        assert rank_ratios["fp8"] == pytest.approx((MODEL_DIM + 4) / (4 * MODEL_DIM))
-        # 1 byte per value + 1 exponent byte per 16 values, rounded up to 4 bytes
-        assert rank_ratios["zfp"] == pytest.approx(4 * math.ceil((MODEL_DIM + MODEL_DIM // 16) / 4) / (4 * MODEL_DIM))
+        # 1 byte per value + a 4-byte fp32 scale per row, the row rounded up to 16 bytes
+        assert rank_ratios["int8"] == pytest.approx(16 * math.ceil((MODEL_DIM + 4) / 16) / (4 * MODEL_DIM))
+        assert rank_ratios["fp8"] == pytest.approx(16 * math.ceil((MODEL_DIM + 4) / 16) / (4 * MODEL_DIM))
+        # 1 byte per value + 1 exponent byte per 16 values, the row rounded up to 16 bytes
+        assert rank_ratios["zfp"] == pytest.approx(16 * math.ceil((MODEL_DIM + MODEL_DIM // 16) / 16) / (4 * MODEL_DIM))

@@ -221,6 +221,99 @@ def test_inductor_keeps_the_on_stream_calls_in_order(fake_group, aot_graphs):
     assert {s for op, s in checked.log if op == "moe.compress.default"} == {"comm"}
 
 
+# --------------------------------------------------------------------------- inputs held until the join
+
+M = 16
+
+
+def _exchange_chain(compressor: str):
+    """A traced two-exchange chain: rows → exchange → ×3 → exchange, with an mm beside the first exchange."""
+    import torch.distributed as dist
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    group = dist.group.WORLD.group_name
+
+    def issue(rows):
+        payload = rows if compressor == "none" else torch.ops.moe.compress(rows, compressor)
+        return torch.ops._c10d_functional.all_to_all_single(payload, [4, 4], [4, 4], group)
+
+    def receive(sent):
+        waited = torch.ops._c10d_functional.wait_tensor(sent)
+        return waited if compressor == "none" else torch.ops.moe.decompress(waited, compressor, M, torch.float32)
+
+    def step(x, w):
+        sent = issue(x * 2)
+        y = x @ w
+        return (receive(issue(receive(sent) * 3)) + y.relu(), y)
+
+    example = (torch.randn(8, M), torch.randn(M, M))
+    return make_fx(step, tracing_mode="fake")(*example), example
+
+
+@pytest.mark.parametrize("compressor", ["int8", "none"])
+def test_issue_inputs_are_held_until_their_join(fake_group, compressor):
+    """Each issue program's inputs are read by ``moe.hold_until_join`` of its own join (receive or bare wait)."""
+    from moe_compile.passes.streams import check_held
+
+    fake_group(2)
+    gm, _ = _exchange_chain(compressor)
+    with use_streams(CheckedStreams()):
+        assert StreamsPass()(gm).modified
+    holds = calls(gm, torch.ops.moe.hold_until_join.default)
+    issues = [n for n in calls(gm, ON_STREAM) if not n.args[4]]
+    assert len(holds) == len(issues) == 2
+    for hold, issue in zip(holds, issues):
+        assert hold.args[1] == issue.args[0]
+        joined = hold.args[0]
+        assert (joined.target is WAIT) if compressor == "none" else (joined.args[0].args[4] is True)
+    gm.graph.erase_node(holds[0])
+    with pytest.raises(AssertionError, match=r"not held until its join"):
+        check_held(gm)
+
+
+def _released_before_join(code: str) -> list[str]:
+    """Issue-program inputs the generated code deletes or reuses before the exchange's join point."""
+    import re
+
+    lines = code.splitlines()
+    late = []
+    for i, line in enumerate(lines):
+        issue = re.search(r"(buf\d+) = torch\.ops\.moe\.on_stream\.default\(\[([^\]]*)\], .*'issue_\w+', '\w+', False\)",
+                          line)
+        if not issue:
+            continue
+        call, inputs = issue.group(1), re.findall(r"buf\d+", issue.group(2))
+        (out,) = [re.match(r"\s*(buf\d+) = ", ln).group(1) for ln in lines[i:] if f"= {call}[0]" in ln]
+        join = next(j for j in range(i, len(lines)) if re.search(
+            rf"on_stream\.default\(\[{out}\b.*True\)|wait_tensor\.default\({out}\)", lines[j]))
+        for name in inputs:
+            release = next((j for j in range(i + 1, len(lines))
+                            if re.search(rf"del {name}\b|= {name};", lines[j])), len(lines))
+            if release < join:
+                late.append(f"{name} (read by {call}) released at line {release}, joined at line {join}")
+    return late
+
+
+@pytest.mark.parametrize("compressor", ["int8", "none"])
+def test_inductor_code_releases_no_issue_input_before_its_join(fake_group, compressor):
+    """In Inductor's generated code no buffer an issue program reads is deleted or reused before the join.
+
+    Without ``moe.hold_until_join`` Inductor frees ``x * 2`` right after the issue call (and may hand
+    its memory to the next kernel's output while the side stream still compresses it).
+    """
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.utils import run_and_get_code
+
+    fake_group(2)
+    gm, example = _exchange_chain(compressor)
+    with use_streams(CheckedStreams()):
+        StreamsPass()(gm)
+        gm.recompile()
+        _, (code,) = run_and_get_code(lambda: compile_fx_inner(gm, list(example))(list(example)))
+    assert code.count("'issue_") == 2 and "hold_until_join" in code
+    assert _released_before_join(code) == []
+
+
 # --------------------------------------------------------------------------- the checker catches broken programs
 
 

@@ -208,8 +208,8 @@ def test_every_choice_dropped_and_empty_shapes():
 def test_malformed_payload_raises():
     payload, expert_ids, locations, capacity = routed(1, 7)
     w = torch.rand(expert_ids.shape)
-    with pytest.raises(ValueError, match="holds 16 bytes"):
-        decode_int8_triton(payload, expert_ids, locations, w, capacity, 9, torch.float32)
+    with pytest.raises(ValueError, match="holds 32 bytes"):
+        decode_int8_triton(payload, expert_ids, locations, w, capacity, 13, torch.float32)
     with pytest.raises(ValueError, match="not E·C rows"):
         decode_int8_triton(payload[:-1], expert_ids, locations, w, capacity, 7, torch.float32)
     with pytest.raises(TypeError, match="float64"):

@@ -62,16 +62,16 @@ def assert_within_bound(codec, x: torch.Tensor, y: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 33, 100, 4096])
-def test_payload_bytes_is_row_plus_scale_rounded_to_words(M):
+def test_payload_bytes_is_row_plus_scale_rounded_to_16_bytes(M):
     B = codec.payload_bytes(M)
-    assert B % 4 == 0 and M + 4 <= B < M + 8
+    assert B % 16 == 0 and M + 4 <= B < M + 20
     assert codec.int8_compress_torch(torch.randn(3, M)).shape == (3, B)
 
 
-def test_payload_ratio_vs_float32_is_a_quarter_plus_the_scale():
+def test_payload_ratio_vs_float32_is_a_quarter_plus_the_scale_and_alignment():
     M = 4096
     ratio = codec.payload_bytes(M) / (4 * M)
-    assert ratio == pytest.approx(1 / 4 + 4 / (4 * M))
+    assert ratio == pytest.approx(1 / 4 + 16 / (4 * M))  # 4 scale bytes + 12 bytes to the next 16
 
 
 def test_layout_q_then_little_endian_scale_then_zero_padding():
@@ -82,7 +82,7 @@ def test_layout_q_then_little_endian_scale_then_zero_padding():
     assert torch.equal(payload[0, :5].view(torch.int8), q[0])
     assert q[0, 1] == -127
     assert bytes(payload[0, 5:9].tolist()) == struct.pack("<f", torch.tensor(s, dtype=torch.float32).item())
-    assert payload[0, 9:].tolist() == [0, 0, 0]
+    assert payload.shape == (1, 16) and payload[0, 9:].tolist() == [0] * 7
 
 
 # --------------------------------------------------------------------------- reference numerics
@@ -157,7 +157,7 @@ def test_triton_tiled_rows_and_columns_match_reference(dtype):
 
 def test_triton_empty_batch():
     assert codec.int8_compress_triton(torch.randn(0, 7)).shape == (0, codec.payload_bytes(7))
-    assert codec.int8_decompress_triton(torch.zeros(0, 12, dtype=torch.uint8), 7, torch.float16).shape == (0, 7)
+    assert codec.int8_decompress_triton(torch.zeros(0, 16, dtype=torch.uint8), 7, torch.float16).shape == (0, 7)
 
 
 @settings(max_examples=40, deadline=None)
@@ -211,7 +211,7 @@ def test_errors_say_what_was_expected():
         codec.int8_compress_torch(torch.randn(2, 3, 4))
     with pytest.raises(TypeError, match="float64 is not one of"):
         codec.int8_compress_torch(torch.randn(2, 3, dtype=torch.float64))
-    with pytest.raises(ValueError, match=r"expected a uint8 payload \[R, 12\]"):
+    with pytest.raises(ValueError, match=r"expected a uint8 payload \[R, 16\]"):
         codec.int8_decompress_torch(torch.zeros(2, 8, dtype=torch.uint8), 7, torch.float32)
 
 
