@@ -157,11 +157,7 @@ def _profile_rank(rank: int, world: int, plan: ProfilePlan) -> Samples:
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
         group = dist.new_group(backend="nccl")
-    bar = None
-    if plan.progress and rank == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=plan.steps, desc=f"profile (P={world}, {plan.backend})", unit="point", file=sys.stderr)
+    bar = _progress_bar(plan, world) if plan.progress and rank == 0 else None
     samples: Samples = {}
 
     def record(key: str, size: float, fn: Callable[[], object], barrier: bool,
@@ -194,6 +190,16 @@ def _profile_rank(rank: int, world: int, plan: ProfilePlan) -> Samples:
     if bar is not None:
         bar.close()
     return samples
+
+
+def _progress_bar(plan: ProfilePlan, world: int):
+    """A tqdm bar over the plan's points, or None without tqdm (a bar is all it is for; it is the bench extra)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print("profile: measuring (pip install tqdm for a progress bar)", file=sys.stderr)
+        return None
+    return tqdm(total=plan.steps, desc=f"profile (P={world}, {plan.backend})", unit="point", file=sys.stderr)
 
 
 def _sync(device: torch.device) -> None:

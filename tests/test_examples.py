@@ -83,4 +83,5 @@ def test_train_stack_2_ranks(tmp_path):
     out = _run("train_stack.py", "--steps", "4", "--resume-at", "2", "--checkpoint-dir", str(tmp_path / "dcp"), ranks=2)
     assert out.count("EP=2  len") == 2 and out.count("EP=1  len") == 2, out
     assert "saved at step 2, resumed at EP=1" in out, out
+    assert "MoE layers made expert-parallel before the checkpoint: 2 of 2, in each of the" in out, out
     assert "compiled loss matches eager (within 0.02, bf16 autocast) over 4 steps, resumed at another EP size" in out, out

@@ -194,11 +194,13 @@ def write_plans(directory: Path, plans: list[LayerPlan], extra: dict | None = No
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "schedule.json").write_text(json.dumps({"layers": [p.to_dict() for p in plans], **(extra or {})},
                                                         indent=2, default=str))
+    from .timeline import gantt_unavailable, write_chrome_trace, write_gantt_png
+
+    no_png = gantt_unavailable() if any(plan.timelines for plan in plans) else None
     for i, plan in enumerate(plans):
         for phase, sim in plan.timelines.items():
-            from .timeline import write_chrome_trace, write_gantt_png
-
             stem = directory / f"timeline_layer{i}_{phase}"
             write_chrome_trace(stem.with_suffix(".json"), sim, None)
-            write_gantt_png(stem.with_suffix(".png"), sim, None,
-                            title=f"{plan.layer} {phase}: {plan.schedule}, r = {plan.degree(phase)} (predicted)")
+            if no_png is None:
+                write_gantt_png(stem.with_suffix(".png"), sim, None,
+                                title=f"{plan.layer} {phase}: {plan.schedule}, r = {plan.degree(phase)} (predicted)")
