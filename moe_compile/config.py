@@ -23,6 +23,7 @@ import difflib
 import enum
 import math
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -358,6 +359,7 @@ class MoECompileConfig:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> MoECompileConfig:
         """Defaults overridden by ``MOE_COMPILE_<FIELD>`` variables (the only env reads)."""
         environ = os.environ if environ is None else environ
+        _warn_unknown_variables(environ)
         cfg = cls()
         given = {}
         for field in dataclasses.fields(cls):
@@ -516,6 +518,18 @@ def _check_keys(changes: Mapping[str, Any]) -> None:
             raise ConfigError(
                 f"options[{key!r}]: unknown option{hint}; the moe backend accepts {', '.join(names)}"
             )
+
+
+def _warn_unknown_variables(environ: Mapping[str, str]) -> None:
+    """A ``MOE_COMPILE_*`` variable that names no field would be silently ignored: warn, with the closest name."""
+    known = [name.upper() for name in _field_names()]
+    for variable in sorted(environ):
+        name = variable.removeprefix(_ENV_PREFIX)
+        if variable.startswith(_ENV_PREFIX) and name not in known:
+            close = difflib.get_close_matches(name, known, n=1)  # the names after the prefix they all share
+            hint = f" (did you mean {_ENV_PREFIX}{close[0]}?)" if close else ""
+            warnings.warn(f"{variable} is not a moe_compile option and is ignored{hint}; the variables are "
+                          f"MOE_COMPILE_<FIELD> for the fields of MoECompileConfig", UserWarning, stacklevel=3)
 
 
 def _check_optional_str(cfg: MoECompileConfig, name: str) -> None:

@@ -460,9 +460,13 @@ def _run_seeded(gm, args: list):
     a shared state the two would route differently and the check would say nothing.
     """
     devices = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"})
+    # a GraphModule's forward, not its __call__: FX's call wrapper prints the generated code's traceback to stderr
+    # when the layer raises, and a layer that fails here is the user's to read about in one WARNING (DEBUG: the
+    # traceback, logged by the caller)
+    run = gm.forward if isinstance(gm, GraphModule) else gm
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         torch.manual_seed(_VERIFY_SEED)
-        return gm(*args)
+        return run(*args)
 
 
 _VERIFY_SEED = 20240601

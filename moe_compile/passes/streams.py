@@ -138,13 +138,15 @@ class StreamsPass:
 
     def __call__(self, gm: GraphModule) -> PassResult:
         chains = find_chains(gm)
-        if not chains:
-            log.info("moe_compile: streams: no expert-parallel exchanges in this graph; unchanged")
+        if not chains:  # nothing to say: no layer is expert-parallel, which the exchange pass already said
+            log.debug("moe_compile: streams: no expert-parallel exchanges in this graph; unchanged")
             return PassResult(gm, False)
         device = _device(chains[0].first)
         if device is None or not backends.streams_for(device).side_streams:
-            log.info("moe_compile: streams: %s has no side streams (gloo's async collectives already overlap the "
-                     "compute thread); graph unchanged", device)
+            if device not in _SAID_NO_SIDE_STREAMS:  # a fact about the device: once, not per forward / backward graph
+                _SAID_NO_SIDE_STREAMS.add(device)
+                log.info("moe_compile: streams: %s has no side streams (gloo's async collectives already overlap the "
+                         "compute thread); graphs unchanged", device)
             return PassResult(gm, False)
         issues = [issue for chain in chains for issue in (chain.first, chain.second)]
         problems = [p for p in map(_unexpected, issues) if p]
@@ -163,6 +165,10 @@ class StreamsPass:
         log.info("moe_compile: streams: %d issue and %d receive groups on side stream %r", len(issues), receives,
                  self.stream)
         return PassResult(gm, True)
+
+
+#: devices the pass has said have no side streams (once per process)
+_SAID_NO_SIDE_STREAMS: set = set()
 
 
 def _device(node: Node) -> torch.device | None:

@@ -74,13 +74,22 @@ def _order_text(schedule: str, chunks: int) -> str:
 
 
 def load_models(path: str | None) -> tuple[CostModels | None, str | None]:
-    """The fitted models at ``path`` (an error if given and missing), else at the default path if present."""
+    """The fitted models at ``path`` (an error if given and missing), else at the default path if present
+    (named at INFO the first time)."""
     if path is not None:
         return CostModels.load(path), str(path)
     default = CostModels.default_path()
     if default.exists():
+        if default not in _DEFAULT_SAID:  # once per process: the compile reads a file it was not given
+            _DEFAULT_SAID.add(default)
+            log.info("cost models: %s, this machine's default (python -m moe_compile.profile --install wrote it); "
+                     "options['cost_models'] chooses another file", default)
         return CostModels.load(default), str(default)
     return None, None
+
+
+#: the default cost-model files load_models has named in this process
+_DEFAULT_SAID: set[Path] = set()
 
 
 def plan_layer(
