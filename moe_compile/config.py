@@ -189,7 +189,7 @@ class MoECompileConfig:
     #: gate, MP-AllGather after the return all-to-all), or "auto" (Parm Algorithm 1 on the
     #: fitted cost models). S1 and S2 use the fused EP&ESP-AlltoAll.
     pause_mp: PauseMPSchedule = PauseMPSchedule.AUTO
-    #: NetMoE's dynamic sample placement (netmoe.txt §3): "none", or "netmoe" (each placed
+    #: NetMoE's dynamic sample placement (NetMoE §3): "none", or "netmoe" (each placed
     #: layer's gather delivers a sample to the device the Kuhn-Munkres solver picks, cutting
     #: inter-node bytes; needs ``ep_group`` and ``ranks_per_node``, and samples independent
     #: along the batch: passes/sample_placement.py).
