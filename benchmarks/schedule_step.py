@@ -35,11 +35,11 @@ compiled from the same seeded ``GShardMoE`` layer:
 
 Columns:
 
-* ``vs bound``: step / ``max(Σcomp, Σcomm)``, the issue's bound.
+* ``vs bound``: step / ``max(Σcomp, Σcomm)``.
 * ``vs phase bound``: step / ``Σ_phase max(comp, comm)``. The backward cannot start
   before the forward ends, and the backward computes about twice what the forward
   does while both exchange the same bytes, so with Σcomm = Σcomp the forward is
-  comm-bound and the backward compute-bound: no schedule reaches the issue's bound.
+  comm-bound and the backward compute-bound: no schedule reaches that bound.
 * ``layer vs its bound``: from the measured timeline, the layer's makespan over
   ``max(compute busy, link busy)`` of its tasks, both measured in the same step —
   how tightly the schedule packs the chunked tasks, without the rest of the step
