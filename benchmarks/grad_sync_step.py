@@ -2,7 +2,7 @@
 
 FSMoE ("Co-design in backward propagation and gradient synchronization") slices the dense
 gradients' all-reduce into the idle link time of the MoE layers' backward pipelines. This
-script measures, in one run on ``P`` gloo ranks and the emulated link (DESIGN.md "Measuring
+script measures, in one run on ``P`` gloo ranks and the emulated link (docs/design.md "Measuring
 schedules on small machines": the all-to-alls AND the gradient all-reduces share one α-β link,
 FIFO), the training step of the examples' ``MoETransformer`` compiled whole with ``ep_group``:
 

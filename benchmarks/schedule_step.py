@@ -4,7 +4,7 @@ ScheMoE §4 (Theorem 1) orders the chunked tasks of an MoE layer so that the
 communication overlaps the computation; at best a step takes
 ``max(Σ compute, Σ communication)``. On this machine a loopback gloo all-to-all
 is much faster than the expert matmuls, so the benchmark uses the emulated
-all-to-all (``options["emulate_link"]``, DESIGN.md "Measuring schedules on small
+all-to-all (``options["emulate_link"]``, docs/design.md "Measuring schedules on small
 machines"): the real exchange, held on a link thread until the α-β time of a
 configured network. The network is chosen so that communication ≈ computation.
 P = 1 is one rank emulating the network (no other process competes for the cores).

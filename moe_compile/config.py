@@ -1,4 +1,4 @@
-"""The one configuration of moe_compile (DESIGN.md "User surface").
+"""The one configuration of moe_compile (docs/design.md "User surface").
 
 A typed dataclass with a documented default per field. ``MOE_COMPILE_*``
 environment variables are read here and nowhere else (as is ``XDG_CACHE_HOME``,
@@ -128,7 +128,7 @@ class MoECompileConfig:
     #: Relative / absolute tolerance of that check for float32 (bf16/fp16 use 1.6e-2 / 1e-2).
     verify_rtol: float = 1e-4
     verify_atol: float = 1e-5
-    #: Expert-parallel group (DESIGN.md "Semantics"): None (no expert parallelism),
+    #: Expert-parallel group (docs/design.md "Semantics"): None (no expert parallelism),
     #: "world" (the default process group), a ``ProcessGroup``, a 1-D ``DeviceMesh``
     #: or ``(DeviceMesh, dim)``. Expert e lives on group rank ``e // (E / P)``.
     ep_group: Any = None
@@ -173,7 +173,7 @@ class MoECompileConfig:
     cost_models: str | None = None
     #: Emulate a slower network: ``{"alpha_us": 10, "gbps": 25}`` makes every expert-parallel
     #: all-to-all last at least alpha + bytes / bandwidth (the link sleeps, not the compute;
-    #: DESIGN.md "Measuring schedules on small machines"). None = the real network only.
+    #: docs/design.md "Measuring schedules on small machines"). None = the real network only.
     emulate_link: Any = None
     #: Model-parallel (tensor-parallel) group around the MoE layers (Parm §II-B): its ranks
     #: hold the same tokens (the MoE input is replicated across it). Same forms as ``ep_group``;

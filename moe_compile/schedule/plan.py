@@ -134,7 +134,7 @@ def plan_layer(
                     for name, r in rivals.items()
                 }
         except (KeyError, ValueError) as e:   # a model the file lacks (e.g. this compressor was not profiled)
-            log.warning("moe_compile: no prediction for %s: %s", name, e)
+            log.warning("no prediction for %s: %s", name, e)
     return plan
 
 
@@ -164,7 +164,7 @@ def _degree(value, phase: str, *, shape, schedule, compressor, algorithm, models
         choice = solve_chunks(shape, models, backward=phase == "backward", compressor=compressor,
                               algorithm=algorithm, schedule=schedule, max_chunks=max(1, min(max_chunks, shape.rows)))
     except KeyError as e:
-        log.warning("moe_compile: the cost models lack %s; %s r = %d", e, phase, DEFAULT_CHUNKS)
+        log.warning("the cost models lack %s; %s r = %d", e, phase, DEFAULT_CHUNKS)
         return min(DEFAULT_CHUNKS, shape.rows), f"cost models at {models_source} lack {e}; ScheMoE §4's r = 2"
     return choice.chunks, f"FSMoE r solver on {models_source}, {phase} alone ({choice.case})"
 
@@ -179,7 +179,7 @@ def _solve(name, shape, schedule, compressor, algorithm, models, models_source, 
         forward = solve_chunks(shape, models, backward=False, **kw)
         backward = solve_chunks(shape, models, backward=True, **kw)
     except KeyError as e:
-        log.warning("moe_compile: %s: the cost models lack %s; r = %d", name, e, DEFAULT_CHUNKS)
+        log.warning("%s: the cost models lack %s; r = %d", name, e, DEFAULT_CHUNKS)
         return LayerPlan(name, schedule, min(DEFAULT_CHUNKS, shape.rows), f"cost models at {models_source} lack "
                          f"{e}; ScheMoE §4's r = 2", shape, compressor, models_source)
 

@@ -1,4 +1,4 @@
-"""Schedule records and timelines: ``schedule.json``, a Chrome trace, a PNG Gantt chart (DESIGN.md "Debug dumps").
+"""Schedule records and timelines: ``schedule.json``, a Chrome trace, a PNG Gantt chart (docs/design.md "Debug dumps").
 
 * :func:`write_schedule_json` — the chosen order, ``r``, predicted and measured times
   and the inputs, as one JSON object (dataclasses, tuples and paths are converted).

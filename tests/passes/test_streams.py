@@ -1,4 +1,4 @@
-"""The ``streams`` pass and the stream abstraction (DESIGN.md "Streams", ScheMoE §4).
+"""The ``streams`` pass and the stream abstraction (docs/design.md "Streams", ScheMoE §4).
 
 There is no GPU here: the CUDA synchronisation is checked through
 ``CheckedStreams``, logical streams that raise ``StreamRaceError`` on a read
