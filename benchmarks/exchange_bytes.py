@@ -1,4 +1,4 @@
-"""How much of the EP step's exchange time would fewer bytes save? (issue 19: the packed exchange)
+"""How much of the EP step's exchange time would fewer bytes save? (a packed exchange)
 
 The compiled EP layer sends each peer the whole capacity block of that peer's experts, padding
 rows included (``[El, C, M]`` per peer), and gloo's ``all_to_all_single`` also copies the block a

@@ -2,7 +2,7 @@
 
 FSMoE ("Co-design in backward propagation and gradient synchronization") slices the dense
 gradients' all-reduce into the idle link time of the MoE layers' backward pipelines. This
-script measures, in one run on ``P`` gloo ranks and the emulated link (DESIGN.md "Measuring
+script measures, in one run on ``P`` gloo ranks and the emulated link (docs/design.md "Measuring
 schedules on small machines": the all-to-alls AND the gradient all-reduces share one α-β link,
 FIFO), the training step of the examples' ``MoETransformer`` compiled whole with ``ep_group``:
 
@@ -35,7 +35,7 @@ inside the backward, from the link's own bookings; above Σ backward comm when t
 after its α-β time, e.g. a rank issuing late), ``overlap`` = Σ backward compute + link busy −
 backward (the link time hidden under compute: 0 = fully serial, negative = idle time where neither
 computes, e.g. waiting for the other rank), ``bwd vs bound`` = backward / max(Σ backward compute,
-Σ backward comm) (the issue's target: ≤ 1.10), and the speedup over the DDP wrapper. From the link's
+Σ backward comm), and the speedup over the DDP wrapper. From the link's
 virtual clock (meaningful on a loaded machine): ``a2a queued`` (the backward's all-to-alls' total booked
 start − issue time, the wait behind earlier exchanges, e.g. a bucket, on the FIFO link) and ``link idle``
 (the backward's idle link time up to its last booked finish). Gradients of every

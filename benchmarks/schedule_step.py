@@ -4,7 +4,7 @@ ScheMoE §4 (Theorem 1) orders the chunked tasks of an MoE layer so that the
 communication overlaps the computation; at best a step takes
 ``max(Σ compute, Σ communication)``. On this machine a loopback gloo all-to-all
 is much faster than the expert matmuls, so the benchmark uses the emulated
-all-to-all (``options["emulate_link"]``, DESIGN.md "Measuring schedules on small
+all-to-all (``options["emulate_link"]``, docs/design.md "Measuring schedules on small
 machines"): the real exchange, held on a link thread until the α-β time of a
 configured network. The network is chosen so that communication ≈ computation.
 P = 1 is one rank emulating the network (no other process competes for the cores).
@@ -35,11 +35,11 @@ compiled from the same seeded ``GShardMoE`` layer:
 
 Columns:
 
-* ``vs bound``: step / ``max(Σcomp, Σcomm)``, the issue's bound.
+* ``vs bound``: step / ``max(Σcomp, Σcomm)``.
 * ``vs phase bound``: step / ``Σ_phase max(comp, comm)``. The backward cannot start
   before the forward ends, and the backward computes about twice what the forward
   does while both exchange the same bytes, so with Σcomm = Σcomp the forward is
-  comm-bound and the backward compute-bound: no schedule reaches the issue's bound.
+  comm-bound and the backward compute-bound: no schedule reaches that bound.
 * ``layer vs its bound``: from the measured timeline, the layer's makespan over
   ``max(compute busy, link busy)`` of its tasks, both measured in the same step —
   how tightly the schedule packs the chunked tasks, without the rest of the step

@@ -237,8 +237,8 @@ def _phases(times_of, ar, ready, tail, scheme_times_of, max_chunks):
 
 
 def phase_bound(times_of, ar: AlphaBeta, grads, dense_s: float) -> float:
-    """The phase's lower bound ``max(Σ compute, Σ comm)`` (issue 20's target is FSMoE's placement within 1.10x of
-    it): each layer's tasks at ``r = 1`` (chunking only adds α), split into the compute stream's and the link's,
+    """The phase's lower bound ``max(Σ compute, Σ comm)`` (FSMoE's placement is measured against it): each
+    layer's tasks at ``r = 1`` (chunking only adds α), split into the compute stream's and the link's,
     plus the dense backward (``dense_s``, compute) and one all-reduce per gradient in ``grads`` (bytes; link)."""
     compute, comm = dense_s, sum(ar(g) for g in grads if g > 0)
     for times in times_of:

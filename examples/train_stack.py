@@ -121,7 +121,9 @@ def main() -> None:
     for step in range(args.resume_at):
         got.append(train_step(net, model, optimizer, step, rank))
         log(f"step {step}  EP={world}  len {LENGTHS[step % len(LENGTHS)]:<3d} loss {got[-1]:.6f}  eager {expected[step]:.6f}")
-    expert_parallel = moe_compile.counters["regions_expert_parallel"]
+    # each graph the backend compiled (the first length, then the dynamic-length recompile) holds every layer
+    graphs, expert_parallel = moe_compile.counters["graphs"], moe_compile.counters["regions_expert_parallel"]
+    assert expert_parallel == graphs * len(model.blocks), dict(moe_compile.counters)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
     del net, model, optimizer, model_sd, optim_sd       # the job is killed
@@ -141,7 +143,8 @@ def main() -> None:
         log(f"step {step}  EP=1  len {LENGTHS[step % len(LENGTHS)]:<3d} loss {got[-1]:.6f}  eager {expected[step]:.6f}")
 
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=TOLERANCE, atol=TOLERANCE)
-    log(f"MoE layers made expert-parallel before the checkpoint: {expert_parallel}")
+    log(f"MoE layers made expert-parallel before the checkpoint: {expert_parallel // graphs} of "
+        f"{len(eager_model.blocks)}, in each of the {graphs} graphs compiled")
     log(f"compiled loss matches eager (within {TOLERANCE}, bf16 autocast) over {args.steps} steps, "
         f"resumed at another EP size")
     dist.destroy_process_group()

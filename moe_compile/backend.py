@@ -2,7 +2,7 @@
 
     torch.compile(model, backend="moe", fullgraph=True, options={...})
 
-Pipeline (:mod:`moe_compile.passes.pipeline`, DESIGN.md): stage-1 passes on the
+Pipeline (:mod:`moe_compile.passes.pipeline`, docs/design.md): stage-1 passes on the
 Dynamo graph (detect, canonicalize, sample_placement, expert_parallel, pause_mp, chunk, exchange, filled_rows),
 then AOTAutograd, whose forward and backward graphs each run the stage-2 passes
 and then the inner compiler: ``"eager"`` (the AOTAutograd graphs run as they are,
@@ -165,7 +165,7 @@ def _warn_if_split_by_ddp(gm: torch.fx.GraphModule, cfg: MoECompileConfig) -> No
     from .debug import log
 
     log.warning(
-        "moe_compile: this graph is compiled under DDP's graph splitting (torch._dynamo.config.optimize_ddp), "
+        "this graph is compiled under DDP's graph splitting (torch._dynamo.config.optimize_ddp), "
         "which cuts the model at DDP's gradient buckets; an MoE layer cut apart is left unchanged%s. Set "
         "torch._dynamo.config.optimize_ddp = False before the first call (DDP's hooks still overlap its "
         "all-reduces with the backward), or compile without the DDP wrapper and pass options['dp_group']",

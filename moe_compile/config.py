@@ -1,4 +1,4 @@
-"""The one configuration of moe_compile (DESIGN.md "User surface").
+"""The one configuration of moe_compile (docs/design.md "User surface").
 
 A typed dataclass with a documented default per field. ``MOE_COMPILE_*``
 environment variables are read here and nowhere else (as is ``XDG_CACHE_HOME``,
@@ -23,6 +23,7 @@ import difflib
 import enum
 import math
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -127,7 +128,7 @@ class MoECompileConfig:
     #: Relative / absolute tolerance of that check for float32 (bf16/fp16 use 1.6e-2 / 1e-2).
     verify_rtol: float = 1e-4
     verify_atol: float = 1e-5
-    #: Expert-parallel group (DESIGN.md "Semantics"): None (no expert parallelism),
+    #: Expert-parallel group (docs/design.md "Semantics"): None (no expert parallelism),
     #: "world" (the default process group), a ``ProcessGroup``, a 1-D ``DeviceMesh``
     #: or ``(DeviceMesh, dim)``. Expert e lives on group rank ``e // (E / P)``.
     ep_group: Any = None
@@ -172,7 +173,7 @@ class MoECompileConfig:
     cost_models: str | None = None
     #: Emulate a slower network: ``{"alpha_us": 10, "gbps": 25}`` makes every expert-parallel
     #: all-to-all last at least alpha + bytes / bandwidth (the link sleeps, not the compute;
-    #: DESIGN.md "Measuring schedules on small machines"). None = the real network only.
+    #: docs/design.md "Measuring schedules on small machines"). None = the real network only.
     emulate_link: Any = None
     #: Model-parallel (tensor-parallel) group around the MoE layers (Parm §II-B): its ranks
     #: hold the same tokens (the MoE input is replicated across it). Same forms as ``ep_group``;
@@ -188,7 +189,7 @@ class MoECompileConfig:
     #: gate, MP-AllGather after the return all-to-all), or "auto" (Parm Algorithm 1 on the
     #: fitted cost models). S1 and S2 use the fused EP&ESP-AlltoAll.
     pause_mp: PauseMPSchedule = PauseMPSchedule.AUTO
-    #: NetMoE's dynamic sample placement (netmoe.txt §3): "none", or "netmoe" (each placed
+    #: NetMoE's dynamic sample placement (NetMoE §3): "none", or "netmoe" (each placed
     #: layer's gather delivers a sample to the device the Kuhn-Munkres solver picks, cutting
     #: inter-node bytes; needs ``ep_group`` and ``ranks_per_node``, and samples independent
     #: along the batch: passes/sample_placement.py).
@@ -358,6 +359,7 @@ class MoECompileConfig:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> MoECompileConfig:
         """Defaults overridden by ``MOE_COMPILE_<FIELD>`` variables (the only env reads)."""
         environ = os.environ if environ is None else environ
+        _warn_unknown_variables(environ)
         cfg = cls()
         given = {}
         for field in dataclasses.fields(cls):
@@ -516,6 +518,18 @@ def _check_keys(changes: Mapping[str, Any]) -> None:
             raise ConfigError(
                 f"options[{key!r}]: unknown option{hint}; the moe backend accepts {', '.join(names)}"
             )
+
+
+def _warn_unknown_variables(environ: Mapping[str, str]) -> None:
+    """A ``MOE_COMPILE_*`` variable that names no field would be silently ignored: warn, with the closest name."""
+    known = [name.upper() for name in _field_names()]
+    for variable in sorted(environ):
+        name = variable.removeprefix(_ENV_PREFIX)
+        if variable.startswith(_ENV_PREFIX) and name not in known:
+            close = difflib.get_close_matches(name, known, n=1)  # the names after the prefix they all share
+            hint = f" (did you mean {_ENV_PREFIX}{close[0]}?)" if close else ""
+            warnings.warn(f"{variable} is not a moe_compile option and is ignored{hint}; the variables are "
+                          f"MOE_COMPILE_<FIELD> for the fields of MoECompileConfig", UserWarning, stacklevel=3)
 
 
 def _check_optional_str(cfg: MoECompileConfig, name: str) -> None:

@@ -1,6 +1,6 @@
 """Debug dumps of graphs: files under ``config.debug_dir`` and ``trace_structured`` artifacts.
 
-Layout (DESIGN.md "User surface")::
+Layout (docs/design.md "User surface")::
 
     <debug_dir>/rank<r>/graph<id>/<NN>_<pass>_{before,after}.py
     <debug_dir>/rank<r>/graph<id>/summary.json      # moe_compile.summary: regions, skips, passes, plans

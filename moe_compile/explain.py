@@ -280,9 +280,12 @@ def _us(seconds: Any) -> str:
 
 def _write_pngs(dump: GraphDump, console) -> list[Path]:
     from .schedule.simulator import Event, Simulation
-    from .schedule.timeline import write_gantt_png
+    from .schedule.timeline import gantt_unavailable, write_gantt_png
 
     written = []
+    if dump.schedule.get("layers") and (missing := gantt_unavailable()) is not None:
+        console.print(f"timelines not drawn: {missing}")
+        return written
     for i, plan in enumerate(dump.schedule.get("layers") or []):
         timelines = plan.get("timelines") or {}
         if not timelines:

@@ -37,9 +37,15 @@ barrier), a local task's is pooled over the ranks (they compute at the same
 time, as in expert parallelism, so they share the cores as they would). Each
 rank runs with one thread (the spawn harness), like the distributed benchmarks.
 The result, a :class:`~moe_compile.schedule.cost_model.CostModels` with the raw
-samples and the machine, goes to ``--out`` or
-:meth:`CostModels.default_path`; a table of α, throughput ``1/β`` and R² per
-key is printed.
+samples and the machine, goes to ``--out FILE`` (then ``options={"cost_models": FILE}``),
+or with ``--install`` to :meth:`CostModels.default_path`, the file every compile on this
+machine reads when ``options["cost_models"]`` is None (the compile log names it). A table of
+α, throughput ``1/β`` and R² per key is printed. A fit is poor when its R² is below
+:data:`POOR_R2` and its points stray from it by more than :data:`POOR_ERROR` of their time on
+average (a key whose time does not grow with the size, as issuing an exchange, has no
+meaningful R²: its error alone judges it); poor fits are named in a warning, and
+``--install`` then refuses to install the file (measure again on a quieter machine, or
+use the file by name).
 """
 from __future__ import annotations
 
@@ -49,6 +55,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -56,10 +63,15 @@ import torch.distributed as dist
 
 from .schedule.cost_model import AlphaBeta, CostModels, machine_info, task_key
 
-__all__ = ["ProfilePlan", "fit_models", "main", "make_plan", "r_squared"]
+__all__ = ["POOR_ERROR", "POOR_R2", "ProfilePlan", "fit_models", "main", "make_plan", "poor_fits", "r_squared",
+           "save_models"]
 
 MODEL_DIM = 1024                 # columns of the compressed rows
 EXPERT_SHAPE = (2, 128, 256)     # E_local, M, H of the profiled experts
+#: a fit with R² below this ...
+POOR_R2 = 0.8
+#: ... whose medians are off it by more than this fraction of their time on average is poor
+POOR_ERROR = 0.10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,11 +169,7 @@ def _profile_rank(rank: int, world: int, plan: ProfilePlan) -> Samples:
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
         group = dist.new_group(backend="nccl")
-    bar = None
-    if plan.progress and rank == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=plan.steps, desc=f"profile (P={world}, {plan.backend})", unit="point", file=sys.stderr)
+    bar = _progress_bar(plan, world) if plan.progress and rank == 0 else None
     samples: Samples = {}
 
     def record(key: str, size: float, fn: Callable[[], object], barrier: bool,
@@ -194,6 +202,16 @@ def _profile_rank(rank: int, world: int, plan: ProfilePlan) -> Samples:
     if bar is not None:
         bar.close()
     return samples
+
+
+def _progress_bar(plan: ProfilePlan, world: int):
+    """A tqdm bar over the plan's points, or None without tqdm (a bar is all it is for; it is the bench extra)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print("profile: measuring (pip install tqdm for a progress bar)", file=sys.stderr)
+        return None
+    return tqdm(total=plan.steps, desc=f"profile (P={world}, {plan.backend})", unit="point", file=sys.stderr)
 
 
 def _sync(device: torch.device) -> None:
@@ -323,18 +341,59 @@ def r_squared(model: AlphaBeta, sizes: Sequence[float], seconds: Sequence[float]
     return 1.0 - residual / total if total > 0 else float(residual == 0)
 
 
+def _medians(points: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    """The sizes, ascending, and the median time of each."""
+    by_size: dict[float, list[float]] = {}
+    for size, t in points:
+        by_size.setdefault(size, []).append(t)
+    sizes = sorted(by_size)
+    return sizes, [statistics.median(by_size[s]) for s in sizes]
+
+
 def fit_models(samples: dict[str, list[tuple[float, float]]]) -> tuple[dict[str, AlphaBeta], dict[str, float]]:
     """One α-β model per key, fitted to the median time of each size; and its R² on those medians."""
     models, quality = {}, {}
     for key, points in samples.items():
-        by_size: dict[float, list[float]] = {}
-        for size, t in points:
-            by_size.setdefault(size, []).append(t)
-        sizes = sorted(by_size)
-        medians = [statistics.median(by_size[s]) for s in sizes]
+        sizes, medians = _medians(points)
         models[key] = AlphaBeta.fit(sizes, medians)
         quality[key] = r_squared(models[key], sizes, medians)
     return models, quality
+
+
+def poor_fits(models: dict[str, AlphaBeta], samples: dict[str, list[tuple[float, float]]]) -> dict[str, str]:
+    """The keys whose fit is poor (R² < :data:`POOR_R2` and a mean relative error > :data:`POOR_ERROR` on the
+    medians), each with its figures as text."""
+    poor = {}
+    for key, model in models.items():
+        sizes, medians = _medians(samples[key])
+        r2 = r_squared(model, sizes, medians)
+        error = statistics.fmean(abs(model(n) - t) / t for n, t in zip(sizes, medians) if t > 0)
+        if r2 < POOR_R2 and error > POOR_ERROR:
+            poor[key] = f"R^2 {r2:.2f}, off by {error:.0%} on average"
+    return poor
+
+
+def save_models(result: CostModels, out: str | None, install: bool) -> tuple[Path | None, list[str]]:
+    """Write ``result`` to ``out``, or with ``install`` to this machine's default file unless a fit is poor;
+    the path written (None: nothing) and the lines to tell the user."""
+    poor = poor_fits(result.models, result.samples)
+    lines = []
+    if poor:
+        lines.append(f"warning: poor fits (R^2 < {POOR_R2} and off by more than {POOR_ERROR:.0%} on average): "
+                     + "; ".join(f"{key}: {why}" for key, why in sorted(poor.items()))
+                     + ". A busy machine or too few sizes; measure again on a quiet machine.")
+    if out is not None:
+        path = result.save(out)
+        lines.append(f"wrote {path}; use it with options={{'cost_models': {str(path)!r}}}")
+        return path, lines
+    default = CostModels.default_path()
+    if poor:
+        lines.append(f"not installed as this machine's default ({default}): its fits are poor. Pass --out FILE to "
+                     f"keep them and choose them by name")
+        return None, lines
+    path = result.save(default)
+    lines.append(f"installed {path}: every compile on this machine without options['cost_models'] reads it")
+    return path, lines
 
 
 def format_table(models: dict[str, AlphaBeta], quality: dict[str, float]) -> str:
@@ -371,7 +430,11 @@ def main(argv: Sequence[str] | None = None) -> CostModels:
     parser.add_argument("--mp", type=int, default=None,
                         help="Parm layout: MP group size m (consecutive ranks; default: --esp); measures "
                              "all_gather/all_reduce:mp")
-    parser.add_argument("--out", default=None, help=f"output JSON (default {CostModels.default_path()})")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", default=None, help="output JSON; use it with options={'cost_models': FILE}")
+    where.add_argument("--install", action="store_true",
+                       help=f"write {CostModels.default_path()}, which every compile on this machine reads when "
+                            f"options['cost_models'] is None (refused when a fit is poor)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
@@ -402,9 +465,10 @@ def main(argv: Sequence[str] | None = None) -> CostModels:
         "r_squared": quality,
     }
     result = CostModels(models=models, machine=machine, samples=samples)
-    path = result.save(args.out or CostModels.default_path())
     print(format_table(models, quality))
-    print(f"wrote {path}")
+    _, lines = save_models(result, args.out, args.install)
+    for line in lines:
+        print(line, file=sys.stderr if line.startswith(("warning", "not installed")) else sys.stdout)
     return result
 
 

@@ -1,4 +1,4 @@
-"""Sharded expert weights: each rank stores only its E/P experts (DESIGN.md "Semantics").
+"""Sharded expert weights: each rank stores only its E/P experts (docs/design.md "Semantics").
 
     dist.init_process_group("gloo")
     options = {"ep_group": "world"}
@@ -230,7 +230,7 @@ def _tensor_attributes(model: nn.Module):
 
 class _Captured(Exception):
     def __init__(self, found):
-        super().__init__("moe_compile: expert weights captured")
+        super().__init__("expert weights captured")
         self.found = found
 
 
@@ -261,12 +261,12 @@ def _trace_expert_weights(model, args, kwargs, cfg: MoECompileConfig) -> list[tu
         Normalize()(graph_module)   # as stage 1 does before detection
         regions, skips = find_moe_regions(graph_module.graph)
         for skip in skips:
-            log.info("moe_compile: shard_experts: %s not sharded: %s", skip.name, skip.reason)
+            log.info("shard_experts: %s not sharded: %s", skip.name, skip.reason)
         for region in regions:
             linears = [region.experts.w1, region.experts.w2] + ([region.experts.w3] if region.experts.w3 else [])
             reason = canonicalize.rewrite_region(graph_module, region)
             if reason is not None:  # left unchanged by the backend: its experts stay replicated
-                log.info("moe_compile: shard_experts: %s not sharded: %s", region.name, reason)
+                log.info("shard_experts: %s not sharded: %s", region.name, reason)
                 continue
             for linear in linears:
                 stacked = len(linear.weights) == 1
@@ -280,7 +280,7 @@ def _trace_expert_weights(model, args, kwargs, cfg: MoECompileConfig) -> list[tu
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         real = {node: [value] for node, value in zip(placeholders, example_inputs)}
         for skip in layers_in_bodies(gm, checkpoints=False):
-            log.info("moe_compile: shard_experts: %s not sharded: %s", skip.name, skip.reason)
+            log.info("shard_experts: %s not sharded: %s", skip.name, skip.reason)
         shard_layers(gm, real)
         # activation-checkpoint bodies (one level): a body input is every tensor its calls pass there
         for _, body in checkpoint_bodies(gm):

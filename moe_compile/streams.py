@@ -1,4 +1,4 @@
-"""Streams: the one small abstraction over where device work is queued (DESIGN.md "Streams").
+"""Streams: the one small abstraction over where device work is queued (docs/design.md "Streams").
 
 ScheMoE §4 overlaps the communication side of a layer (compress C, all-to-all A,
 decompress D) with the experts E of another chunk. On CUDA that needs a second

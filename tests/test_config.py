@@ -155,8 +155,20 @@ def test_from_env_bool_spellings(raw, expected):
     assert MoECompileConfig.from_env({"MOE_COMPILE_REWRITE": raw}).rewrite is expected
 
 
-def test_from_env_ignores_other_variables():
+def test_from_env_ignores_other_variables(recwarn):
     assert MoECompileConfig.from_env({"MOE_COMPILE": "1", "COMPILE_INNER": "eager"}) == MoECompileConfig()
+    assert not [w for w in recwarn if "moe_compile" in str(w.message)]
+
+
+def test_unknown_env_variable_warns_with_the_closest_name():
+    with pytest.warns(UserWarning, match=r"MOE_COMPILE_COMPRESOR is not a moe_compile option and is ignored "
+                                         r"\(did you mean MOE_COMPILE_COMPRESSOR\?\)") as caught:
+        cfg = MoECompileConfig.from_env({"MOE_COMPILE_COMPRESOR": "int8", "MOE_COMPILE_INNER": "eager",
+                                         "MOE_COMPILE_ZZZ": "1"})
+    assert cfg.compressor == "none" and cfg.inner == "eager"
+    messages = sorted(str(w.message) for w in caught)
+    assert len(messages) == 2 and messages[1].startswith("MOE_COMPILE_ZZZ is not a moe_compile option and is "
+                                                         "ignored; the variables are MOE_COMPILE_<FIELD>"), messages
 
 
 @pytest.mark.parametrize("variable, raw", [

@@ -5,9 +5,9 @@ Each case compiles one family (fullgraph, aot-eager-like inner compiler), checks
 parameter gradient against eager, and asserts the status (rewritten / left eager and why / Dynamo
 cannot capture and the fix) equals the table: a regression fails, and so does an improvement until
 
-    python -m tests.models.hf_families --update-expected --write-readme
+    python -m tests.models.hf_families --update-expected --write-docs
 
-regenerates the table and README's copy of it. One spawn of 2 gloo ranks runs the rewritten families
+regenerates the table and its copy in docs/guides/huggingface.md. One spawn of 2 gloo ranks runs the rewritten families
 expert-parallel that reach the canonical ops in different ways (``_ep_representatives``: one per experts
 signature, those with their own experts code, and ``EP_ROUTER_FORMS``) (``moe_compile.hf.prepare`` itself:
 tests/test_hf.py).
@@ -29,7 +29,7 @@ if transformers.__version__ != H.TRANSFORMERS_VERSION:
     pytest.skip(f"the family table is for transformers {H.TRANSFORMERS_VERSION} (the pinned test extra), "
                 f"not {transformers.__version__}", allow_module_level=True)
 
-REGENERATE = "python -m tests.models.hf_families --update-expected --write-readme"
+REGENERATE = "python -m tests.models.hf_families --update-expected --write-docs"
 REWRITTEN = sorted(f for (f, impl), status in H.EXPECTED.items() if impl == "grouped_mm" and status.endswith("rewritten")
                    and not status.startswith("WRONG"))
 NEEDS_PREPARE = {f for (f, impl), status in H.EXPECTED.items() if status.startswith("needs moe_compile.hf.prepare")}
@@ -107,10 +107,10 @@ def test_batched_mm_covers_every_experts_signature():
     assert H.batched_mm_representatives(grouped) == H.BATCHED_MM, f"run `{REGENERATE}`"
 
 
-def test_readme_table_is_generated():
-    text = H.README.read_text()
-    block = text.split(H.README_BEGIN, 1)[1].split(H.README_END, 1)[0].strip("\n")
-    assert block == H.readme_table(), f"README's family table differs from EXPECTED: run `{REGENERATE}`"
+def test_family_table_is_generated():
+    text = H.FAMILY_PAGE.read_text()
+    block = text.split(H.TABLE_BEGIN, 1)[1].split(H.TABLE_END, 1)[0].strip("\n")
+    assert block == H.family_table(), f"docs/guides/huggingface.md's family table differs from EXPECTED: run `{REGENERATE}`"
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ carries a payload (straight-through for the rounding itself). Autograd needs a
 floating payload: byte payloads (int8, fp8, zfp) travel as float32 words whose
 bits are the bytes; nothing does arithmetic on them.
 
-Built-in (DESIGN.md "Registries"):
+Built-in (docs/design.md "Registries"):
 
 | name | payload per value | error bound |
 |---|---|---|

@@ -1,6 +1,6 @@
 """The emulated all-to-all: a real exchange that lasts as long as a configured network's α-β time.
 
-DESIGN.md "Measuring schedules on small machines": on a 2-core CPU a loopback
+docs/design.md "Measuring schedules on small machines": on a 2-core CPU a loopback
 gloo all-to-all is far faster than the expert matmuls, and its thread competes
 with them for the cores, so the effect of a schedule (ScheMoE §4, eqs 10-14:
 how much of A1/A2 hides behind C/D/E) cannot be seen. The emulated all-to-all
@@ -118,7 +118,7 @@ def link_seconds(nbytes: float, alpha_us: float, gbps: float) -> float:
 def sent_bytes(nbytes: float, world: int) -> float:
     """Bytes of an ``nbytes`` all-to-all buffer that cross the link: the ``(P - 1) / P`` sent to the other ranks.
 
-    On one rank (P = 1: one device emulating a network, DESIGN.md "Measuring
+    On one rank (P = 1: one device emulating a network, docs/design.md "Measuring
     schedules on small machines") the whole buffer is charged, as if every row
     went to another rank.
     """

@@ -5,7 +5,7 @@ emitter, pause_mp, dead_collectives, schedule, streams, faults).
 
 Torch's functional collectives trace into graphs as an op that issues the
 communication and returns at once, plus a ``wait_tensor`` that blocks on it
-(DESIGN.md "Canonical ops"). Keeping the two apart lets the stage-2 schedule
+(docs/design.md "Canonical ops"). Keeping the two apart lets the stage-2 schedule
 place the wait right before the first consumer. The all-to-all is the
 autograd-aware op, so AOTAutograd writes its backward: the same all-to-all of the
 gradient (ScheMoE §3: A1's gradient is A2's and vice versa).

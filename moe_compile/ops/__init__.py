@@ -1,4 +1,4 @@
-"""Canonical MoE ops, namespace ``moe`` (DESIGN.md "Canonical ops").
+"""Canonical MoE ops, namespace ``moe`` (docs/design.md "Canonical ops").
 
 Importing this package registers:
 

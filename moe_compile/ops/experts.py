@@ -1,6 +1,6 @@
 """``moe::experts``: the batched expert MLP over the ``[E, C, M]`` buffer.
 
-The expert function of the matched model is kept (DESIGN.md "Canonical ops"):
+The expert function of the matched model is kept (docs/design.md "Canonical ops"):
 a plain MLP ``y = act(x W1ᵀ + b1) W2ᵀ + b2`` (GShard, Switch: ReLU / GELU) or a
 gated one ``y = glu(x W1ᵀ + b1, x W3ᵀ + b3) W2ᵀ + b2`` (Mixtral, torchtitan:
 SwiGLU, ``glu(g, u) = act(g) ⊙ u``; gpt-oss: its clamped SwiGLU), with weights in

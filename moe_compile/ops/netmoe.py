@@ -107,7 +107,7 @@ def _keep(key: int, spec: LayerSpec, outputs: Tensor, leaves: list) -> int:
     pending = _PENDING[key]
     if len(pending) >= MAX_PENDING:
         pending.popitem(last=False)
-        log.warning("moe_compile: sample_placement: layer %s kept %d forwards without a backward; dropped the oldest",
+        log.warning("sample_placement: layer %s kept %d forwards without a backward; dropped the oldest",
                     spec.name, MAX_PENDING)
     ticket = next(_TICKETS)
     pending[ticket] = (outputs, leaves)
@@ -155,7 +155,7 @@ def _run_layer(key, h, x, expert_ids, gate_weights, held, w1, w2, w3, b1, b2, b3
         counters[f"netmoe:{spec.name}:inter_tokens_after"] += int(result.placement.after.inter)
         counters["seconds:netmoe_solve"] += result.solve_seconds
         counters["seconds:netmoe_solve_waited"] += result.waited_seconds
-        log.debug("moe_compile: sample_placement: layer %s: %d samples moved in on this rank; predicted inter-node "
+        log.debug("sample_placement: layer %s: %d samples moved in on this rank; predicted inter-node "
                   "tokens %.0f -> %.0f; solve %.2f ms (waited %.2f ms)", spec.name, moved,
                   result.placement.before.inter, result.placement.after.inter,
                   result.solve_seconds * 1e3, result.waited_seconds * 1e3)

@@ -106,11 +106,11 @@ class Canonicalize:
             if reason is None:
                 counters["regions_rewritten"] += 1
                 modified = True
-                log.info("moe_compile: rewrote %s MoE layer %s into moe.dispatch/experts/combine", region.pattern, region.name)
+                log.info("rewrote %s MoE layer %s into moe.dispatch/experts/combine", region.pattern, region.name)
             else:
                 counters["regions_skipped"] += 1
                 state.skips.append(Skip(region.name, reason, stage="canonicalize"))
-                log.warning("moe_compile: MoE layer %s left unchanged: %s%s", region.name, reason,
+                log.warning("MoE layer %s left unchanged: %s%s", region.name, reason,
                             RUNS_LOCALLY if self.cfg.ep_group is not None else "")
         state.pending = []
         return PassResult(gm, modified)
@@ -123,7 +123,7 @@ class Canonicalize:
                 region = rematch(gm.graph, region)
             except NoMatch as e:
                 return f"an earlier rewrite changed it ({stale}) and matching it again failed: {e}"
-            log.info("moe_compile: %s matched again: %s", region.name, stale)
+            log.info("%s matched again: %s", region.name, stale)
         at = _splice_point(region)
         if at is None:
             return "its inputs are defined after the first use of its output"
@@ -138,7 +138,7 @@ class Canonicalize:
                 if mismatch is not None:
                     return f"its canonical form does not reproduce it ({mismatch})"
         except Exception as e:  # noqa: BLE001 - any failure leaves the layer as written
-            log.debug("moe_compile: canonicalizing %s raised", region.name, exc_info=True)
+            log.debug("canonicalizing %s raised", region.name, exc_info=True)
             return f"building or checking its canonical form raised {type(e).__name__}: {e}"
         if self.cfg.capacity_factor == "runtime":  # read at each call (moe_compile/capacity.py)
             dispatch.update_arg(3, RUNTIME_CAPACITY)
@@ -528,9 +528,13 @@ def _run_seeded(gm, args: list):
     a shared state the two would route differently and the check would say nothing.
     """
     devices = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"})
+    # a GraphModule's forward, not its __call__: FX's call wrapper prints the generated code's traceback to stderr
+    # when the layer raises, and a layer that fails here is the user's to read about in one WARNING (DEBUG: the
+    # traceback, logged by the caller)
+    run = gm.forward if isinstance(gm, GraphModule) else gm
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         torch.manual_seed(_VERIFY_SEED)
-        outputs = gm(*args)
+        outputs = run(*args)
         return outputs, torch.get_rng_state()
 
 

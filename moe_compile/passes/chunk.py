@@ -87,12 +87,12 @@ class Chunk:
                 continue
             chunks, why, schedule_plan = self.chunks_for(plan)
             if chunks == 1:
-                log.info("moe_compile: %s not chunked (r = 1: %s)", plan.name, why)
+                log.info("%s not chunked (r = 1: %s)", plan.name, why)
             else:
-                log.info("moe_compile: %s split into r = %d chunks along capacity (%s)", plan.name, chunks, why)
+                log.info("%s split into r = %d chunks along capacity (%s)", plan.name, chunks, why)
             backward = schedule_plan.backward_chunks
             if backward is not None:
-                log.info("moe_compile: %s: backward exchange in r_b = %d chunks (forward r_f = %d; %s)", plan.name,
+                log.info("%s: backward exchange in r_b = %d chunks (forward r_f = %d; %s)", plan.name,
                          backward, chunks, schedule_plan.backward_why)
             state.replace_plan(dataclasses.replace(plan, chunks=chunks, schedule_plan=schedule_plan,
                                                    backward_chunks=backward))
@@ -128,7 +128,7 @@ class Chunk:
             except KeyError as e:
                 why = f"the cost models lack {e}"
         if why is not None:
-            log.info("moe_compile: r_b not co-designed with the gradient all-reduce (%s); each r_b solved alone", why)
+            log.info("r_b not co-designed with the gradient all-reduce (%s); each r_b solved alone", why)
             return
         position = {n: i for i, n in enumerate(gm.graph.nodes)}
         plans.sort(key=lambda p: position[p.layer.dispatch])
@@ -154,7 +154,7 @@ class Chunk:
             reason = (f"FSMoE co-design (eqs 3-5) on {source}: {nbytes / 2**10:.1f} KiB of the gradient all-reduce "
                       f"in its backward pipeline, r_b re-solved with that time on the link")
             replan_backward(plan.schedule_plan, r, reason, models, str(self.cfg.all_to_all))
-            log.info("moe_compile: %s: r_b = %d (%s)", plan.name, r, reason)
+            log.info("%s: r_b = %d (%s)", plan.name, r, reason)
             state.replace_plan(dataclasses.replace(plan, backward_chunks=r))
 
     def separate_degrees(self, plan: ExchangePlan):
@@ -168,7 +168,7 @@ class Chunk:
                f"the {plan.algorithm!r} all-to-all" if plan.algorithm != "flat" else
                "Tutel's P1 / P2 switch exchange" if plan.parallelism is not None else None)
         if why is not None:
-            log.warning("moe_compile: %s: num_chunks['backward'] ignored, the backward keeps the forward's r "
+            log.warning("%s: num_chunks['backward'] ignored, the backward keeps the forward's r "
                         "(separate degrees are built for plain EP with the flat all-to-all, not %s)", plan.name, why)
             return None
         if self.cfg.schedule == "sequential" and rb == "auto":
@@ -183,7 +183,7 @@ class Chunk:
         choices = plan.adaptive or AdaptiveChoices(algorithms=(plan.algorithm,))
         r = self.cfg.forward_chunks
         chunks = ADAPTIVE_CHUNKS if r == "adaptive" else (r,)
-        log.info("moe_compile: %s: r and the all-to-all chosen per call among r in %s x %s (Tutel §3.3)",
+        log.info("%s: r and the all-to-all chosen per call among r in %s x %s (Tutel §3.3)",
                  plan.name, list(chunks), list(choices.algorithms))
         return dataclasses.replace(plan, chunks=1, adaptive=dataclasses.replace(choices, chunks=chunks))
 

@@ -70,7 +70,7 @@ class DropDeadCollectives:
             if len(dropped) == before:
                 break
         if dropped:
-            log.info("moe_compile: dropped %d unused copies of forward collectives: %s", len(dropped), ", ".join(dropped))
+            log.info("dropped %d unused copies of forward collectives: %s", len(dropped), ", ".join(dropped))
         return PassResult(gm, len(gm.graph.nodes) != nodes_before)
 
 

@@ -92,7 +92,7 @@ class Detect:
         local = RUNS_LOCALLY if self.expert_parallel else ""
         for skip in skips:
             counters["regions_skipped"] += 1
-            log.warning("moe_compile: MoE-like layer %s left unchanged: %s%s", skip.name, skip.reason, local)
+            log.warning("MoE-like layer %s left unchanged: %s%s", skip.name, skip.reason, local)
         empty = not regions and not skips and self.report_empty and not checkpoint_bodies(gm)  # bodies report theirs
         split = [layer.name for layer in split_layers()]
         if empty and split:   # the layer is in no graph: its graph break was named at WARNING (graph_breaks.py)
@@ -100,16 +100,16 @@ class Detect:
                      ", ".join(split))
         elif empty and self.expert_parallel:
             log.warning(
-                "moe_compile: no MoE layer in this graph (no top-k over [T, E] router scores); compiled unchanged: "
+                "no MoE layer in this graph (no top-k over [T, E] router scores); compiled unchanged: "
                 "under options['ep_group'] an MoE layer in it would run all of its experts locally on every rank. "
                 "If the model has one here, its router must be a top-k over [T, E] gate scores"
             )
         elif empty:
-            log.info("moe_compile: no MoE layer in this graph (no top-k router); compiled unchanged")
+            log.info("no MoE layer in this graph (no top-k router); compiled unchanged")
         for region in regions:
             counters[f"pattern:{region.pattern}"] += 1
             log.info(
-                "moe_compile: found %s MoE layer %s (E=%d, k=%s, capacity=%s, routing: %s)",
+                "found %s MoE layer %s (E=%d, k=%s, capacity=%s, routing: %s)",
                 region.pattern, region.name, region.num_experts, region.top_k, region.capacity or "dropless",
                 region.routing,
             )
@@ -155,7 +155,7 @@ def find_moe_regions(graph: Graph) -> tuple[list[MoERegion], list[Skip]]:
         if selection in inner:
             continue
         if selection in not_routers:
-            log.debug("moe_compile: %s in %s is not an MoE router: %s", selection.name, _module_name(selection),
+            log.debug("%s in %s is not an MoE router: %s", selection.name, _module_name(selection),
                       not_routers[selection])
             continue
         if selection in failures:
@@ -169,7 +169,7 @@ def find_moe_regions(graph: Graph) -> tuple[list[MoERegion], list[Skip]]:
         except NoMatch as e:
             if str(e).startswith(_NO_EXPERTS) and router.form.startswith(("top-1 by max", "top-1 by argmax")):
                 # a max over a linear's outputs with no experts after it (a classifier's prediction)
-                log.debug("moe_compile: %s in %s is not an MoE router: %s", selection.name, _module_name(selection), e)
+                log.debug("%s in %s is not an MoE router: %s", selection.name, _module_name(selection), e)
                 continue
             skips.append(Skip(getattr(e, "layer", None) or _module_name(selection), str(e)))
             continue

@@ -44,7 +44,7 @@ A plan with ``parallelism`` (sharded experts, Tutel §3.2) gets one ``moe.switch
 Contract: every row is computed by the expert the model routed it to, with the
 same weights (the local slice or shard); chunks split rows, which an expert's MLP
 treats independently, so outputs and gradients equal the single-device model's
-(DESIGN.md "Semantics"). Which choices are dropped is decided by each rank on its
+(docs/design.md "Semantics"). Which choices are dropped is decided by each rank on its
 own batch (Tutel §4.1); only the buffer is padded to the group's largest need.
 
 A shared expert (the layer's nodes that the exchange neither reads nor feeds) is moved between the
@@ -113,12 +113,12 @@ class Exchange:
         for plan in list(state.layers):
             replicated = local_weights.replicated
             if not _in_graph(plan):
-                log.warning("moe_compile: exchange: layer %s's canonical ops are no longer in the graph; left alone",
+                log.warning("exchange: layer %s's canonical ops are no longer in the graph; left alone",
                             plan.name)
                 continue
             state.replace_plan(build_layer(gm, plan, self.cfg, local_weights))
             built += 1
-            log.info("moe_compile: %s is expert-parallel over %d ranks (%d local experts, %s weights, %s, r = %d)",
+            log.info("%s is expert-parallel over %d ranks (%d local experts, %s weights, %s, r = %d)",
                      plan.name, plan.group.size, plan.num_local,
                      "sharded" if local_weights.used_shards else "replicated",
                      "plain EP" if plan.pause == "ep" else f"pause_mp={plan.pause}", plan.chunks)
@@ -154,7 +154,7 @@ def _note_replicated(plan: ExchangePlan) -> None:
     _replicated_noted = True
     size = plan.num_matrices * plan.num_experts * plan.model_dim * plan.hidden_dim * plan.expert_dtype.itemsize
     log.info(
-        "moe_compile: %s keeps replicated expert weights: every rank holds all %d experts (%.1f MiB, and each "
+        "%s keeps replicated expert weights: every rank holds all %d experts (%.1f MiB, and each "
         "backward a gradient as large, zeros outside its %d local experts, plus the optimizer's state for all "
         "of them) and computes with %d. moe_compile.shard_experts(model, group, example_input) before compiling "
         "keeps %d experts per rank and gradients for them only (see moe_compile.sharding)",
@@ -260,7 +260,7 @@ def overlap_independent(graph: Graph, plan: ExchangePlan) -> list[Node]:
         anchor.append(node)
         anchor = node
     if moved:
-        log.debug("moe_compile: %s: %d nodes independent of the exchange run during it", plan.name, len(moved))
+        log.debug("%s: %d nodes independent of the exchange run during it", plan.name, len(moved))
     return moved
 
 

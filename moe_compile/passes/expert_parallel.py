@@ -1,7 +1,7 @@
 """Expert parallelism: decide, for every canonical layer, how its expert buffer is exchanged.
 
 Each rank of the EP group (size P) runs the model on its own batch; expert e
-lives on rank ``e // El`` with ``El = E / P`` local experts (DESIGN.md
+lives on rank ``e // El`` with ``El = E / P`` local experts (docs/design.md
 "Semantics"; Tutel §2.2, ScheMoE §3 tasks A1 / A2). Stage-1 pass, after
 ``canonicalize``: it matches the canonical layers and writes one
 :class:`~moe_compile.passes.exchange_plan.ExchangePlan` per layer into
@@ -32,7 +32,7 @@ receive no token. Expert weights are either replicated (each rank slices its El
 experts; the others get zero gradient, so a data-parallel all-reduce gives the
 eager gradients) or sharded by :func:`moe_compile.shard_experts` (the graph
 reads the local shard, a parameter lifted into the graph). P = 1 plans nothing,
-unless ``config.emulate_link`` is set: then one device emulates the network (DESIGN.md
+unless ``config.emulate_link`` is set: then one device emulates the network (docs/design.md
 "Measuring schedules on small machines"), the layer gets the full exchange
 and each all-to-all costs the link's time for the whole buffer.
 A layer left unrewritten by ``canonicalize`` runs all its experts locally, which
@@ -124,18 +124,18 @@ class ExpertParallel:
             check_data_parallel()
         switched = self.layout is not None and self.cfg.parallelism is not None  # ESP alone: P1 / P2 (Tutel §3.2)
         if self.group.size == 1 and self.cfg.emulate_link is None and not switched:
-            log.info("moe_compile: expert-parallel group of size 1; no collectives inserted")
+            log.info("expert-parallel group of size 1; no collectives inserted")
             return PassResult(gm, False)
         # 2. the canonical layers
         matches, skips = match_layers(gm)
         for dispatch, reason in skips:
-            log.warning("moe_compile: MoE layer %s (%s) not made expert-parallel: %s; every rank runs all of its "
+            log.warning("MoE layer %s (%s) not made expert-parallel: %s; every rank runs all of its "
                         "experts locally", dispatch.meta.get("moe_region", "?"), dispatch.name, reason)
         # 3. each layer's all-to-all algorithm ("adaptive": the runtime op chooses among the usable ones)
         adaptive = self._adaptive_algorithms() if self.cfg.all_to_all == "adaptive" else None
         algorithms = {m.name: "flat" if adaptive else self._algorithm(m) for m in matches}
         if self.layout is not None and any(a != "flat" for a in algorithms.values()):
-            log.info("moe_compile: with options['esp_group'] / options['mp_group'] the all-to-alls are flat "
+            log.info("with options['esp_group'] / options['mp_group'] the all-to-alls are flat "
                      "(Parm's EP&ESP-AlltoAll); all_to_all=%r is not used", self.cfg.all_to_all)
             algorithms = {name: "flat" for name in algorithms}
         if any(a != "flat" for a in algorithms.values()):
@@ -164,10 +164,10 @@ class ExpertParallel:
                 if self.cfg.verify_collectives:
                     all_to_all_registry.verify_all_to_all(name, self.group.name, self.cfg.ranks_per_node)
             except (ConfigError, ValueError, RuntimeError) as e:
-                log.info("moe_compile: all_to_all='adaptive': %s left out on this group: %s", name, e)
+                log.info("all_to_all='adaptive': %s left out on this group: %s", name, e)
                 continue
             usable.append(name)
-        log.info("moe_compile: all_to_all='adaptive' chooses per call among %s", ", ".join(usable))
+        log.info("all_to_all='adaptive' chooses per call among %s", ", ".join(usable))
         return tuple(usable)
 
     def plan(self, layer: CanonicalLayer, algorithm: str) -> ExchangePlan:
@@ -211,15 +211,15 @@ class ExpertParallel:
         nbytes = layer.num_experts * rows * x.shape[-1] * x.dtype.itemsize * min(
             1.0, payload_ratio(self.cfg.compressor, x.shape[-1], x.dtype))
         if models is None or self.cfg.ranks_per_node is None:
-            log.info("moe_compile: all_to_all='auto' for %s: %s; using flat", layer.name,
+            log.info("all_to_all='auto' for %s: %s; using flat", layer.name,
                      "no ranks_per_node" if models is not None else "no fitted cost models (python -m moe_compile.profile)")
             return "flat"
         try:
             chosen, predicted = choose_all_to_all(nbytes, self.group.size, self.cfg.ranks_per_node, models)
         except KeyError as e:
-            log.warning("moe_compile: all_to_all='auto' for %s: %s; using flat", layer.name, e)
+            log.warning("all_to_all='auto' for %s: %s; using flat", layer.name, e)
             return "flat"
-        log.info("moe_compile: all_to_all='auto' for %s (%d bytes per rank, models %s): %s; predicted %s",
+        log.info("all_to_all='auto' for %s (%d bytes per rank, models %s): %s; predicted %s",
                  layer.name, nbytes, source, chosen, {k: f"{v * 1e6:.1f} us" for k, v in predicted.items()})
         return chosen
 

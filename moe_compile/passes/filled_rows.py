@@ -69,7 +69,7 @@ class FilledRows:
                 if reason is None:
                     rewritten += 1
                 else:
-                    log.debug("moe_compile: filled_rows: %s computes every row: %s", node.name, reason)
+                    log.debug("filled_rows: %s computes every row: %s", node.name, reason)
         if rewritten:
             gm.graph.lint()
         return PassResult(gm, bool(rewritten))

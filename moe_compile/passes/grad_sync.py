@@ -290,7 +290,7 @@ class GradSync:
              "issued_before": point.name, "issued_at_node": order[i], "nodes": len(graph.nodes)}
             for b, point, i in zip(buckets, points, issued)]
         plan.report["placement"] = plan.placement.value
-        log.info("moe_compile: grad_sync: %d gradients in %d buckets (%d of them slices) all-reduced over %d ranks "
+        log.info("grad_sync: %d gradients in %d buckets (%d of them slices) all-reduced over %d ranks "
                  "(%s), %d divided", len({p for b in buckets for p in b.positions}), len(buckets),
                  sum(b.sliced for b in buckets), size, plan.placement.value,
                  len(plan.divided) + len(plan.divided_subclass))

@@ -1,7 +1,7 @@
 """Lower: swap the canonical ops' torch references for the Triton kernels (stage 2).
 
 Runs on the AOTAutograd forward and backward graphs, after autograd is settled,
-so a swap only has to compute the same values (DESIGN.md "Triton kernels").
+so a swap only has to compute the same values (docs/design.md "Triton kernels").
 ``config.kernels``: ``"auto"`` lowers graphs whose tensors are on CUDA,
 ``"triton"`` lowers every graph (on CPU the kernels then run in Triton's
 interpreter, which is how the tests check the lowered graphs), ``"torch"``
@@ -66,7 +66,7 @@ class Lower:
         from .. import triton_kernels
 
         if not triton_kernels.available("cuda" if cuda else "cpu"):
-            log.warning("moe_compile: kernels='%s' but Triton cannot run here (on CPU it needs TRITON_INTERPRET=1); "
+            log.warning("kernels='%s' but Triton cannot run here (on CPU it needs TRITON_INTERPRET=1); "
                         "the torch references stay", self.cfg.kernels)
             return PassResult(gm, False)
         triton_kernels.load()  # registers torch.ops.moe.*_triton
@@ -88,7 +88,7 @@ class Lower:
                 continue
             swaps += 1
         if swaps:
-            log.info("moe_compile: lowered %d ops to Triton kernels", swaps)
+            log.info("lowered %d ops to Triton kernels", swaps)
         return PassResult(gm, bool(swaps))
 
 

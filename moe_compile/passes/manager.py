@@ -81,7 +81,7 @@ class PassManager:
             counters["seconds:passes"] += seconds
             if self.dumper:
                 self.dumper.dump(f"{name}_after", gm, step=step)
-            log.debug("moe_compile: pass %s %s", name, "modified the graph" if result.modified else "left the graph unchanged")
+            log.debug("pass %s %s", name, "modified the graph" if result.modified else "left the graph unchanged")
             ran.append(name)
             effects.append((pass_name(p), bool(result.modified), seconds))
         return gm

@@ -99,26 +99,26 @@ class PauseMP:
         for plan in list(state.layers):
             if plan.layout is None:
                 if self.cfg.parallelism is not None:
-                    log.info("moe_compile: %s: options['parallelism'] has nothing to switch: the experts are not "
+                    log.info("%s: options['parallelism'] has nothing to switch: the experts are not "
                              "sharded (esp_group of size 1), P1 = P2 = plain EP (Tutel Fig. 13)", plan.name)
                 continue
             if self.cfg.parallelism is not None:
                 if plan.layout.shards > 1 and plan.layout.replicas == 1:
-                    log.info("moe_compile: %s: parallelism=%s (Tutel §3.2 over EP %d x ESP %d)", plan.name,
+                    log.info("%s: parallelism=%s (Tutel §3.2 over EP %d x ESP %d)", plan.name,
                              self.cfg.parallelism, plan.layout.ep.size, plan.layout.shards)
                     state.replace_plan(dataclasses.replace(
                         plan, pause="s1", parallelism=str(self.cfg.parallelism),
                         pause_decision={"choice": "s1", "why": f"options['parallelism']={self.cfg.parallelism!r}: "
                                         "Tutel's P1 / P2 (moe.switch_exchange)"}))
                     continue
-                log.warning("moe_compile: %s: options['parallelism'] needs experts sharded over esp_group (size > 1) "
+                log.warning("%s: options['parallelism'] needs experts sharded over esp_group (size > 1) "
                             "and no MP group; this layer keeps pause_mp's schedule", plan.name)
             mode, why, extra = self.choose(plan)
             if mode == "s1":
                 blocker = s1_blocker(plan)
                 if blocker is not None:
                     mode, why = "s2", f"S1 not applicable: {blocker}"
-            log.info("moe_compile: %s: pause_mp=%s (%s)", plan.name, mode, why)
+            log.info("%s: pause_mp=%s (%s)", plan.name, mode, why)
             state.replace_plan(dataclasses.replace(plan, pause=mode, pause_decision={"choice": mode, "why": why, **extra}))
         return PassResult(gm, False)
 

@@ -195,7 +195,7 @@ class SamplePlacement:
             return PassResult(gm, False)
         if self.body:   # a recomputed forward would solve and exchange again, and keep a second autograd graph
             if gm.graph.find_nodes(op="call_function", target=torch.ops.moe.dispatch.default):
-                log.warning("moe_compile: sample_placement: the MoE layers inside an activation-checkpoint body are "
+                log.warning("sample_placement: the MoE layers inside an activation-checkpoint body are "
                             "left unplaced (expert-parallel as usual)")
             return PassResult(gm, False)
         from ..collectives.group import resolve_group
@@ -206,7 +206,7 @@ class SamplePlacement:
         for dispatch in gm.graph.find_nodes(op="call_function", target=torch.ops.moe.dispatch.default):
             layer, reason = _match(dispatch, ep.size)
             if layer is None:
-                log.info("moe_compile: sample_placement: layer %s left to expert_parallel: %s",
+                log.info("sample_placement: layer %s left to expert_parallel: %s",
                          dispatch.meta.get("moe_region", dispatch.name), reason)
             else:
                 layers[layer.add] = layer
@@ -219,7 +219,7 @@ class SamplePlacement:
             name, reason = problem
             refused[name] = reason
             moe_state(gm).placement.append({"layer": name, "placed": False, "why": reason})
-            log.warning("moe_compile: sample_placement: layer %s left unplaced: %s", name, reason)
+            log.warning("sample_placement: layer %s left unplaced: %s", name, reason)
             counters["sample_placement:refused"] += 1
         if not active:
             return PassResult(gm, False)
@@ -357,7 +357,7 @@ class SamplePlacement:
                 "layer": lay.name, "placed": True,
                 "residual": "inlined (Appendix A)" if lay.norm is not None else "sent with moved samples",
                 "why": "last placed layer: rows restored after it" if spec.last else "a placed layer follows"})
-            log.info("moe_compile: sample_placement: layer %s placed by NetMoE (residual %s; %s)", lay.name,
+            log.info("sample_placement: layer %s placed by NetMoE (residual %s; %s)", lay.name,
                      "inlined into the experts (Appendix A)" if lay.norm is not None else "sent with moved samples",
                      "last placed layer: rows restored after it" if spec.last else "a placed layer follows")
         for item in self.restores:
@@ -375,7 +375,7 @@ class SamplePlacement:
             node.args = torch.fx.node.map_arg(node.args, lambda n: replaced.get(n, n))
             node.kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: replaced.get(n, n))
             if item.reason is not None:
-                log.info("moe_compile: sample_placement: rows of layer %s restored to the original order before %s (%s)",
+                log.info("sample_placement: rows of layer %s restored to the original order before %s (%s)",
                          lay.name, node.name, item.reason)
         graph.lint()
         gm.recompile()

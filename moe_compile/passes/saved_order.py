@@ -76,7 +76,7 @@ InOrderPartitioner = None
 
 def _in_order(forward: GraphModule, backward: GraphModule) -> tuple[GraphModule, GraphModule]:
     if order_saved_rng_states(forward, backward=False) != order_saved_rng_states(backward, backward=True):
-        raise AssertionError("moe_compile: saved RNG states reordered in only one of the forward and backward graphs")
+        raise AssertionError("saved RNG states reordered in only one of the forward and backward graphs")
     return forward, backward
 
 

@@ -10,7 +10,7 @@ of the computing tasks
     (C1^1 .. C1^r) (D1^1 E^1 C2^1) .. (D1^r E^r C2^r) (D2^1 .. D2^r)
 
 with every all-to-all started as soon as its producer is done (eqs 13-14). In
-graph terms (DESIGN.md "The schedule"): compute nodes follow eq (12), every
+graph terms (docs/design.md "The schedule"): compute nodes follow eq (12), every
 all-to-all issue (``all_to_all_single``) is placed right after its producer, and
 its ``wait_tensor`` right before its first consumer, so that the exchange of one
 chunk runs (on gloo's threads, or the NCCL stream) while the next chunk computes.
@@ -288,7 +288,7 @@ class SchedulePass:
             return PassResult(gm, False)
         _apply(gm, order)
         counters["graphs_scheduled"] += 1
-        log.info("moe_compile: schedule %s: %d layers, %d chunks reordered (%s graph)", self.schedule,
+        log.info("schedule %s: %d layers, %d chunks reordered (%s graph)", self.schedule,
                  len(layers), sum(len(c) for c in layers.values()), "backward" if backward else "forward")
         return PassResult(gm, True)
 

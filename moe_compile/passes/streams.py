@@ -6,7 +6,7 @@ beside the experts E^{i-1} of the previous chunk. On a GPU kernels queued on one
 stream run in order, so the compression of chunk i, queued behind E^{i-1}, would
 wait for it, and so would the all-to-all: NCCL makes its own stream wait for the
 *current* stream at issue. This pass puts each exchange's comm-side work on the
-side stream ``"comm"`` (DESIGN.md "Streams"): issued there, A1^i waits only for
+side stream ``"comm"`` (docs/design.md "Streams"): issued there, A1^i waits only for
 C1^i.
 
 Before (forward, one exchange; :mod:`.schedule` already placed the nodes)::
@@ -68,7 +68,7 @@ left unchanged with one log line. On a device without side streams
 (``streams_for(device).side_streams`` is False: CPU, where gloo's async work
 already overlaps the compute thread) the graph is left unchanged, logged.
 
-Deviation from DESIGN.md's pipeline listing (streams before lower): this pass
+Deviation from docs/design.md's pipeline listing (streams before lower): this pass
 runs after :mod:`.lower`, so it wraps the lowered kernels (``impl="triton"``
 compress, fused decodes); before it, lower would have to look inside opaque
 programs.
@@ -169,18 +169,20 @@ class StreamsPass:
 
     def __call__(self, gm: GraphModule) -> PassResult:
         chains = find_chains(gm)
-        if not chains:
-            log.info("moe_compile: streams: no expert-parallel exchanges in this graph; unchanged")
+        if not chains:  # nothing to say: no layer is expert-parallel, which the exchange pass already said
+            log.debug("streams: no expert-parallel exchanges in this graph; unchanged")
             return PassResult(gm, False)
         device = _device(chains[0].first)
         if device is None or not backends.streams_for(device).side_streams:
-            log.info("moe_compile: streams: %s has no side streams (gloo's async collectives already overlap the "
-                     "compute thread); graph unchanged", device)
+            if device not in _SAID_NO_SIDE_STREAMS:  # a fact about the device: once, not per forward / backward graph
+                _SAID_NO_SIDE_STREAMS.add(device)
+                log.info("streams: %s has no side streams (gloo's async collectives already overlap the "
+                         "compute thread); graphs unchanged", device)
             return PassResult(gm, False)
         issues = [issue for chain in chains for issue in (chain.first, chain.second)]
         problems = [p for p in map(_unexpected, issues) if p]
         if problems:
-            log.info("moe_compile: streams: comm side not understood (%s); graph unchanged", problems[0])
+            log.info("streams: comm side not understood (%s); graph unchanged", problems[0])
             return PassResult(gm, False)
         receives = 0
         for issue in issues:   # an issue's group first: its wait then reads the new output
@@ -194,9 +196,13 @@ class StreamsPass:
             _hold(gm.graph, joined, issue_call.args[0])
         check_held(gm)
         counters["stream_groups"] += len(issues) + receives
-        log.info("moe_compile: streams: %d issue and %d receive groups on side stream %r", len(issues), receives,
+        log.info("streams: %d issue and %d receive groups on side stream %r", len(issues), receives,
                  self.stream)
         return PassResult(gm, True)
+
+
+#: devices the pass has said have no side streams (once per process)
+_SAID_NO_SIDE_STREAMS: set = set()
 
 
 def _device(node: Node) -> torch.device | None:

@@ -209,7 +209,8 @@ class CostModels:
         path = pathlib.Path(path)
         if not path.exists():
             raise FileNotFoundError(
-                f"no cost models at {path}; run `python -m moe_compile.profile` (writes {CostModels.default_path()})"
+                f"no cost models at {path}; run `python -m moe_compile.profile --out {path}` (or --install: "
+                f"{CostModels.default_path()}, read when options['cost_models'] is None)"
             )
         return cls.from_dict(json.loads(path.read_text()))
 

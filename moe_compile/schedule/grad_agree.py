@@ -89,7 +89,7 @@ def agree_placement(gm: GraphModule, points: Sequence[Node], layers: Sequence | 
     differed = tuple(e["rank"] for e in everyone if e["positions"] != first["positions"])
     if differed and mine["rank"] == first["rank"]:
         log.warning(
-            "moe_compile: options['dp_placement']=%r: ranks %s placed the gradient buckets differently from rank "
+            "options['dp_placement']=%r: ranks %s placed the gradient buckets differently from rank "
             "%d (their cost models or dp_backward_compute_ms differ); every rank uses rank %d's placement (else the "
             "collectives would run in different orders and hang). To place from one model, pass the same "
             "options['cost_models'] file (and dp_backward_compute_ms) on every rank", option, list(differed),

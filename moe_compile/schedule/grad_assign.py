@@ -309,7 +309,7 @@ def fsmoe_issue_points(gm, buckets, asap, plan) -> list:
         except KeyError:
             why = f"the cost models lack {task_key('all_reduce', world=plan.group.size)}"
     if why is not None:
-        log.info("moe_compile: grad_sync placement fsmoe: %s; buckets issued as soon as ready", why)
+        log.info("grad_sync placement fsmoe: %s; buckets issued as soon as ready", why)
         return list(asap)
     starts = [order[nodes[0]] for nodes in spans]
 

@@ -311,7 +311,7 @@ def timeline_issue_points(gm: GraphModule, buckets: Sequence, asap: Sequence[Nod
     models, _ = load_models(plan.cost_models)
     experts = models.get("experts") if models is not None else None
     if experts is None:
-        log.info("moe_compile: grad_sync placement timeline: no fitted 'experts' cost model (python -m "
+        log.info("grad_sync placement timeline: no fitted 'experts' cost model (python -m "
                  "moe_compile.profile); buckets issued as soon as ready")
         return list(asap)
     world = plan.group.size
@@ -321,7 +321,7 @@ def timeline_issue_points(gm: GraphModule, buckets: Sequence, asap: Sequence[Nod
     else:
         ar = models.get(task_key("all_reduce", world=world))
         if ar is None:
-            log.info("moe_compile: grad_sync placement timeline: the cost models lack %s; buckets issued as "
+            log.info("grad_sync placement timeline: the cost models lack %s; buckets issued as "
                      "soon as ready", task_key("all_reduce", world=world))
             return list(asap)
         t_ar = ar
@@ -347,7 +347,7 @@ def timeline_issue_points(gm: GraphModule, buckets: Sequence, asap: Sequence[Nod
             calibration = calibrate(gm, per_mac, per_node, measured, fallback)
             per_mac, per_node = calibration.per_mac, calibration.per_node
         except ValueError as e:
-            log.info("moe_compile: grad_sync placement timeline: options['dp_backward_compute_ms'] not applied: %s", e)
+            log.info("grad_sync placement timeline: options['dp_backward_compute_ms'] not applied: %s", e)
     timeline = estimate(gm, per_mac, _a2a_seconds(models, world_of, fallback), fallback=fallback, per_node=per_node)
     seconds = [t_ar(b.nbytes) for b in buckets]
     points = place_buckets(gm, timeline, earliest, seconds)

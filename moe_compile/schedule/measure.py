@@ -154,10 +154,10 @@ class TaskMeasurement:
     def write(self, debug_dir: str | Path) -> list[Path]:
         """Add ``measured`` to each measured layer of ``<debug_dir>/rank<r>/graph<id>/schedule.json`` (written
         from the plans when absent) and write ``timeline_layer<i>_<phase>.json`` / ``.png`` there with the
-        predicted and the measured rows. Returns the files written."""
+        predicted and the measured rows (the PNGs need matplotlib, the ``plots`` extra). Returns the files written."""
         from ..process_rank import rank
         from .plan import write_plans
-        from .timeline import write_chrome_trace, write_gantt_png
+        from .timeline import gantt_unavailable, write_chrome_trace, write_gantt_png
 
         written: list[Path] = []
         by_graph: dict[int | None, _Source] = {}
@@ -192,6 +192,8 @@ class TaskMeasurement:
                     predicted = plan.timelines.get(phase) or Simulation(0.0, [], plan.schedule, plan.degree(phase))
                     stem = directory / f"timeline_layer{i}_{phase}"
                     written.append(write_chrome_trace(stem.with_suffix(".json"), predicted, sim.events))
+                    if gantt_unavailable() is not None:
+                        continue
                     what = "predicted and measured" if plan.timelines.get(phase) else "measured; no prediction"
                     written.append(write_gantt_png(
                         stem.with_suffix(".png"), predicted, sim.events,

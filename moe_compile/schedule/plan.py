@@ -74,13 +74,22 @@ def _order_text(schedule: str, chunks: int) -> str:
 
 
 def load_models(path: str | None) -> tuple[CostModels | None, str | None]:
-    """The fitted models at ``path`` (an error if given and missing), else at the default path if present."""
+    """The fitted models at ``path`` (an error if given and missing), else at the default path if present
+    (named at INFO the first time)."""
     if path is not None:
         return CostModels.load(path), str(path)
     default = CostModels.default_path()
     if default.exists():
+        if default not in _DEFAULT_SAID:  # once per process: the compile reads a file it was not given
+            _DEFAULT_SAID.add(default)
+            log.info("cost models: %s, this machine's default (python -m moe_compile.profile --install wrote it); "
+                     "options['cost_models'] chooses another file", default)
         return CostModels.load(default), str(default)
     return None, None
+
+
+#: the default cost-model files load_models has named in this process
+_DEFAULT_SAID: set[Path] = set()
 
 
 def plan_layer(
@@ -125,7 +134,7 @@ def plan_layer(
                     for name, r in rivals.items()
                 }
         except (KeyError, ValueError) as e:   # a model the file lacks (e.g. this compressor was not profiled)
-            log.warning("moe_compile: no prediction for %s: %s", name, e)
+            log.warning("no prediction for %s: %s", name, e)
     return plan
 
 
@@ -155,7 +164,7 @@ def _degree(value, phase: str, *, shape, schedule, compressor, algorithm, models
         choice = solve_chunks(shape, models, backward=phase == "backward", compressor=compressor,
                               algorithm=algorithm, schedule=schedule, max_chunks=max(1, min(max_chunks, shape.rows)))
     except KeyError as e:
-        log.warning("moe_compile: the cost models lack %s; %s r = %d", e, phase, DEFAULT_CHUNKS)
+        log.warning("the cost models lack %s; %s r = %d", e, phase, DEFAULT_CHUNKS)
         return min(DEFAULT_CHUNKS, shape.rows), f"cost models at {models_source} lack {e}; ScheMoE §4's r = 2"
     return choice.chunks, f"FSMoE r solver on {models_source}, {phase} alone ({choice.case})"
 
@@ -170,7 +179,7 @@ def _solve(name, shape, schedule, compressor, algorithm, models, models_source, 
         forward = solve_chunks(shape, models, backward=False, **kw)
         backward = solve_chunks(shape, models, backward=True, **kw)
     except KeyError as e:
-        log.warning("moe_compile: %s: the cost models lack %s; r = %d", name, e, DEFAULT_CHUNKS)
+        log.warning("%s: the cost models lack %s; r = %d", name, e, DEFAULT_CHUNKS)
         return LayerPlan(name, schedule, min(DEFAULT_CHUNKS, shape.rows), f"cost models at {models_source} lack "
                          f"{e}; ScheMoE §4's r = 2", shape, compressor, models_source)
 
@@ -194,11 +203,13 @@ def write_plans(directory: Path, plans: list[LayerPlan], extra: dict | None = No
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "schedule.json").write_text(json.dumps({"layers": [p.to_dict() for p in plans], **(extra or {})},
                                                         indent=2, default=str))
+    from .timeline import gantt_unavailable, write_chrome_trace, write_gantt_png
+
+    no_png = gantt_unavailable() if any(plan.timelines for plan in plans) else None
     for i, plan in enumerate(plans):
         for phase, sim in plan.timelines.items():
-            from .timeline import write_chrome_trace, write_gantt_png
-
             stem = directory / f"timeline_layer{i}_{phase}"
             write_chrome_trace(stem.with_suffix(".json"), sim, None)
-            write_gantt_png(stem.with_suffix(".png"), sim, None,
-                            title=f"{plan.layer} {phase}: {plan.schedule}, r = {plan.degree(phase)} (predicted)")
+            if no_png is None:
+                write_gantt_png(stem.with_suffix(".png"), sim, None,
+                                title=f"{plan.layer} {phase}: {plan.schedule}, r = {plan.degree(phase)} (predicted)")

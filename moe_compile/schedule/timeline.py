@@ -1,4 +1,4 @@
-"""Schedule records and timelines: ``schedule.json``, a Chrome trace, a PNG Gantt chart (DESIGN.md "Debug dumps").
+"""Schedule records and timelines: ``schedule.json``, a Chrome trace, a PNG Gantt chart (docs/design.md "Debug dumps").
 
 * :func:`write_schedule_json` — the chosen order, ``r``, predicted and measured times
   and the inputs, as one JSON object (dataclasses, tuples and paths are converted).
@@ -7,7 +7,9 @@
   with ``ts`` / ``dur`` in microseconds; process 1 is the prediction, process 2 the
   measurement, one thread per stream (compute, comm).
 * :func:`write_gantt_png` — one row per (source, stream), bars labelled with the
-  task (``C1^2``), drawn with matplotlib's Agg canvas (no display needed).
+  task (``C1^2``), drawn with matplotlib's Agg canvas (no display needed). matplotlib is the
+  ``plots`` extra: without it :func:`write_gantt_png` raises an ImportError that says so, and the
+  debug dumps write the Chrome traces alone (:func:`gantt_unavailable`).
 """
 from __future__ import annotations
 
@@ -18,9 +20,13 @@ import os
 import pathlib
 from typing import Any
 
+from ..debug import log
 from .simulator import Event, Simulation
 
-__all__ = ["write_chrome_trace", "write_gantt_png", "write_schedule_json"]
+__all__ = ["gantt_unavailable", "write_chrome_trace", "write_gantt_png", "write_schedule_json"]
+
+#: What a user without matplotlib is told (the timeline PNGs are the only use of it).
+NO_MATPLOTLIB = "the timeline PNGs need matplotlib: pip install 'moe_compile[plots]'"
 
 _STREAMS = ("compute", "comm")
 _COLORS = {"C": "#4C72B0", "A": "#DD8452", "D": "#55A868", "E": "#C44E52"}
@@ -86,12 +92,33 @@ def write_chrome_trace(path: str | os.PathLike, predicted: Simulation, measured:
     return path
 
 
+def gantt_unavailable() -> str | None:
+    """Why :func:`write_gantt_png` cannot draw here (matplotlib is not installed), or None. The first time it
+    is asked in a process and matplotlib is missing, one INFO line says that the PNGs are left out."""
+    global _NO_PNG_SAID
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        if not _NO_PNG_SAID:
+            _NO_PNG_SAID = True
+            log.info("%s; the debug dumps get the timelines as Chrome traces (.json) alone", NO_MATPLOTLIB)
+        return NO_MATPLOTLIB
+    return None
+
+
+#: gantt_unavailable has said so in this process
+_NO_PNG_SAID = False
+
+
 def write_gantt_png(
     path: str | os.PathLike, predicted: Simulation, measured: list[Event] | None = None, title: str = ""
 ) -> pathlib.Path:
     """Gantt chart, one row per (predicted|measured, stream), time in ms from each source's first start."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError(NO_MATPLOTLIB) from e
 
     sources = _sources(predicted, measured)
     rows = [(label, stream) for label, _ in sources for stream in _STREAMS]

@@ -81,10 +81,10 @@ def test_payload_ratios():
 
 
 def _readme_int16():
-    """The 16-bit user compressor of the README's "Extending" section (one copy, tested here too)."""
-    from tests.test_readme import _section_code
+    """The 16-bit user compressor of the "Extending" guide (one copy, tested here too)."""
+    from tests.test_readme import EXTENDING, page_code
 
-    code = _section_code("Extending")
+    code = page_code(EXTENDING)
     code = code[code.index("class Int16"):code.index('moe_compile.register_compressor("int16"')]
     namespace = {"torch": torch, "moe_compile": moe_compile}
     exec(code, namespace)

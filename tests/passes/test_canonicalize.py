@@ -231,3 +231,28 @@ def test_verify_runs_once_for_the_same_graphs_and_shapes():
     assert moe_compile.counters["regions_rewritten"] == 3
     assert moe_compile.counters["regions_verified_again"] == 1
     assert len(canonicalize._VERDICTS) == 2
+
+
+def test_a_layer_that_raises_in_the_region_check_is_one_warning(monkeypatch, capfd, caplog):
+    """The region check runs the user's layer; when it raises, the layer stays as written with one WARNING naming
+    the error, nothing on stderr (FX's call wrapper printed the generated code's traceback there), and the
+    traceback at DEBUG."""
+    from moe_compile.passes import canonicalize
+
+    real_probe = canonicalize._probe
+
+    def bad_probe(node, region, equal, gen):  # hidden rows one column short: the layer's own matmul raises
+        value = real_probe(node, region, equal, gen)
+        return value[..., :-1] if node is region.hidden else value
+
+    monkeypatch.setattr(canonicalize, "_probe", bad_probe)
+    monkeypatch.setattr(canonicalize, "_VERDICTS", {})
+    model = GShardMoE(12, 20, 4)
+    with caplog.at_level(logging.DEBUG, logger="moe_compile"):
+        compiled = torch.compile(model, backend="moe", fullgraph=True, options={"inner": "eager"})
+        torch.testing.assert_close(compiled(torch.randn(10, 12)).shape, torch.Size([10, 12]))
+    assert moe_compile.counters["regions_skipped"] == 1 and moe_compile.counters["regions_rewritten"] == 0
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "left unchanged: building or checking its canonical form raised RuntimeError" in warning.getMessage()
+    assert any(r.levelno == logging.DEBUG and r.exc_info for r in caplog.records)
+    assert "FX-traced Module" not in capfd.readouterr().err

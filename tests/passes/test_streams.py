@@ -1,4 +1,4 @@
-"""The ``streams`` pass and the stream abstraction (DESIGN.md "Streams", ScheMoE §4).
+"""The ``streams`` pass and the stream abstraction (docs/design.md "Streams", ScheMoE §4).
 
 There is no GPU here: the CUDA synchronisation is checked through
 ``CheckedStreams``, logical streams that raise ``StreamRaceError`` on a read
@@ -23,6 +23,7 @@ from torch.fx import GraphModule, Node
 
 import moe_compile
 from moe_compile.passes import PassResult
+from moe_compile.passes import streams as streams_pass
 from moe_compile.passes.streams import StreamsPass, program
 from moe_compile.streams import CheckedStreams, CpuStreams, StreamRaceError, streams_for, use_streams
 from moe_compile.testing import spawn
@@ -117,25 +118,27 @@ def test_streams_for_cpu_has_no_side_streams():
     assert isinstance(streams_for("cpu"), CpuStreams)
 
 
-def test_cpu_default_leaves_the_graph_unchanged(fake_group, caplog):
+def test_cpu_default_leaves_the_graph_unchanged(fake_group, caplog, monkeypatch):
     fake_group(2)
+    monkeypatch.setattr(streams_pass, "_SAID_NO_SIDE_STREAMS", set())
     with caplog.at_level(logging.INFO, logger="moe_compile"), \
             record_after("streams", "before_streams", before=True) as before, \
             record_after("streams", "after_streams") as after:
         train_step(_model(), torch.randn(12, 8, requires_grad=True), _options("int8", 2))
     assert len(after.names) == 2 and after.names == before.names   # forward and backward
     assert all(calls(gm, ON_STREAM) == [] and calls(gm, A2A) for gm in after.graphs)
-    assert sum("has no side streams" in r.getMessage() for r in caplog.records) == 2
+    assert sum("has no side streams" in r.getMessage() for r in caplog.records) == 1  # a fact about the device: once
     assert moe_compile.counters["stream_groups"] == 0
 
 
 def test_graph_without_exchanges_is_unchanged_and_logged(caplog):
     gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
     names = [n.name for n in gm.graph.nodes]
-    with use_streams(CheckedStreams()), caplog.at_level(logging.INFO, logger="moe_compile"):
+    with use_streams(CheckedStreams()), caplog.at_level(logging.DEBUG, logger="moe_compile"):
         result = StreamsPass()(gm)
     assert not result.modified and [n.name for n in gm.graph.nodes] == names
-    assert "no expert-parallel exchanges" in caplog.text
+    (record,) = [r for r in caplog.records if "no expert-parallel exchanges" in r.getMessage()]
+    assert record.levelno == logging.DEBUG  # a graph without expert parallelism: nothing to say at INFO
 
 
 # --------------------------------------------------------------------------- graph shape, checked streams

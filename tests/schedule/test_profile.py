@@ -1,12 +1,15 @@
 """``python -m moe_compile.profile``: the quick profile on 2 gloo ranks writes loadable α-β models; plan and fit units;
-Parm's layout flags (``--esp``, ``--mp``) measure the group-labelled keys."""
+Parm's layout flags (``--esp``, ``--mp``) measure the group-labelled keys; poor fits are named and never installed
+as the machine's default, which only ``--install`` writes and a compile names when it reads it."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
-from moe_compile.profile import combine, fit_models, main, make_plan, r_squared
+from moe_compile.profile import POOR_R2, combine, fit_models, main, make_plan, poor_fits, r_squared, save_models
+from moe_compile.schedule import plan as layer_plan
 from moe_compile.schedule.cost_model import AlphaBeta, CostModels
 
 
@@ -110,3 +113,58 @@ def test_layout_profile_measures_group_keys_on_4_ranks():
         assert len(samples[key]) == 3 * plan.repeats and all(t > 0 for _, t in samples[key]), key  # slowest rank
     models, _ = fit_models({k: samples[k] for k in expected})
     assert set(models) == expected
+
+
+# --------------------------------------------------------------------------- poor fits, --install
+
+
+def _linear(alpha=1e-4, beta=1e-9, noise=(1.0, 1.0, 1.0)):
+    return [(n, (alpha + beta * n) * f) for n in (1e5, 1e6, 1e7) for f in noise]
+
+
+def test_poor_fits_are_named_with_their_r2():
+    samples = {
+        "all_to_all:flat:2": _linear(),                                                   # a line: good
+        "issue:flat:2": [(n, 3e-4 * f) for n in (1e5, 1e6, 1e7) for f in (0.98, 1.0, 1.02)],  # flat: R² means nothing
+        "experts": [(1e5, 9e-3), (1e5, 9e-3), (1e6, 1e-3), (1e7, 1.2e-2), (1e7, 1.2e-2)],   # scattered
+    }
+    models, quality = fit_models(samples)
+    poor = poor_fits(models, samples)
+    assert list(poor) == ["experts"], poor
+    assert quality["experts"] < POOR_R2 and f"R^2 {quality['experts']:.2f}" in poor["experts"]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def test_install_refuses_a_poor_fit_and_out_keeps_it(cache):
+    samples = {"experts": [(1e5, 9e-3), (1e6, 1e-3), (1e7, 1.2e-2)]}
+    result = CostModels(fit_models(samples)[0], machine={}, samples=samples)
+    path, lines = save_models(result, None, install=True)
+    assert path is None and not CostModels.default_path().exists()
+    assert lines[0].startswith(f"warning: poor fits (R^2 < {POOR_R2}") and "experts" in lines[0]
+    assert "not installed" in lines[1]
+    path, lines = save_models(result, str(cache / "mine.json"), install=False)
+    assert path == cache / "mine.json" and path.exists() and lines[0].startswith("warning: poor fits")
+
+
+def test_install_writes_the_default_that_compiles_read_and_name(cache, caplog):
+    samples = {"experts": _linear()}
+    path, lines = save_models(CostModels(fit_models(samples)[0], machine={}, samples=samples), None, install=True)
+    assert path == CostModels.default_path() and path.exists() and lines == [
+        f"installed {path}: every compile on this machine without options['cost_models'] reads it"]
+    layer_plan._DEFAULT_SAID.discard(path)
+    with caplog.at_level(logging.INFO, logger="moe_compile"):
+        assert layer_plan.load_models(None)[1] == str(path)
+        assert layer_plan.load_models(None)[1] == str(path)
+    named = [r.getMessage() for r in caplog.records if str(path) in r.getMessage()]
+    assert len(named) == 1 and "this machine's default" in named[0], named
+
+
+def test_the_output_is_chosen_explicitly(capsys):
+    with pytest.raises(SystemExit):
+        main(["--quick"])
+    assert "one of the arguments --out --install is required" in capsys.readouterr().err
