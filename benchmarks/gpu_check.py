@@ -6,7 +6,7 @@
    against the torch references, and a layer compiled with ``kernels="auto"`` and ``inner="inductor"``
    against eager, forward and backward.
 3. ``chunked_ep``: one device, ``ep_group="world"`` (P = 1), ``num_chunks=4``, ``compressor="int8"``, the
-   emulated link (every row charged as if sent, DESIGN.md "Measuring schedules on small machines"),
+   emulated link (every row charged as if sent, docs/design.md "Measuring schedules on small machines"),
    one training step under ``torch.profiler``: the trace's GPU time per kind (compress, decompress,
    expert GEMMs, other kernels) and how many compress kernels C1ⁱ ran while an expert GEMM of another
    chunk Eⁱ⁻¹ was running on another stream (the side stream's overlap).

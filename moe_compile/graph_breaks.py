@@ -85,7 +85,7 @@ def report_graph_breaks() -> list[SplitLayer]:
         _REPORTED[(layer.filename, layer.name)] = layer
         reported.append(layer)
         log.warning(
-            "moe_compile: MoE layer %s (%s:%d, %s) is split across graphs by a graph break, so it runs as written "
+            "MoE layer %s (%s:%d, %s) is split across graphs by a graph break, so it runs as written "
             "(not rewritten, not expert-parallel): %s. Fix: %s",
             layer.name, layer.filename, layer.lineno, layer.function, layer.reason, layer.fix)
     return reported

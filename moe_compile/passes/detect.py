@@ -96,7 +96,7 @@ class Detect:
         empty = not regions and not skips and self.report_empty and not checkpoint_bodies(gm)  # bodies report theirs
         split = [layer.name for layer in split_layers()]
         if empty and split:   # the layer is in no graph: its graph break was named at WARNING (graph_breaks.py)
-            log.info("moe_compile: no MoE layer in this graph; compiled unchanged (Dynamo split %s across graphs)",
+            log.info("no MoE layer in this graph; compiled unchanged (Dynamo split %s across graphs)",
                      ", ".join(split))
         elif empty and self.expert_parallel:
             log.warning(
