@@ -243,8 +243,16 @@ def _module_name(node: Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return "<root>"
-    path = list(stack.values())[-1][0]
-    return _clean_path(path)
+    key, (path, _cls) = list(stack.items())[-1]
+    return _clean_path(path) + _call_suffix(key)
+
+
+def _call_suffix(key: str) -> str:
+    """``"@n"`` for the (n+1)-th call of a module in one graph (Dynamo's ``nn_module_stack`` key of a module
+    called again, weight sharing: ``"1401...@1"``), ``""`` for its first: a layer's name is its module path and
+    this index, the same on every rank, so that each application is a layer of its own."""
+    match = re.search(r"@\d+$", key)
+    return match.group(0) if match else ""
 
 
 def _clean_path(path: str) -> str:
@@ -260,7 +268,8 @@ def _clean_path(path: str) -> str:
 def _match(graph: Graph, router: Router) -> MoERegion:
     selection = router.selection
     stack = selection.meta.get("nn_module_stack") or {}
-    candidates = [(_clean_path(path), module_region(graph, key)) for key, (path, _cls) in reversed(list(stack.items()))]
+    candidates = [(_clean_path(path) + _call_suffix(key), module_region(graph, key))
+                  for key, (path, _cls) in reversed(list(stack.items()))]
     # the compiled module itself: its nodes carry no entry of their own
     candidates.append(("<root>", [n for n in graph.nodes if n.op not in ("placeholder", "output")]))
     for name, region in candidates:
