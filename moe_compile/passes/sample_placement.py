@@ -203,7 +203,10 @@ class SamplePlacement:
         ep = resolve_group(self.cfg.ep_group)
         pg = _process_group(self.cfg.ep_group)
         layers = {}
+        local = moe_state(gm).local   # canonical here, but some rank could not rewrite it (passes/agree.py)
         for dispatch in gm.graph.find_nodes(op="call_function", target=torch.ops.moe.dispatch.default):
+            if dispatch.meta.get("moe_region") in local:
+                continue
             layer, reason = _match(dispatch, ep.size)
             if layer is None:
                 log.info("moe_compile: sample_placement: layer %s left to expert_parallel: %s",
