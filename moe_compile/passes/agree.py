@@ -24,6 +24,8 @@ dispatcher off: the gloo/GIL deadlock of :mod:`moe_compile.collectives.compile_t
   alternatives, P1 / P2), as :mod:`moe_compile.schedule.grad_agree` does for the gradient buckets. These
   are performance choices only (every one gives the model's values), so adopting one is correct and makes
   the hang impossible; the ranks whose own choice differed are named in one WARNING.
+- NetMoE (``sample_placement``) places a layer only where every rank places it: the ranks all-gather the
+  layers they place (:meth:`Agreement.gather`) until every rank places the same ones.
 
 Before (``moe`` with T·k = 8 on rank 0; on rank 1 its region check failed)::
 
@@ -85,7 +87,7 @@ class Agreement:
         state = moe_state(gm)
         mine = {} if late else {s.name: s.reason for s in state.skips}
         mine.update(own)
-        everyone = self._gather(mine)
+        everyone = self.gather(mine)
         names = list(dict.fromkeys(name for _, verdicts in everyone for name in verdicts))
         refused: dict[str, str] = {}
         for name in names:
@@ -112,7 +114,7 @@ class Agreement:
         whose own decisions differed."""
         state = moe_state(gm)
         mine = {plan.name: tuple(getattr(plan, f) for f in PLAN_DECISIONS) for plan in state.layers}
-        everyone = self._gather(mine)
+        everyone = self.gather(mine)
         source, first = everyone[0]
         if any(set(e) != set(first) for _, e in everyone):
             raise RuntimeError(
@@ -131,8 +133,9 @@ class Agreement:
                 source, source, {name: dict(zip(PLAN_DECISIONS, d)) for name, d in first.items()})
         return differed
 
-    def _gather(self, mine: dict) -> list[tuple[int, dict]]:
-        """(global rank, its ``mine``) of every rank, in the group's order (this process alone: its own)."""
+    def gather(self, mine: dict) -> list[tuple[int, dict]]:
+        """(global rank, its ``mine``) of every rank, in the group's order (this process alone: its own); a
+        collective: every rank of the group calls it at the same point of its compile."""
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if self.group is None:
             return [(rank, mine)]

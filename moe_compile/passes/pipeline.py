@@ -59,7 +59,8 @@ def stage1_passes(cfg: MoECompileConfig, body: bool = False) -> list:
     layout = resolve_layout(cfg.ep_group, cfg.esp_group, cfg.mp_group) if group is not None else None
     agreement = agreement_of(cfg)   # ep_group / dp_group: one decision per layer on every rank
     passes = [Detect(expert_parallel=group is not None, report_empty=not body, agreed=agreement is not None),
-              Canonicalize(cfg, agreement), SamplePlacement(cfg, group, body=body), ExpertParallel(cfg, group, layout),
+              Canonicalize(cfg, agreement), SamplePlacement(cfg, group, body=body, agreement=agreement),
+              ExpertParallel(cfg, group, layout),
               PauseMP(cfg), Chunk(cfg), AgreePlans(agreement), Exchange(cfg, group), FilledRows()]
     assert tuple(p.name for p in passes) == STAGE1
     return passes
