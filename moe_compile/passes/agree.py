@@ -93,7 +93,7 @@ class Agreement:
         for name in names:
             why: dict[str, list[int]] = {}
             for rank, verdicts in everyone:
-                reason = verdicts.get(name, "not found as an MoE layer on this rank")
+                reason = verdicts.get(name, "not found as an MoE layer")
                 if name in verdicts and reason is None:
                     continue
                 if rank not in why.setdefault(reason, []):
