@@ -3,7 +3,8 @@
     torch.compile(model, backend="moe", fullgraph=True, options={...})
 
 Pipeline (:mod:`moe_compile.passes.pipeline`, docs/design.md): stage-1 passes on the
-Dynamo graph (detect, canonicalize, sample_placement, expert_parallel, pause_mp, chunk, exchange, filled_rows),
+Dynamo graph (normalize, detect, canonicalize, sample_placement, expert_parallel, pause_mp, chunk, agree_plans,
+exchange, filled_rows),
 then AOTAutograd, whose forward and backward graphs each run the stage-2 passes
 and then the inner compiler: ``"eager"`` (the AOTAutograd graphs run as they are,
 the default on CPU) or ``"inductor"`` (the default on CUDA).
@@ -34,6 +35,7 @@ from .passes.local_weights import SHARD_INPUTS, sharded_placeholders
 from .shard_record import expert_shard
 from .passes.graph_utils import on_cuda
 from .passes.manager import PassManager
+from .passes.provenance import graph_is_built, mark_built
 from .passes.registry import with_user_passes
 
 __all__ = ["moe_backend", "stage1_passes", "stage2_passes"]
@@ -52,6 +54,8 @@ def stage2_passes(cfg: MoECompileConfig, grad_sync=None) -> list:
 
 
 def _run_stage(passes: list, context: CompileContext, gm: torch.fx.GraphModule, prefix: str = ""):
+    if prefix in ("fw_", "bw_"):   # stage 2: the nodes traced from what stage 1 built are the passes' to touch
+        context.provenance.carry(gm, backward=prefix == "bw_")
     manager = PassManager(passes, context.dumper, prefix=prefix)
     gm = manager(gm)
     context.stage_done(prefix, manager.effects, gm)
@@ -62,6 +66,8 @@ def _run_stage1(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.Gra
     """Stage 1 on the Dynamo graph and inside each of its activation-checkpoint bodies
     (:mod:`moe_compile.passes.checkpoint_bodies`); the bodies' layers join the graph's state."""
     bodies = checkpoint_bodies(gm)
+    graphs = [gm.graph, *(body.graph for _, body in bodies)]
+    received = {node for graph in graphs for node in graph.nodes}   # Dynamo's: every other node is stage 1's
     mark_sharded_operands(gm)  # the bodies' inputs that read sharded expert weights
     mark_traced_operands(gm)   # and the traced values of the graph inputs they read, for the region check
     for name, body in bodies:
@@ -71,7 +77,11 @@ def _run_stage1(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.Gra
         context.body_done(name, manager.effects, body)
     if bodies:
         gm.recompile()
-    return _run_stage(stage1_passes(cfg), context, gm)
+    gm = _run_stage(stage1_passes(cfg), context, gm)
+    graphs = [gm.graph, *(body.graph for _, body in bodies)]
+    mark_built(graphs, received)
+    context.provenance.record_stage1(graphs)
+    return gm
 
 
 def moe_backend(
@@ -248,7 +258,7 @@ def _compile(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.GraphM
         graph = _run_stage(stage2_passes(cfg, grad_sync), context, graph, prefix)
         # torch's meta strides can differ from its CPU kernels' (softplus / batch-norm backward): a traced view
         # the real tensor cannot take becomes reshape (passes/safe_views.py; Inductor computes its own layouts)
-        reshaped = reshape_unsafe_views(graph, backward=prefix == "bw_")
+        reshaped = reshape_unsafe_views(graph, backward=prefix == "bw_") if graph_is_built(graph) else 0
         if reshaped:
             counters["views_reshaped"] += reshaped
         with _timed("seconds:inner"):

@@ -21,6 +21,7 @@ from torch.fx import GraphModule
 
 from .debug import GraphDumper, next_graph_id
 from .faults import CollectiveSites
+from .passes.provenance import Provenance
 from .passes.state import moe_state
 from .process_rank import rank
 from .summary import stage1_summary, write_summary
@@ -36,6 +37,7 @@ class CompileContext:
         self.graph_id = next_graph_id()
         self.dumper = GraphDumper(cfg.debug_dir, graph_id=self.graph_id)
         self.sites = CollectiveSites()
+        self.provenance = Provenance()   # which nodes stage 1 built, carried to the AOTAutograd graphs
         self.summary: dict = {"graph": self.graph_id, "rank": rank(), "passes": {}}
         #: the layers' schedule plans (moe_compile.schedule.plan.LayerPlan), once stage 1 is done
         self.plans: list = []

@@ -57,6 +57,14 @@ node it names is still there, its nodes read exactly its recorded inputs); a
 stale one is matched again from its router (:func:`.detect.rematch`), and one
 that no longer matches is left unchanged and logged with the reason.
 
+Under ``ep_group`` / ``dp_group`` the ranks decide each layer alike (:mod:`.agree`): every layer is
+checked first (steps 0-3) with nothing spliced, the ranks all-gather their verdicts, and only the
+layers every rank can rewrite are spliced (their check is not run again unless an earlier splice
+made the record stale); a layer one rank refuses is left as written on every rank, with one WARNING
+naming the rank and its reason. A layer agreed on that a rank still cannot rewrite (matched again
+after an earlier splice, it no longer matches) is agreed once more and then runs locally on every
+rank (``gm.meta["moe"].local``).
+
 Steps: 0. check the record against the graph (re-match it if stale); 1. extract
 the layer into its own graph; 2. build the canonical ops in a second copy and
 drop what became dead; 3. verify (a mismatch names the first op that differs); 4. splice the
@@ -79,7 +87,8 @@ from ..config import MoECompileConfig
 from ..counters import counters
 from ..debug import log
 from .checkpoint_bodies import traced_example
-from .detect import RUNS_LOCALLY, find_moe_regions, rematch
+from .agree import Agreement
+from .detect import find_moe_regions, rematch
 from .graph_utils import example_value, is_inplace, reachable, region_boundary, shape_of
 from .fake_values import propagate
 from .manager import PassResult
@@ -94,15 +103,23 @@ class Canonicalize:
 
     name = "canonicalize"
 
-    def __init__(self, cfg: MoECompileConfig):
+    def __init__(self, cfg: MoECompileConfig, agreement: Agreement | None = None):
         self.cfg = cfg
+        #: ``ep_group`` / ``dp_group``: every layer's verdict agreed over the ranks before any splice (:mod:`.agree`)
+        self.agreement = agreement
 
     def __call__(self, gm: GraphModule) -> PassResult:
         state = moe_state(gm)
         regions = state.pending if state.detected else find_moe_regions(gm.graph)[0]
+        refused: dict[str, str] = {}
+        if self.agreement is not None:  # every layer checked first, nothing spliced; then one verdict per layer
+            refused = self.agreement.layers(gm, {r.name: self.rewrite_region(gm, r, splice=False) for r in regions})
         modified = False
+        late: dict[str, str | None] = {}
         for region in regions:
-            reason = self.rewrite_region(gm, region)
+            reason = refused.get(region.name) or self.rewrite_region(gm, region, checked=self.agreement is not None)
+            if region.name not in refused:
+                late[region.name] = reason
             if reason is None:
                 counters["regions_rewritten"] += 1
                 modified = True
@@ -110,13 +127,19 @@ class Canonicalize:
             else:
                 counters["regions_skipped"] += 1
                 state.skips.append(Skip(region.name, reason, stage="canonicalize"))
-                log.warning("MoE layer %s left unchanged: %s%s", region.name, reason,
-                            RUNS_LOCALLY if self.cfg.ep_group is not None else "")
+                if self.agreement is None:
+                    log.warning("MoE layer %s left unchanged: %s", region.name, reason)
+        if self.agreement is not None:
+            # a layer agreed on but not rewritten here after all (matched again after an earlier splice, it no
+            # longer matched): the ranks that rewrote it keep its canonical ops, and every rank runs it locally
+            state.local.update(self.agreement.layers(gm, late, late=True))
         state.pending = []
         return PassResult(gm, modified)
 
-    def rewrite_region(self, gm: GraphModule, region: MoERegion) -> str | None:
-        """Rewrite one region; the reason it was left alone, or None."""
+    def rewrite_region(self, gm: GraphModule, region: MoERegion, splice: bool = True, checked: bool = False) -> str | None:
+        """Rewrite one region; the reason it was left alone, or None (``splice=False``: every step but the
+        splice, the verdict only; ``checked``: this record passed the check already, which is not run
+        again unless an earlier splice made the record stale)."""
         stale = stale_reason(gm.graph, region)
         if stale is not None:
             try:
@@ -130,7 +153,7 @@ class Canonicalize:
         try:
             canonical, env = _extract(gm, region)
             dispatch = _build(canonical, region, env)
-            if self.cfg.verify_regions:
+            if self.cfg.verify_regions and not (checked and stale is None):
                 original, _ = _extract(gm, region)
                 start = time.perf_counter()
                 mismatch = verify(original, canonical, region, self.cfg)
@@ -150,7 +173,8 @@ class Canonicalize:
             capacity = capacity_from_factor(self.cfg.capacity_factor, num_tokens, region.num_experts, region.top_k)
             dispatch.update_arg(3, capacity)
             canonical.recompile()
-        _splice(gm, region, canonical, at)
+        if splice:
+            _splice(gm, region, canonical, at)
         return None
 
 

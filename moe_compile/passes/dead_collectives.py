@@ -29,7 +29,8 @@ on any tangent; then dead code, which can leave more such copies, until nothing
 changes. A collective that depends on a gradient is never removed, even if
 this rank does not read its result: other ranks may be waiting for this rank's
 part (a hierarchical all-to-all's non-leader ranks send but receive nothing).
-The forward graph is left alone. Ranks may compile different graphs (a leader
+The forward graph is left alone, and so is every collective the package did not build
+(:mod:`.provenance`: a model's own collective, even an unused copy of it, is left as AOTAutograd wrote it). Ranks may compile different graphs (a leader
 and a non-leader of ``1dh``): keeping a copy on one rank and not on another
 would desynchronize their collectives, which is why the copies must go on every
 rank.
@@ -42,6 +43,7 @@ from ..collectives.nodes import is_all_to_all, is_collective, is_wait
 from ..debug import log
 from .graph_utils import reachable
 from .manager import PassResult
+from .provenance import built
 
 __all__ = ["DropDeadCollectives"]
 
@@ -64,7 +66,7 @@ class DropDeadCollectives:
             for node in reversed(list(gm.graph.nodes)):
                 if node.users or node in from_gradients:
                     continue
-                if (is_wait(node) and _issues(node.args[0])) or _issues(node):
+                if (is_wait(node) and built(node) and _issues(node.args[0])) or _issues(node):
                     dropped.append(node.name)
                     gm.graph.erase_node(node)
             if len(dropped) == before:
@@ -76,5 +78,6 @@ class DropDeadCollectives:
 
 def _issues(node) -> bool:
     """A functional collective, or an all-to-all of the graph's own ops (the emulated link's
-    ``moe.emulated_all_to_all``, whose copies the partitioner makes as it does of the functional ones)."""
-    return is_collective(node) or is_all_to_all(node)
+    ``moe.emulated_all_to_all``, whose copies the partitioner makes as it does of the functional ones),
+    that this package built (:mod:`.provenance`): a model's own collective is the model's to keep."""
+    return (is_collective(node) or is_all_to_all(node)) and built(node)

@@ -78,10 +78,12 @@ class Detect:
 
     name = "detect"
 
-    def __init__(self, expert_parallel: bool = False, report_empty: bool = True):
+    def __init__(self, expert_parallel: bool = False, report_empty: bool = True, agreed: bool = False):
         self.expert_parallel = expert_parallel
         #: say when the graph has no MoE layer (not for an activation-checkpoint body, which often has none)
         self.report_empty = report_empty
+        #: the ranks agree on each layer (passes/agree.py), whose one WARNING names every rank's reason
+        self.agreed = agreed
 
     def __call__(self, gm: GraphModule) -> PassResult:
         regions, skips = find_moe_regions(gm.graph)
@@ -92,7 +94,8 @@ class Detect:
         local = RUNS_LOCALLY if self.expert_parallel else ""
         for skip in skips:
             counters["regions_skipped"] += 1
-            log.warning("MoE-like layer %s left unchanged: %s%s", skip.name, skip.reason, local)
+            if not self.agreed:
+                log.warning("MoE-like layer %s left unchanged: %s%s", skip.name, skip.reason, local)
         empty = not regions and not skips and self.report_empty and not checkpoint_bodies(gm)  # bodies report theirs
         split = [layer.name for layer in split_layers()]
         if empty and split:   # the layer is in no graph: its graph break was named at WARNING (graph_breaks.py)
@@ -250,8 +253,16 @@ def _module_name(node: Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return "<root>"
-    path = list(stack.values())[-1][0]
-    return _clean_path(path)
+    key, (path, _cls) = list(stack.items())[-1]
+    return _clean_path(path) + _call_suffix(key)
+
+
+def _call_suffix(key: str) -> str:
+    """``"@n"`` for the (n+1)-th call of a module in one graph (Dynamo's ``nn_module_stack`` key of a module
+    called again, weight sharing: ``"1401...@1"``), ``""`` for its first: a layer's name is its module path and
+    this index, the same on every rank, so that each application is a layer of its own."""
+    match = re.search(r"@\d+$", key)
+    return match.group(0) if match else ""
 
 
 def _clean_path(path: str) -> str:
@@ -267,7 +278,8 @@ def _clean_path(path: str) -> str:
 def _match(graph: Graph, router: Router) -> MoERegion:
     selection = router.selection
     stack = selection.meta.get("nn_module_stack") or {}
-    candidates = [(_clean_path(path), module_region(graph, key)) for key, (path, _cls) in reversed(list(stack.items()))]
+    candidates = [(_clean_path(path) + _call_suffix(key), module_region(graph, key))
+                  for key, (path, _cls) in reversed(list(stack.items()))]
     # the compiled module itself: its nodes carry no entry of their own
     candidates.append(("<root>", [n for n in graph.nodes if n.op not in ("placeholder", "output")]))
     for name, region in candidates:
@@ -308,7 +320,8 @@ def _match(graph: Graph, router: Router) -> MoERegion:
         if scaled_before and in_shape is not None and len(in_shape) == 3 and same_size(
                 in_shape[0] * in_shape[1], router.num_experts * shape_of(tokens)[0]):
             capacity, pattern = 0, "dense"   # every expert runs every token, scaled by its score (0 unchosen)
-        elif in_shape is not None and len(in_shape) == 3 and in_shape[0] == router.num_experts:
+        elif (in_shape is not None and len(in_shape) == 3 and in_shape[0] == router.num_experts
+              and not _gathered_per_row(experts.w1)):
             capacity, pattern = int(in_shape[1]), "gshard"
         elif len(experts.w1.weights) > 1:
             capacity, pattern = 0, "loop"
@@ -340,6 +353,29 @@ def _match(graph: Graph, router: Router) -> MoERegion:
         )
     raise NoMatch(f"top-k {selection.name}: no enclosing module returns a tensor shaped like its input"
                   + (_SPLIT_HINT if _leaves_graph(selection) else ""))
+
+
+def _gathered_per_row(linear) -> bool:
+    """The expert linear reads its stacked weight gathered by the rows' expert ids (``W[ids]``, the sort
+    form): its input's rows are the ``T·k`` routed choices, not ``[E, C, M]`` capacity slots, even when
+    ``T·k == E`` makes the two shapes equal (a capacity read from that coincidence would change with the
+    batch, and differ between ranks)."""
+    todo, seen = list(linear.weights), set()
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], Node):
+                return True
+            if (user.op == "call_method" and user.target in _WEIGHT_VIEWS) or user.target is torch.transpose:
+                todo.append(user)
+    return False
+
+
+#: what a weight goes through before an expert linear reads it (transposes, casts)
+_WEIGHT_VIEWS = ("transpose", "t", "mT", "to", "contiguous", "float")
 
 
 _SPLIT_HINT = (

@@ -75,7 +75,7 @@ from ..collectives.nodes import WAIT, emit_all_gather, emit_all_reduce_max, emit
 from ..config import ConfigError, MoECompileConfig
 from ..counters import counters
 from ..debug import log
-from ..tasks import TASK_META, TaskLabel
+from ..tasks import TASK_META, TaskLabel, task_label
 from .exchange_plan import ExchangePlan
 from .fake_values import insert_node, propagate
 from .graph_utils import getitem_user, is_inplace, reachable
@@ -243,7 +243,9 @@ def overlap_independent(graph: Graph, plan: ExchangePlan) -> list[Node]:
     nodes = list(graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     start = position[plan.layer.dispatch]
-    issue = next((n for n in nodes[start:] if is_all_to_all(n)), None)
+    # the layer's own first issue (a model's all-to-all of its own further on is not the layer's)
+    issue = next((n for n in nodes[start:] if is_all_to_all(n) and getattr(task_label(n), "layer", None) == plan.name),
+                 None)
     if issue is None:
         return []
     feeding = reachable([issue], forward=False)

@@ -128,6 +128,8 @@ class ExpertParallel:
             return PassResult(gm, False)
         # 2. the canonical layers
         matches, skips = match_layers(gm)
+        local = moe_state(gm).local   # canonical here, but some rank could not rewrite it (passes/agree.py)
+        matches = [m for m in matches if m.name not in local]
         for dispatch, reason in skips:
             log.warning("MoE layer %s (%s) not made expert-parallel: %s; every rank runs all of its "
                         "experts locally", dispatch.meta.get("moe_region", "?"), dispatch.name, reason)

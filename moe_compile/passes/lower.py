@@ -44,6 +44,7 @@ from ..config import MoECompileConfig
 from ..debug import log
 from .graph_utils import example_value, on_cuda
 from .manager import PassResult
+from .provenance import built
 
 __all__ = ["Lower"]
 
@@ -73,7 +74,7 @@ class Lower:
         moe = torch.ops.moe
         swaps = _fuse_int8_decode(gm)
         for node in list(gm.graph.nodes):
-            if node.op != "call_function":
+            if node.op != "call_function" or not built(node):   # only what stage 1 built (passes/provenance.py)
                 continue
             if node.target is moe.combine.default:
                 node.target = moe.decode_triton.default
@@ -96,6 +97,8 @@ def _fuse_int8_decode(gm: GraphModule) -> int:
     """``combine(view(decompress(p, "int8", M, dtype), [E, R, M]), ids, loc, w)`` → ``decode_int8_triton``."""
     moe, fused = torch.ops.moe, 0
     for combine in list(gm.graph.find_nodes(op="call_function", target=moe.combine.default)):
+        if not built(combine):
+            continue
         view = combine.args[0]
         if not (isinstance(view, Node) and view.target is torch.ops.aten.view.default and len(view.users) == 1):
             continue

@@ -5,11 +5,13 @@ Stage 1 runs on Dynamo's graph (torch IR, before AOTAutograd); each pass
 either decides (writes the per-layer plans of ``gm.meta["moe"]``,
 :mod:`.state`) or builds from what was decided::
 
-    normalize → detect → canonicalize → [sample_placement] → expert_parallel → pause_mp → chunk → exchange → filled_rows
-    (one cast   (find)   (rewrite to     (plan: group,     (plan:      (plan:  (build every plan's  (the layers left
-     spelling)           moe.dispatch/   layout,           Parm's      r)      exchange, once)      on this rank skip
-                         experts/        algorithm)        schedule)                                their padding rows)
-                         combine)
+    normalize → detect → canonicalize → [sample_placement] → expert_parallel → pause_mp → chunk → agree_plans → exchange → filled_rows
+    (one cast   (find)   (rewrite to      (NetMoE)           (plan: group,     (plan:      (plan:  (every rank:  (build every  (the layers left
+     spelling)           moe.dispatch/                       layout,           Parm's      r)      the first     plan's        on this rank skip
+                         experts/combine;                    algorithm)        schedule)           rank's plan   exchange,     their padding rows)
+                         the ranks agree                                                           decisions)    once)
+                         on each layer
+                         first: agree.py)
 
 Stage 2 runs on each of AOTAutograd's forward and backward graphs (aten IR) and
 changes order and placement only, never values::
@@ -24,6 +26,7 @@ from __future__ import annotations
 from ..collectives.group import resolve_group
 from ..collectives.layout import resolve_layout
 from ..config import MoECompileConfig
+from .agree import AgreePlans, agreement_of
 from .canonicalize import Canonicalize
 from .chunk import Chunk
 from .dead_collectives import DropDeadCollectives
@@ -42,8 +45,8 @@ from .streams import StreamsPass
 __all__ = ["STAGE1", "STAGE2", "stage1_passes", "stage2_passes"]
 
 #: the built-in passes of stage 1 (Dynamo graph), in the order they run
-STAGE1 = ("normalize", "detect", "canonicalize", "sample_placement", "expert_parallel", "pause_mp", "chunk", "exchange",
-          "filled_rows")
+STAGE1 = ("normalize", "detect", "canonicalize", "sample_placement", "expert_parallel", "pause_mp", "chunk",
+          "agree_plans", "exchange", "filled_rows")
 #: the built-in passes of stage 2 (each AOTAutograd graph), in the order they run
 STAGE2 = ("drop_dead_collectives", "schedule", "lower", "streams", "grad_sync")
 
@@ -55,9 +58,11 @@ def stage1_passes(cfg: MoECompileConfig, body: bool = False) -> list:
         return []
     group = resolve_group(cfg.ep_group)
     layout = resolve_layout(cfg.ep_group, cfg.esp_group, cfg.mp_group) if group is not None else None
-    passes = [Normalize(), Detect(expert_parallel=group is not None, report_empty=not body), Canonicalize(cfg), SamplePlacement(cfg, group, body=body),
+    agreement = agreement_of(cfg)   # ep_group / dp_group: one decision per layer on every rank
+    passes = [Normalize(), Detect(expert_parallel=group is not None, report_empty=not body, agreed=agreement is not None),
+              Canonicalize(cfg, agreement), SamplePlacement(cfg, group, body=body, agreement=agreement),
               ExpertParallel(cfg, group, layout),
-              PauseMP(cfg), Chunk(cfg), Exchange(cfg, group), FilledRows()]
+              PauseMP(cfg), Chunk(cfg), AgreePlans(agreement), Exchange(cfg, group), FilledRows()]
     assert tuple(p.name for p in passes) == STAGE1
     return passes
 

@@ -33,6 +33,9 @@ It runs after stage 2, in place: a user pass that keeps the graph it was given (
 after ``grad_sync``) sees these views as ``reshape`` afterwards. (A copy of the graph instead broke the
 streams pass's checked-streams test: the graph that runs must be the one stage 2 built.)
 
+The backend runs it only on a graph that holds nodes this package built (:mod:`.provenance`): a graph with
+no MoE layer rewritten runs exactly as AOTAutograd wrote it, as it would under ``aot_eager``.
+
 Contract: in a backward graph every ``aten.view`` becomes ``reshape`` (its outputs are
 gradients; AOTAutograd regenerates no alias from them). In a forward graph a view that reaches a
 graph output through views only is kept: AOTAutograd may regenerate that output as an alias of an

@@ -53,6 +53,10 @@ placed rows — a graph output, or an op outside the allowlist (a loss reading t
 targets) — first gets ``moe.netmoe_restore``: the rows go back to their original
 rank and order, so whatever leaves the graph, and every gradient, equals eager.
 
+Every rank places the same layers (:mod:`.agree`): the ranks all-gather the layers they would place, and
+a layer one rank leaves unplaced is left unplaced on every rank (WARNING naming that rank and its reason),
+until the ranks' sets are equal; otherwise one rank's scatter would meet another's all-to-all.
+
 ``gm.meta["moe"].placement`` (``summary.json``'s ``sample_placement``, a table of ``explain``):
 each layer placed (its residual inlined or not, last or followed) or refused (why).
 Counters (:mod:`moe_compile.counters`): ``sample_placement:placed`` /
@@ -182,13 +186,22 @@ def _process_group(spec):
     return spec.get_group()
 
 
+def _refuse(gm: GraphModule, refused: dict[str, str], name: str, reason: str) -> None:
+    refused[name] = reason
+    moe_state(gm).placement.append({"layer": name, "placed": False, "why": reason})
+    log.warning("sample_placement: layer %s left unplaced: %s", name, reason)
+    counters["sample_placement:refused"] += 1
+
+
 class SamplePlacement:
     """Stage-1 pass: see the module docstring."""
 
     name = "sample_placement"
 
-    def __init__(self, cfg: MoECompileConfig, group, body: bool = False):
+    def __init__(self, cfg: MoECompileConfig, group, body: bool = False, agreement=None):
         self.cfg, self.group, self.body = cfg, group, body
+        #: the ranks place the same layers (:mod:`.agree`); None: this process alone
+        self.agreement = agreement
 
     def __call__(self, gm: GraphModule) -> PassResult:
         if self.cfg.sample_placement == "none" or self.group is None:
@@ -203,7 +216,10 @@ class SamplePlacement:
         ep = resolve_group(self.cfg.ep_group)
         pg = _process_group(self.cfg.ep_group)
         layers = {}
+        local = moe_state(gm).local   # canonical here, but some rank could not rewrite it (passes/agree.py)
         for dispatch in gm.graph.find_nodes(op="call_function", target=torch.ops.moe.dispatch.default):
+            if dispatch.meta.get("moe_region") in local:
+                continue
             layer, reason = _match(dispatch, ep.size)
             if layer is None:
                 log.info("sample_placement: layer %s left to expert_parallel: %s",
@@ -214,13 +230,21 @@ class SamplePlacement:
         while True:
             active = {add: lay for add, lay in layers.items() if lay.name not in refused}
             problem = self._analyse(gm, active)
-            if problem is None:
+            if problem is not None:
+                _refuse(gm, refused, *problem)
+                continue
+            if self.agreement is None:
                 break
-            name, reason = problem
-            refused[name] = reason
-            moe_state(gm).placement.append({"layer": name, "placed": False, "why": reason})
-            log.warning("sample_placement: layer %s left unplaced: %s", name, reason)
-            counters["sample_placement:refused"] += 1
+            # every rank places the same layers, else one rank's scatter meets another's all-to-all
+            placed = sorted(lay.name for lay in active.values())
+            everyone = self.agreement.gather({"placed": placed, "refused": refused})
+            if all(theirs["placed"] == everyone[0][1]["placed"] for _, theirs in everyone):
+                break
+            for rank, theirs in everyone:
+                for name in placed:
+                    if name not in theirs["placed"] and name not in refused:
+                        why = theirs["refused"].get(name, "not a layer it can place")
+                        _refuse(gm, refused, name, f"rank {rank} leaves it unplaced ({why})")
         if not active:
             return PassResult(gm, False)
         self._rewrite(gm, active, pg, ep.size)

@@ -64,7 +64,10 @@ Two of the four expert matmuls of the backward thus overlap its second exchange;
 an un-chunked layer (r = 1) is ordered the same way (it is its own group, one chain).
 
 A graph without chains is left unchanged. A graph whose chains cannot be
-attributed to a layer is left unchanged and the reason logged.
+attributed to a layer is left unchanged and the reason logged. Only the exchanges this package
+built are chains (:mod:`.provenance`): a model's own all-to-all (fairscale's expert parallelism, an
+``autograd.Function``) is never moved earlier or later than any other collective, and its wait is not
+deferred; a graph without the package's exchanges is left exactly as it came.
 
 Task labels (for measured timelines, :mod:`moe_compile.schedule.measure`): the
 pass also tags every node of every chain with ``node.meta[TASK_META] =
@@ -89,12 +92,13 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .. import ops  # noqa: F401  (registers torch.ops.moe.peer_bmm*)
-from ..collectives.nodes import is_all_to_all, is_wait
+from ..collectives.nodes import is_all_to_all, is_collective, is_wait
 from ..config import SCHEDULES, ConfigError
 from ..counters import counters
 from ..debug import log
 from ..tasks import TASK_META, TaskLabel
 from .graph_utils import reachable
+from .provenance import built
 from .manager import PassResult
 from .state import moe_state
 
@@ -128,7 +132,7 @@ class Chain:
 
 def find_chains(gm: GraphModule) -> list[Chain]:
     """The chains of ``gm`` (see the module docstring), in graph order of their first exchange."""
-    issues = [n for n in gm.graph.nodes if is_all_to_all(n) and _wait_of(n) is not None]
+    issues = [n for n in gm.graph.nodes if is_all_to_all(n) and built(n) and _wait_of(n) is not None]
     issue_set = set(issues)
 
     def successors(issue: Node) -> set[Node]:
@@ -345,7 +349,18 @@ def _order(gm: GraphModule, layers: dict, schedule: str, backward: bool) -> list
     for n in reversed(nodes):
         if n not in in_chain and n.users:
             key[n] = min([key[n], *(key[u] for u in n.users)])
+    _keep_model_collectives(nodes, extra_deps)
     return _list_schedule(nodes, key, extra_deps, lazy_waits=schedule != "sequential")
+
+
+def _keep_model_collectives(nodes: list[Node], extra_deps: dict) -> None:
+    """Pin the model's own collectives (issues and waits this package did not build,
+    :mod:`.provenance`) between the collectives before and after them in ``nodes``: the schedule moves the
+    package's exchanges, never the order of another collective against any collective."""
+    collectives = [n for n in nodes if is_collective(n) or is_all_to_all(n) or is_wait(n)]
+    for before, after in zip(collectives, collectives[1:]):
+        if not (built(before) and built(after)):
+            extra_deps.setdefault(after, set()).add(before)
 
 
 def _list_schedule(nodes: list[Node], key: dict, extra_deps: dict, lazy_waits: bool) -> list[Node]:
@@ -362,11 +377,14 @@ def _list_schedule(nodes: list[Node], key: dict, extra_deps: dict, lazy_waits: b
     order: list[Node] = []
     heap: list = []
 
+    def lazy(n: Node) -> bool:   # a wait of the package's exchanges, placed right before its first consumer
+        return lazy_waits and is_wait(n) and built(n)
+
     def satisfied(d: Node) -> bool:
-        return d in placed or (lazy_waits and is_wait(d) and all(x in placed for x in deps[d]))
+        return d in placed or (lazy(d) and all(x in placed for x in deps[d]))
 
     def consider(n: Node) -> None:
-        if n in placed or n is output or (lazy_waits and is_wait(n)):
+        if n in placed or n is output or lazy(n):
             return
         if all(satisfied(d) for d in deps[n]):
             heapq.heappush(heap, (key[n], index[n], n))
@@ -381,9 +399,9 @@ def _list_schedule(nodes: list[Node], key: dict, extra_deps: dict, lazy_waits: b
         for u in sorted(users[n], key=lambda u: index[u]):
             if u in placed:
                 continue
-            if (is_all_to_all(u) or (not lazy_waits and is_wait(u))) and all(d in placed for d in deps[u]):
+            if built(u) and (is_all_to_all(u) or (not lazy_waits and is_wait(u))) and all(d in placed for d in deps[u]):
                 place(u)  # issue as soon as the producer is done (eqs 13-14)
-            elif lazy_waits and is_wait(u):
+            elif lazy(u):
                 for v in users[u]:
                     consider(v)  # the wait's consumers may now be ready
             else:

@@ -4,7 +4,8 @@ One :class:`MoEGraphState` per graph, created by the first pass that asks
 (:func:`moe_state`). On the Dynamo graph (stage 1)::
 
     detect           → found, pending, skips          (the layers matched, and why others were not)
-    canonicalize     → pending emptied, skips          (the layers left as written)
+    canonicalize     → pending emptied, skips, local   (the layers left as written; those some rank could
+                                                         not rewrite after all, run locally: passes/agree.py)
     sample_placement → placement                       (NetMoE: the layers placed, and refused with why)
     expert_parallel  → layers: an ExchangePlan each    (group, layout, algorithm, weights)
     pause_mp         → layers: plan.pause              (Parm's schedule per layer)
@@ -46,6 +47,7 @@ class MoEGraphState:
     layers: list[ExchangePlan] = dataclasses.field(default_factory=list)  # one plan per expert-parallel layer
     detected: bool = False                                              # detect ran on this graph
     placement: list[dict] = dataclasses.field(default_factory=list)     # sample_placement: per layer placed / refused
+    local: dict[str, str] = dataclasses.field(default_factory=dict)     # canonical layers every rank runs locally, why
     # stage 2 (AOTAutograd graphs)
     schedule: str = ""                                                  # the schedule pass's order
     sites: dict = dataclasses.field(default_factory=dict)               # node name → faults.Site
@@ -56,6 +58,7 @@ class MoEGraphState:
         self.skips += other.skips
         self.layers += other.layers
         self.placement += other.placement
+        self.local.update(other.local)
 
     def replace_plan(self, plan: ExchangePlan) -> None:
         """Put ``plan`` in place of the plan of the same layer."""

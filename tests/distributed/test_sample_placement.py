@@ -9,7 +9,8 @@ residual stream, the norm runs at the expert rank) and with placement off (FastM
 tokens prefer, 9 to 1, the experts of one node) the inter-node payload bytes counted on the wire
 are lower with placement, with the return to the original ranks included, and never
 higher on a routing without locality; the solver starts on its own thread before the
-experts run (Alg. 1 line 9), the caller waiting for it only at the gather.
+experts run (Alg. 1 line 9), the caller waiting for it only at the gather (checked by events between
+the two threads, not by timestamps).
 """
 from __future__ import annotations
 
@@ -180,37 +181,46 @@ def _synthetic_bytes(rank, locality, seed, inline):
 
 
 def _solver_thread(rank):
-    """Alg. 1 line 9: the solve starts before the experts run, on the solver's own thread."""
+    """Alg. 1 line 9: the solve starts before the experts run, on the solver's own thread, and the caller runs
+    the experts without waiting for it. Ordered by events, not by the scheduler: the first expert waits until
+    the solve has started (which it never would if the solve began only after the experts), and the solve
+    waits until an expert has run (which it never would if the caller waited for it before the experts).
+    Each wait gives up after ``_EVENT_TIMEOUT`` seconds and reports that it did, so a wrong order fails
+    instead of hanging."""
     import threading
-    import time
 
     from moe_compile.collectives import sample_placement
 
-    events = []
+    solve_started, expert_ran = threading.Event(), threading.Event()
+    seen = {}
     solve = sample_placement.solve_placement
 
     def recording_solve(*args):
-        events.append(("solve", threading.current_thread().name, time.perf_counter()))
-        time.sleep(0.05)                                   # long enough to still be running below
+        seen["solve_thread"] = threading.current_thread().name
+        solve_started.set()
+        seen["expert_ran_during_solve"] = expert_ran.wait(_EVENT_TIMEOUT)
         return solve(*args)
 
     def expert(e, rows):
-        events.append(("expert", threading.current_thread().name, time.perf_counter()))
+        if not expert_ran.is_set():
+            seen["solve_started_before_experts"] = solve_started.wait(_EVENT_TIMEOUT)
+            expert_ran.set()
         return rows * 2.0
 
     sample_placement.solve_placement = recording_solve
     try:
         ids = torch.randint(0, 4, (2, 3, 2), generator=torch.Generator().manual_seed(rank))
         x = torch.randn(2, 3, 4)
-        result = sample_placement.placed_moe_layer(
+        sample_placement.placed_moe_layer(
             x, x, ids, torch.ones(2, 3, 2), torch.arange(2 * rank, 2 * rank + 2), expert,
             torch.arange(4), RANKS_PER_NODE)
     finally:
         sample_placement.solve_placement = solve
-    solve_event = next(e for e in events if e[0] == "solve")
-    first_expert = min(e[2] for e in events if e[0] == "expert")
-    return {"thread": solve_event[1], "started_before_experts": solve_event[2] <= first_expert,
-            "waited": result.waited_seconds, "overlap": result.overlap_seconds}
+    return seen
+
+
+#: how long one side of the solver test waits for the other's event (a wrong order fails after it, no hang)
+_EVENT_TIMEOUT = 60.0
 
 
 def _checks(rank, world):
@@ -229,7 +239,9 @@ def test_placed_training_equals_eager_and_saves_inter_node_bytes():
     assert sum(r["placed"]["moved"] for r in results) > 0            # the solver did move samples
     assert sum(r["inlined"]["moved"] for r in results) > 0
     for r in results:
-        assert r["solver"]["thread"].startswith("netmoe-solve") and r["solver"]["started_before_experts"]
+        solver = r["solver"]
+        assert solver["solve_thread"].startswith("netmoe-solve"), solver
+        assert solver["solve_started_before_experts"] and solver["expert_ran_during_solve"], solver
     for before, after, before_all, after_all in results[0]["locality"]:
         assert after < before, (before, after)                       # placement cut the inter-node payload
         assert after_all < before_all, (before_all, after_all)      # metadata included

@@ -133,3 +133,39 @@ def test_compiled_sample_placement_equals_eager_and_saves_inter_node_bytes():
         assert after < before and after_all < before_all, (before, after, before_all, after_all)
     for before, after, _, _ in results[0]["uniform"]:
         assert after <= before, (before, after)
+
+
+def _one_rank_refuses(rank, world):
+    """Rank 1 cannot place one of the two layers (as a rank whose batch or graph differs may not): every rank
+    then leaves it unplaced (passes/agree.py), and training still equals eager."""
+    import logging
+
+    from moe_compile.passes.sample_placement import SamplePlacement
+
+    lines: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("moe_compile").addHandler(handler)
+    if rank == 1:
+        analyse, first = SamplePlacement._analyse, []
+
+        def refusing(self, gm, active):
+            names = sorted(layer.name for layer in active.values())
+            first[:] = first or names[:1]
+            if first and first[0] in names:
+                return first[0], "forced on rank 1"
+            return analyse(self, gm, active)
+
+        SamplePlacement._analyse = refusing
+    result = _train(rank, False)
+    result["warnings"] = [line for line in lines if "left unplaced" in line]
+    return result
+
+
+def test_a_layer_one_rank_cannot_place_is_placed_on_no_rank():
+    results = spawn(_one_rank_refuses, WORLD, timeout=540)
+    assert [r["placed"] for r in results] == [1] * WORLD, results   # the other layer, on every rank
+    for rank, r in enumerate(results):
+        assert r["pending"] == 0, r
+        expected = "forced on rank 1" if rank == 1 else "rank 1 leaves it unplaced (forced on rank 1)"
+        assert len(r["warnings"]) == 1 and expected in r["warnings"][0], r["warnings"]

@@ -94,7 +94,7 @@ def test_a_pass_that_edits_the_graph(registered):
 @pytest.mark.parametrize("where, error, match", [
     ({"after": "fuse_everything"}, ValueError,
      r"after='fuse_everything'\): not a pass of the moe backend; stage 1: normalize, detect, canonicalize, sample_placement, expert_parallel, "
-     r"pause_mp, chunk, exchange, filled_rows; stage 2: drop_dead_collectives, schedule, lower, streams, grad_sync"),
+     r"pause_mp, chunk, agree_plans, exchange, filled_rows; stage 2: drop_dead_collectives, schedule, lower, streams, grad_sync"),
     ({}, ValueError, "exactly one of before= or after="),
     ({"before": "lower", "after": "lower"}, ValueError, "exactly one"),
 ])
