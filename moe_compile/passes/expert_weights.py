@@ -36,9 +36,7 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..shard_record import expert_shard
-from .graph_utils import (
-    depends_on, example_value, is_call, is_inplace, reachable, reachable_with_writes, shape_of, strip,
-)
+from .graph_utils import depends_on, example_value, is_call, is_inplace, reachable, shape_of, strip
 from .regions import ExpertLinear, ExpertMLP, NoMatch
 
 __all__ = ["LINEAR", "MATMUL", "expert_mlp", "is_parameter", "routed_output"]
@@ -68,7 +66,7 @@ def expert_mlp(region: list[Node], num_experts: int, topk: Node,
     router's own linear, or a shared layer before it, never is). With ``gate_weights``, an expert
     output normalised per row before they weigh it is no such function (:func:`_row_reduction_after`).
     """
-    after_router = reachable_with_writes(list(topk.users))
+    after_router = reachable(topk.users, writes=True)
     linears = []
     for node in region:
         if node not in after_router:

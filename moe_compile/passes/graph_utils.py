@@ -137,12 +137,17 @@ def region_boundary(region: list[Node]) -> tuple[list[Node], list[Node]]:
 
 
 def reachable(
-    starts: Iterable[Node], *, forward: bool = True, stop: Callable[[Node], bool] | None = None
+    starts: Iterable[Node], *, forward: bool = True, stop: Callable[[Node], bool] | None = None,
+    writes: bool = False,
 ) -> set[Node]:
     """``starts`` and the nodes reachable from them through users (``forward``) or inputs (not
-    ``forward``); a node for which ``stop(node)`` holds is included but not walked past."""
+    ``forward``); a node for which ``stop(node)`` holds is included but not walked past. ``writes`` (forward): an
+    in-place write into a tensor (``source.scatter_(0, slots, rows)``, DeepSpeed's table of each expert slot's
+    token) also reaches every later reader of that tensor, though the readers name the tensor, not the write."""
+    starts = list(starts)
+    order = {n: i for i, n in enumerate(starts[0].graph.nodes)} if writes and starts else {}
     seen: set[Node] = set()
-    stack = list(starts)
+    stack = starts
     while stack:
         node = stack.pop()
         if node in seen:
@@ -151,23 +156,7 @@ def reachable(
         if stop is not None and stop(node):
             continue
         stack.extend(node.users if forward else node.all_input_nodes)
-    return seen
-
-
-def reachable_with_writes(starts: Iterable[Node]) -> set[Node]:
-    """What a value computed from ``starts`` can reach, an in-place write included: an op that writes into a
-    tensor (``source.scatter_(0, slots, rows)``, DeepSpeed's table of each expert slot's token) reaches every
-    later reader of that tensor, though the readers name the tensor, not the write."""
-    order = {n: i for i, n in enumerate(next(iter(starts)).graph.nodes)} if starts else {}
-    seen: set[Node] = set()
-    stack = list(starts)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.extend(node.users)
-        if is_inplace(node) and node.args and isinstance(node.args[0], Node):
+        if writes and forward and is_inplace(node) and node.args and isinstance(node.args[0], Node):
             stack.extend(u for u in node.args[0].users if order.get(u, -1) > order[node])
     return seen
 
