@@ -132,6 +132,13 @@ class MoECompileConfig:
     #: "world" (the default process group), a ``ProcessGroup``, a 1-D ``DeviceMesh``
     #: or ``(DeviceMesh, dim)``. Expert e lives on group rank ``e // (E / P)``.
     ep_group: Any = None
+    #: Under ``ep_group`` / ``dp_group``: agree across the ranks, while compiling, on every layer's rewrite
+    #: and plan (``passes/agree.py``): a layer any rank cannot rewrite stays as written on every rank, and
+    #: every rank adopts the first rank's plan. The agreement is an all-gather at compile time, so every rank
+    #: must then compile at the same steps: mark the token dimension dynamic, and note that a GShard layer,
+    #: whose capacity specialises the graph on T, recompiles at every new length. Off by default: ranks whose
+    #: batch sizes differ recompile at different steps and would wait for each other.
+    agree_layers: bool = False
     #: With expert parallelism and a data-dependent capacity (dropless or adaptive), the
     #: capacity agreed over the group is rounded up to a multiple of this many rows.
     capacity_bucket: int = 8
@@ -281,7 +288,8 @@ class MoECompileConfig:
         rpn = self.ranks_per_node
         if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1):
             raise ConfigError(f"options['ranks_per_node']={rpn!r}: expected an integer >= 1 or None")
-        for name in ("rewrite", "verify_regions", "nan_check", "verify_collectives", "dp_slice_gradients"):
+        for name in ("rewrite", "verify_regions", "nan_check", "verify_collectives", "dp_slice_gradients",
+                     "agree_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"options[{name!r}]={getattr(self, name)!r}: expected True or False")
         cf = self.capacity_factor

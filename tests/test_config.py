@@ -228,6 +228,7 @@ BAD_VALUES = {
     "rewrite": [1, "yes", None],
     "capacity_factor": ["1", True, float("nan"), float("inf"), -float("inf"), [1.0]],
     "verify_regions": [0, "no"],
+    "agree_layers": [1, "yes", None],
     "verify_rtol": [-1e-3, "1e-4", True, float("nan"), None],
     "verify_atol": [-1.0, "0", False, None],
     "ep_group": ["everyone", 0, ["world"]],

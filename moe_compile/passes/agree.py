@@ -146,9 +146,9 @@ class Agreement:
 
 
 def agreement_of(cfg: MoECompileConfig) -> Agreement | None:
-    """The :class:`Agreement` of ``cfg``'s groups (see the module docstring), None without ``ep_group`` and
-    ``dp_group``."""
-    if cfg.ep_group is None and cfg.dp_group is None:
+    """The :class:`Agreement` of ``cfg``'s groups (see the module docstring), None without
+    ``options["agree_layers"]`` or without ``ep_group`` and ``dp_group``."""
+    if not cfg.agree_layers or (cfg.ep_group is None and cfg.dp_group is None):
         return None
     from ..collectives.group import resolve_group
 

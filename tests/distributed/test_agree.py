@@ -97,7 +97,7 @@ def _run(rank: int, world_size: int, refuse_on: int | None) -> dict:
     torch.manual_seed(0)
     model = TwoLayers()
     eager = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="moe", fullgraph=True, options={"ep_group": "world"})
+    compiled = torch.compile(model, backend="moe", fullgraph=True, options={"ep_group": "world", "agree_layers": True})
     exchanged = []
     for step, tokens in enumerate(STEPS[world_size]):
         x = torch.randn(1, tokens[rank], 8, generator=torch.Generator().manual_seed(10 * step + rank))
@@ -159,7 +159,7 @@ def _run_plans(rank: int, world_size: int) -> dict:
     x = torch.randn(2, 6 + rank, 8, generator=torch.Generator().manual_seed(rank))
     x_c, x_e = x.clone().requires_grad_(), x.clone().requires_grad_()
     moe_compile.counters.clear()
-    out_c = torch.compile(model, backend="moe", fullgraph=True, options={"ep_group": "world"})(x_c)
+    out_c = torch.compile(model, backend="moe", fullgraph=True, options={"ep_group": "world", "agree_layers": True})(x_c)
     out_e = eager(x_e)
     torch.testing.assert_close(out_c, out_e, **TOL)
     out_c.square().sum().backward()

@@ -29,7 +29,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600
 
 WORLD, RANKS_PER_NODE = 4, 2
 SAMPLES, SEQ, VOCAB = 8, 6, 32
-OPTIONS = {"ep_group": "world", "ranks_per_node": RANKS_PER_NODE, "sample_placement": "netmoe", "inner": "eager"}
+OPTIONS = {"ep_group": "world", "ranks_per_node": RANKS_PER_NODE, "sample_placement": "netmoe", "inner": "eager",
+           "agree_layers": True}
 TOL = dict(rtol=1e-4, atol=1e-5)
 
 
