@@ -88,7 +88,7 @@ from ..counters import counters
 from ..debug import log
 from .checkpoint_bodies import traced_example
 from .agree import Agreement
-from .detect import find_moe_regions, rematch
+from .detect import RUNS_LOCALLY, find_moe_regions, rematch
 from .graph_utils import example_value, is_inplace, reachable, region_boundary, shape_of
 from .fake_values import propagate
 from .manager import PassResult
@@ -128,7 +128,8 @@ class Canonicalize:
                 counters["regions_skipped"] += 1
                 state.skips.append(Skip(region.name, reason, stage="canonicalize"))
                 if self.agreement is None:
-                    log.warning("MoE layer %s left unchanged: %s", region.name, reason)
+                    log.warning("MoE layer %s left unchanged: %s%s", region.name, reason,
+                                RUNS_LOCALLY if self.cfg.ep_group is not None else "")
         if self.agreement is not None:
             # a layer agreed on but not rewritten here after all (matched again after an earlier splice, it no
             # longer matched): the ranks that rewrote it keep its canonical ops, and every rank runs it locally
