@@ -1,0 +1,407 @@
+"""How long is one training step of a whole MoE model: eager, Inductor and backend "moe", side by side?
+
+The other step benchmarks time one MoE layer; this one times the model a user trains,
+so the non-MoE part (attention, norms, embeddings, the head) counts as it does in a
+real step. Model styles (``--styles``):
+
+``loop``
+    a pre-norm decoder (causal SDPA attention, LayerNorm) whose MoE layer is the
+    ``ModuleList`` loop people write (softmax router, top-k, SwiGLU experts, one
+    ``torch.where`` per expert and ``index_add_``; ``tests/models/loop.py``).
+``gshard``
+    the same decoder with GShard's one-hot einsum layer (stacked ``[E, ...]`` experts,
+    capacity, ``tests/models/gshard.py``).
+``mixtral``, ``qwen3_moe``, ``deepseek_v3``, ``gpt_oss``
+    transformers' models, built from their config classes (``tests/models/hf_families.py``)
+    with the sizes below, ``experts_implementation="grouped_mm"``.
+``torchtitan``
+    torchtitan's Qwen3-MoE ``debugmodel_moe`` with its SDPA attention
+    (``tests/integrations/torchtitan_models.py``; its own sizes, the first two blocks).
+
+Sizes (``--model-dim``, ``--expert-dim``, ``--experts``, ``--top-k``, ``--layers``): one
+``--batch`` × ``--seq`` batch, every rank its own (seeded by the rank). The step is
+``model(x).float().square().mean().backward()`` with the gradients set to None before it.
+
+Variants, each its own copy of the same seeded model, in the same process, interleaved:
+
+``eager``       the model as written.
+``inductor``    ``torch.compile(model)`` (the default backend, Inductor).
+``moe``         ``torch.compile(model, backend="moe")`` with its default inner compiler
+                (``inner="auto"``: the eager inner on CPU); with P > 1 ``ep_group="world"``
+                (replicated experts, each rank computes its E/P).
+``moe+inductor`` the same with ``inner="inductor"``.
+
+Every compiled variant runs with ``torch._dynamo.config.capture_dynamic_output_shape_ops``
+and ``capture_scalar_outputs`` on (the loop layer's ``torch.where`` needs the first,
+torchtitan's router the second), for Inductor too. The region check is off
+(``verify_regions=False``): the first step is then compile time only, and every variant is
+checked here instead. Inductor's caches are off, so that its first step compiles as on a fresh
+machine. Before timing, each variant's first step (which compiles) is checked
+against eager: the loss on every P, and with P = 1 every parameter's gradient
+(``--rtol``, ``--atol`` times the largest magnitude). Then ``--warmup`` untimed steps and
+``--steps`` timed rounds, each running every variant once in an order rotated from round to
+round (a ``dist.barrier`` before each step when P > 1). A step's time is the slowest
+rank's. Columns: median and p90 step, ``vs best`` (the median against the faster of eager
+and Inductor: below 1 is faster than both), ``first s`` (the first step, compile included,
+less a median step), ``peak MiB`` (parameters plus the peak resident memory one step adds,
+``benchmarks/step_memory.py``, largest over the ranks), ``rewritten`` (MoE layers the
+backend rewrote), ``recompiles`` (graphs compiled while timing).
+
+Peers that shard experts their own way (torchtitan's EP, Tutel, DeepSpeed-MoE) run in
+``benchmarks/ep_step.py`` and ``benchmarks/ep_step_torchtitan.py``, on one layer.
+
+    python benchmarks/model_step.py                       # every style, P = 1 and 2
+    python benchmarks/model_step.py --quick               # small sizes, P = 1, 3 steps
+    python benchmarks/model_step.py --styles loop mixtral --world-sizes 1
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from ep_step import _percentile, machine_info  # noqa: E402
+from step_memory import parameter_bytes, peak_step_bytes  # noqa: E402
+from tables import print_table  # noqa: E402
+from moe_compile.testing import spawn  # noqa: E402
+
+STYLES = ("loop", "gshard", "mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "torchtitan")
+HF_STYLES = {"mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"}
+EAGER, INDUCTOR, MOE, MOE_INDUCTOR = "eager", "inductor", "moe", "moe+inductor"
+VARIANTS = (EAGER, INDUCTOR, MOE, MOE_INDUCTOR)
+
+
+# --------------------------------------------------------------------------- the models
+
+
+class Block(nn.Module):
+    """``h += attn(norm1(h)); h += moe(norm2(h))``: causal SDPA attention, then the MoE layer."""
+
+    def __init__(self, dim: int, heads: int, moe: nn.Module):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.moe = moe
+
+    def forward(self, h):
+        b, s, d = h.shape
+        q, k, v = self.qkv(self.norm1(h)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        h = h + self.proj(a)
+        return h + self.moe(self.norm2(h))
+
+
+class Decoder(nn.Module):
+    def __init__(self, blocks: list[nn.Module]):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = nn.LayerNorm(blocks[0].norm1.normalized_shape[0])
+
+    def forward(self, h):
+        for block in self.blocks:
+            h = block(h)
+        return self.norm(h)
+
+
+def _hf_config(style: str, args: argparse.Namespace):
+    """The family's tiny test configuration with this run's sizes."""
+    from tests.models.hf_families import tiny_config
+
+    config = tiny_config(style)
+    heads = max(1, args.model_dim // 64)
+    sizes = dict(hidden_size=args.model_dim, intermediate_size=2 * args.model_dim, moe_intermediate_size=args.expert_dim,
+                 num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads, head_dim=64,
+                 num_experts_per_tok=args.top_k, num_experts=args.experts, n_routed_experts=args.experts,
+                 num_local_experts=args.experts, vocab_size=args.vocab, max_position_embeddings=max(args.seq, 64),
+                 kv_lora_rank=args.model_dim // 4, q_lora_rank=args.model_dim // 2, qk_rope_head_dim=32,
+                 qk_nope_head_dim=32, v_head_dim=64, n_group=1, topk_group=1, sliding_window=None)
+    if style in ("mixtral", "gpt_oss"):   # one expert width: the FFN's
+        sizes["intermediate_size"] = args.expert_dim
+    for key, value in sizes.items():
+        if hasattr(config, key):
+            setattr(config, key, value)
+    if hasattr(config, "layer_types") and config.layer_types is not None:
+        config.layer_types = ["full_attention"] * args.layers
+    return config
+
+
+def build(style: str, args: argparse.Namespace, seed: int = 0) -> tuple[nn.Module, str]:
+    """The model of ``style`` (the same on every rank) and its input kind: "ids" or "hidden"."""
+    torch.manual_seed(seed)
+    if style in ("loop", "gshard"):
+        from tests.models.gshard import GShardMoE
+        from tests.models.loop import LoopMoE
+
+        def moe():
+            if style == "loop":
+                return LoopMoE(args.model_dim, args.expert_dim, args.experts, top_k=args.top_k)
+            return GShardMoE(args.model_dim, args.expert_dim, args.experts, top_k=args.top_k, capacity_factor=1.25)
+
+        heads = max(1, args.model_dim // 64)
+        return Decoder([Block(args.model_dim, heads, moe()) for _ in range(args.layers)]), "hidden"
+    if style in HF_STYLES:
+        from tests.models.hf_families import SETTINGS, Logits, _pick_model, _transformers
+
+        transformers = _transformers()
+        config = _hf_config(style, args)
+        settings = SETTINGS.get(style, {})
+        model_cls = getattr(transformers, settings["model"]) if "model" in settings else _pick_model(style, type(config))
+        config._experts_implementation = "grouped_mm"
+        torch.manual_seed(seed)
+        return Logits(model_cls(config), settings.get("seq2seq", False)), "ids"
+    if style == "torchtitan":
+        from tests.integrations.torchtitan_models import build as build_torchtitan
+
+        model, vocab = build_torchtitan("qwen3", "debugmodel_moe", num_layers=args.layers, seed=seed)
+        model.vocab = vocab
+        return model, "ids"
+    raise ValueError(f"unknown style {style!r}; choose from {', '.join(STYLES)}")
+
+
+def batch(style: str, kind: str, model: nn.Module, rank: int, args: argparse.Namespace) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(args.seed + 1000 + rank)
+    if kind == "hidden":
+        return torch.randn(args.batch, args.seq, args.model_dim, generator=gen)
+    vocab = getattr(model, "vocab", None) or args.vocab
+    return torch.randint(3, vocab, (args.batch, args.seq), generator=gen)
+
+
+def model_sizes(style: str, model: nn.Module) -> str:
+    """``M``, expert width, ``E`` and ``k`` as the built model has them (torchtitan keeps its own)."""
+    if style == "torchtitan":
+        from tests.integrations.torchtitan_models import moe_layers
+
+        layer = model.get_submodule(moe_layers(model)[0])
+        w1 = next(p for n, p in layer.named_parameters() if n.endswith("w1_EFD") or n.endswith("w1"))
+        return f"M={w1.shape[-1]} H={w1.shape[-2]} E={w1.shape[0]}"
+    return ""
+
+
+# --------------------------------------------------------------------------- one rank
+
+
+def _variants(model: nn.Module, world_size: int, args: argparse.Namespace) -> dict[str, nn.Module]:
+    group = {"ep_group": "world"} if world_size > 1 else {}
+    out = {}
+    for name in args.variants:
+        copy_ = copy.deepcopy(model)
+        if name == EAGER:
+            out[name] = copy_
+        elif name == INDUCTOR:
+            out[name] = torch.compile(copy_)
+        else:
+            inner = "inductor" if name == MOE_INDUCTOR else args.inner
+            out[name] = torch.compile(copy_, backend="moe",
+                                      options={"inner": inner, "verify_regions": False, **group})
+    return out
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> tuple[float, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    loss = model(x).float().square().mean()
+    loss.backward()
+    return time.perf_counter() - start, loss.detach()
+
+
+def _check(name: str, model: nn.Module, loss: torch.Tensor, eager: nn.Module, eager_loss: torch.Tensor,
+           world_size: int, args: argparse.Namespace) -> float:
+    """The largest difference from eager of the loss (and, with P = 1, of every gradient); raises past tolerance."""
+    pairs = [("loss", loss, eager_loss)]
+    if world_size == 1:   # under ep_group an expert's gradient sums every rank's tokens: not the local eager one
+        mine = dict(model.named_parameters())
+        for key, p in eager.named_parameters():
+            key = key if key in mine else f"_orig_mod.{key}"
+            if p.grad is not None:
+                pairs.append((f"grad {key}", mine[key].grad, p.grad))
+    # a gradient is compared at the scale of the largest gradient: a norm's weight far from the loss has
+    # gradients 1e-11 whose relative rounding is large and meaningless
+    grad_scale = max((float(want.abs().max()) for what, _, want in pairs[1:]), default=0.0) or 1.0
+    worst = 0.0
+    for what, got, want in pairs:
+        if got is None:
+            raise AssertionError(f"{name}: {what} is None, eager has one")
+        scale = (float(want.abs().max()) or 1.0) if what == "loss" else grad_scale
+        worst = max(worst, float((got - want).abs().max()) / scale)
+        torch.testing.assert_close(got, want, rtol=args.rtol, atol=args.atol * scale,
+                                   msg=lambda m, what=what: f"{name}: {what} differs from eager: {m}")
+    return worst
+
+
+def run_rank(rank: int, world_size: int, style: str, args: argparse.Namespace) -> dict:
+    import moe_compile
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
+    torch._dynamo.config.capture_scalar_outputs = True
+    torch._dynamo.config.cache_size_limit = 64
+    torch._inductor.config.force_disable_caches = True   # a first step compiles, as on a fresh machine
+    model, kind = build(style, args, seed=args.seed)
+    x = batch(style, kind, model, rank, args)
+    models = _variants(model, world_size, args)
+    out: dict = {"rank": rank, "sizes": model_sizes(style, model), "variants": {}}
+
+    def barrier():
+        if world_size > 1:
+            dist.barrier()
+
+    eager_loss = None
+    for name, m in models.items():
+        moe_compile.counters.clear()
+        barrier()
+        try:
+            first, loss = _step(m, x)
+        except Exception as error:   # a variant that cannot run is a row with its error; the others still run
+            if args.traceback:
+                traceback.print_exc()
+            out["variants"][name] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"}
+            continue
+        rec = {"first_s": first, "rewritten": moe_compile.counters["regions_rewritten"],
+               "expert_parallel": moe_compile.counters["regions_expert_parallel"], "step_s": []}
+        if name == EAGER:
+            eager_loss = loss
+        elif eager_loss is not None:
+            rec["max_rel_diff"] = _check(name, m, loss, models[EAGER], eager_loss, world_size, args)
+        out["variants"][name] = rec
+    names = [n for n in models if "error" not in out["variants"][n]]
+    for _ in range(args.warmup):
+        for name in names:
+            barrier()
+            _step(models[name], x)
+    moe_compile.counters.clear()
+    for i in range(args.steps):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            barrier()
+            out["variants"][name]["step_s"].append(_step(models[name], x)[0])
+    barrier()
+    out["recompiles"] = moe_compile.counters["graphs"]
+    for name in names:
+        barrier()
+        rec = out["variants"][name]
+        rec["param_bytes"] = parameter_bytes(models[name])
+        rec["peak_step_bytes"] = peak_step_bytes(lambda m=models[name]: _step(m, x))
+    barrier()
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+
+def summarize(style: str, world_size: int, ranks: list[dict]) -> list[dict]:
+    rows = []
+    for name in ranks[0]["variants"]:
+        recs = [r["variants"][name] for r in ranks]
+        row = {"style": style, "P": world_size, "variant": name, "sizes": ranks[0]["sizes"]}
+        errors = [r["error"] for r in recs if "error" in r]
+        if errors:
+            rows.append({**row, "error": errors[0]})
+            continue
+        steps = [max(ts) * 1e3 for ts in zip(*(r["step_s"] for r in recs))]   # the slowest rank, per round
+        median = statistics.median(steps)
+        peaks = [r["param_bytes"] + r["peak_step_bytes"] for r in recs if r.get("peak_step_bytes") is not None]
+        rows.append({**row, "median_ms": median, "p90_ms": _percentile(steps, 0.9), "steps_ms": steps,
+                     "first_s": max(r["first_s"] for r in recs) - median / 1e3,
+                     "peak_mib": max(peaks) / 2 ** 20 if peaks else None,
+                     "rewritten": recs[0]["rewritten"], "expert_parallel": recs[0]["expert_parallel"],
+                     "max_rel_diff": max(r.get("max_rel_diff", 0.0) for r in recs),
+                     "recompiles": max(r.get("recompiles", 0) for r in ranks)})
+    best = [r["median_ms"] for r in rows if r["variant"] in (EAGER, INDUCTOR) and "median_ms" in r]
+    for r in rows:
+        if "median_ms" in r and best:
+            r["vs_best"] = r["median_ms"] / min(best)
+    return rows
+
+
+def _fmt(value, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def table(rows: list[dict]) -> None:
+    header = ["style", "P", "variant", "median ms", "p90 ms", "vs best", "first s", "peak MiB", "rewritten",
+              "recompiles"]
+    body = []
+    for r in rows:
+        if "error" in r:
+            body.append([r["style"], str(r["P"]), r["variant"], r["error"][:60], *[""] * 6])
+            continue
+        body.append([r["style"], str(r["P"]), r["variant"], _fmt(r["median_ms"], ".1f"), _fmt(r["p90_ms"], ".1f"),
+                     _fmt(r.get("vs_best"), ".2f"), _fmt(r["first_s"], ".1f"), _fmt(r["peak_mib"], ".0f"),
+                     str(r["rewritten"]), str(r["recompiles"])])
+    print_table("one training step of a whole MoE model", header, body, left={"style", "variant"})
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--styles", nargs="+", default=list(STYLES), choices=STYLES)
+    p.add_argument("--world-sizes", nargs="+", type=int, default=None, help="default 1 2 (with --quick, 1)")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--model-dim", type=int, default=512)
+    p.add_argument("--expert-dim", type=int, default=512, help="each expert's hidden width")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256, help="tokens per rank = batch x seq")
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--inner", default="auto", choices=("auto", "eager", "inductor"),
+                   help="options['inner'] of the 'moe' variant")
+    p.add_argument("--rtol", type=float, default=1e-3)
+    p.add_argument("--atol", type=float, default=1e-3, help="times the largest |value| of eager's")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--traceback", action="store_true")
+    p.add_argument("--quick", action="store_true", help="M = 128, 512 tokens, 3 steps, P = 1")
+    p.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "model_step.json")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model_dim, args.expert_dim, args.batch, args.seq, args.steps, args.warmup = 128, 128, 4, 128, 3, 1
+    if args.world_sizes is None:
+        args.world_sizes = [1] if args.quick else [1, 2]
+    if EAGER not in args.variants:
+        args.variants = [EAGER, *args.variants]   # the reference every variant is checked against
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    rows = []
+    for style in args.styles:
+        for world_size in args.world_sizes:
+            start = time.perf_counter()
+            try:
+                ranks = spawn(run_rank, world_size, style, args, timeout=args.timeout)
+            except Exception as error:
+                print(f"{style}, P={world_size}: {type(error).__name__}: {error}", flush=True)
+                rows.append({"style": style, "P": world_size, "variant": "all", "error": str(error)[:200]})
+                continue
+            rows.extend(summarize(style, world_size, ranks))
+            print(f"{style}, P={world_size}: done in {time.perf_counter() - start:.0f} s", flush=True)
+    table(rows)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    args.json.write_text(json.dumps({"machine": machine_info(), "config": config, "rows": rows}, indent=1))
+    print(f"wrote {args.json}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
