@@ -10,7 +10,8 @@ Importing this package registers:
 - ``torch.ops.moe.experts``   batched expert MLP over ``[E, C, M]``; ``experts_peers`` the same on an
   expert-parallel rank's received buffer ``[P, El, R, M]``, its matmuls ``moe.peer_bmm``; on the CPU
   one ``moe.peer_mlp`` (the MLP per block, its activation in cache) and ``peer_mlp_grads`` (every
-  gradient per block; in bf16 / fp16 ``peer_mlp_backward``, the weight gradients apart);
+  gradient per block; in bf16 / fp16 ``peer_mlp_backward``, the weight gradients apart); ``peer_mlp_lists`` /
+  ``peer_mlp_grads_lists`` the same on the experts' own weights (no stacked copy);
 - ``torch.ops.moe.chunk_rows`` / ``cat_rows`` / ``split_rows``: the buffer split along
   capacity into r chunks and joined back (ScheMoE §4 partitioning); ``chunk_filled`` a chunk's routed rows;
 - ``torch.ops.moe.esp_dump`` / ``esp_combine``: Parm's local dump and local combine
@@ -32,6 +33,7 @@ from .esp import esp_combine, esp_dump
 from .experts import ACTIVATIONS, GATED, check_activation, experts, experts_peers_torch, experts_torch
 from .peer_bmm import peer_bmm, peer_bmm_weight_grad
 from .peer_mlp import peer_mlp, peer_mlp_backward, peer_mlp_grads
+from .peer_mlp_lists import peer_mlp_grads_lists, peer_mlp_lists
 
 __all__ = [
     "ACTIVATIONS",
@@ -60,5 +62,7 @@ __all__ = [
     "peer_mlp",
     "peer_mlp_backward",
     "peer_mlp_grads",
+    "peer_mlp_grads_lists",
+    "peer_mlp_lists",
     "split_rows",
 ]

@@ -56,6 +56,10 @@ from .peer_bmm import filled_counts, peer_bmm_weight_grad
 
 __all__ = ["fuses_weight_grads", "peer_mlp", "peer_mlp_backward", "peer_mlp_grads"]
 
+#: an ``[El, A, B]`` tensor of every local expert's matrix, or (the ``_lists`` ops, :mod:`.peer_mlp_lists`) the
+#: experts' own ``[A, B]`` tensors: ``w[e]`` is expert ``e``'s either way
+Weights = Tensor | Sequence[Tensor]
+
 
 def _saves_output(activation: str, w3: Tensor | None) -> bool:
     """An ungated ReLU keeps ``relu(h1)`` instead of ``h1``: its derivative is ``h > 0``."""
@@ -81,6 +85,13 @@ def peer_mlp(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, activation: s
              filled: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """``(y [P, El, R, M], h1 [P, El, R, H], h3)``: the MLP of ``moe.experts_peers`` per block, and what its
     backward reads (``h3`` empty when ungated; ``h1`` holds ``relu(h1)`` for an ungated ReLU)."""
+    return mlp_blocks(x, w1, w2, w3, activation, b1, b2, b3, act_args, filled)
+
+
+def mlp_blocks(x: Tensor, w1: Weights, w2: Weights, w3: Weights | None, activation: str, b1: Tensor | None,
+               b2: Tensor | None, b3: Tensor | None, act_args: Sequence[float],
+               filled: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """``moe.peer_mlp``'s computation, on stacked weights or on lists of them."""
     _check(x, w1, w2, w3)
     y, h1, h3 = _empty_outputs(x, w1, w2, w3)
     keep_output = _saves_output(activation, w3)
@@ -115,10 +126,10 @@ def _peer_mlp_fake(x, w1, w2, w3, activation, b1, b2, b3, act_args, filled):
     return _empty_outputs(x, w1, w2, w3)
 
 
-def _empty_outputs(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+def _empty_outputs(x: Tensor, w1: Weights, w2: Weights, w3: Weights | None) -> tuple[Tensor, Tensor, Tensor]:
     P, El, R, _ = x.shape
-    h3 = x.new_empty(P, El, R, w3.shape[1]) if w3 is not None else x.new_empty(0)
-    return x.new_empty(P, El, R, w2.shape[1]), x.new_empty(P, El, R, w1.shape[1]), h3
+    h3 = x.new_empty(P, El, R, dims(w3)[1]) if w3 is not None else x.new_empty(0)
+    return x.new_empty(P, El, R, dims(w2)[1]), x.new_empty(P, El, R, dims(w1)[1]), h3
 
 
 @torch.library.custom_op("moe::peer_mlp_backward", mutates_args=())
@@ -156,10 +167,36 @@ def peer_mlp_backward(grad_y: Tensor, h1: Tensor, h3: Tensor, w1: Tensor, w2: Te
     return grad_x, grad_h1, grad_h3, h
 
 
+#: activation → (its forward, its derivative as the aten op autograd itself calls: ``(grad, input, output)``)
+_CLOSED_FORM = {
+    "silu": (torch.nn.functional.silu, lambda g, a, s: torch.ops.aten.silu_backward(g, a)),
+    "gelu": (torch.nn.functional.gelu, lambda g, a, s: torch.ops.aten.gelu_backward(g, a)),
+    "gelu_tanh": (lambda a: torch.nn.functional.gelu(a, approximate="tanh"),
+                  lambda g, a, s: torch.ops.aten.gelu_backward(g, a, approximate="tanh")),
+    "sigmoid": (torch.sigmoid, lambda g, a, s: torch.ops.aten.sigmoid_backward(g, s)),
+    "relu": (torch.relu, lambda g, a, s: torch.ops.aten.threshold_backward(g, s, 0)),
+}
+
+
 def _activation_vjp_(gh1: Tensor, gh3: Tensor | None, h_out: Tensor, a: Tensor, c: Tensor | None,
                      activation: str, act_args: Sequence[float]) -> None:
     """One block: ``gh1`` holds ``grad_h``; overwrite it with ``grad_h1`` (and write ``gh3``), and write the
-    activation's output into ``h_out``, by autograd on the block (turned back on inside the op)."""
+    activation's output into ``h_out``. The plain activations (``act(a) [⊙ c]``) by the aten derivatives autograd
+    calls for them, in its order (``mul``'s backward, then the activation's: the same values as autograd's), the
+    others by autograd on the block (turned back on inside the op): building a graph per block cost as much as
+    the block's own elementwise work at small blocks."""
+    closed = _CLOSED_FORM.get(activation)
+    if closed is not None:
+        forward, derivative = closed
+        act = forward(a)
+        if c is None:
+            h_out.copy_(act)
+            gh1.copy_(derivative(gh1, a, act))
+            return
+        torch.mul(act, c, out=h_out)
+        torch.mul(gh1, act, out=gh3)                 # grad_c = grad_h ⊙ act(a)
+        gh1.copy_(derivative(gh1.mul_(c), a, act))   # grad_a = act'(a) (grad_h ⊙ c)
+        return
     with autograd_inside_op(), torch.enable_grad():
         leaves = [a.detach().requires_grad_()] + ([c.detach().requires_grad_()] if c is not None else [])
         h = _glu(leaves[0], leaves[1] if c is not None else None, activation, act_args)
@@ -210,8 +247,16 @@ def peer_mlp_grads(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w1: Tensor
     ``transposed`` flag is set is written in the layout of a weight stored transposed (``Σ xᵀ grad_h1``, a
     ``[El, M, H]`` tensor, returned as its ``[El, H, M]`` view). The input gradient's padding rows are zero; an
     expert no row reached gets zero gradients."""
+    return grad_blocks(grad_y, x, h1, h3, w1, w2, w3, activation, act_args, filled, transposed, needs)
+
+
+def grad_blocks(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w1: Weights, w2: Weights, w3: Weights | None,
+                activation: str, act_args: Sequence[float], filled: Tensor | None, transposed: Sequence[bool],
+                needs: Sequence[bool]) -> tuple:
+    """``moe.peer_mlp_grads``' computation, on stacked weights or on lists of them (then each weight gradient is
+    a list of the experts' own)."""
     P, El, R, M = grad_y.shape
-    H = w1.shape[1]
+    H = dims(w1)[1]
     gated, keep_output = w3 is not None, _saves_output(activation, w3)
     grad_x, stored, biases = _empty_grads(grad_y, w1, w2, w3, transposed, needs)
     gh1_block, gh3_block = grad_y.new_empty(R, H), grad_y.new_empty(R, H) if gated else None
@@ -261,7 +306,7 @@ def _empty_grads(grad_y: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, tran
     """``peer_mlp_grads``' outputs, unwritten: ``grad_x``, the weight gradients in their stored layouts (None
     where not needed) and the bias gradients (empty where not needed)."""
     P, El, R, M = grad_y.shape
-    H = w1.shape[1]
+    H = dims(w1)[1]
     grad_x = grad_y.new_empty(P, El, R, M) if needs[0] else grad_y.new_empty(0)
     stored = [_stored_grad(w, t, need) for w, t, need in zip((w1, w2, w3), transposed, needs[1:4])]
     biases = [grad_y.new_empty(El, d) if need else grad_y.new_empty(0) for d, need in zip((H, M, H), needs[4:7])]
@@ -274,10 +319,13 @@ def _as_read(grad_y: Tensor, stored: list[Tensor | None], transposed: Sequence[b
             for grad, t in zip(stored, transposed)]
 
 
-def _stored_grad(weight: Tensor | None, transposed: bool, needed: bool) -> Tensor | None:
-    """The gradient buffer of ``weight`` (``[El, A, B]`` as the op reads it) in its stored layout, or None."""
+def _stored_grad(weight: Weights | None, transposed: bool, needed: bool) -> Weights | None:
+    """The gradient buffer of ``weight`` (``[El, A, B]`` as the op reads it) in its stored layout, or None; one
+    ``[A, B]`` tensor per expert for a list of weights (each read as stored)."""
     if weight is None or not needed:
         return None
+    if isinstance(weight, (list, tuple)):
+        return [torch.empty_like(w, memory_format=torch.contiguous_format) for w in weight]
     return weight.new_empty(weight.shape[0], weight.shape[2], weight.shape[1]) if transposed else \
         torch.empty_like(weight, memory_format=torch.contiguous_format)
 
@@ -288,17 +336,34 @@ def _peer_mlp_grads_fake(grad_y, x, h1, h3, w1, w2, w3, activation, act_args, fi
     return grad_x, *_as_read(grad_y, stored, transposed), *biases
 
 
-def _check(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None) -> None:
-    shapes = [tuple(t.shape) for t in (x, w1, w2)] + [tuple(w3.shape) if w3 is not None else None]
-    ok = (x.dim() == 4 and w1.dim() == 3 and w2.dim() == 3 and w1.shape[0] == x.shape[1]
-          and w1.shape[2] == x.shape[3] and w2.shape[0] == x.shape[1] and w2.shape[2] == w1.shape[1]
-          and (w3 is None or tuple(w3.shape) == tuple(w1.shape)))
+def dims(weight: Weights) -> tuple:
+    """``(El, A, B)`` of an ``[El, A, B]`` weight or of a list of ``El`` ``[A, B]`` ones."""
+    if isinstance(weight, (list, tuple)):
+        shapes = {tuple(w.shape) for w in weight}
+        if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+            raise ValueError(f"moe.peer_mlp: a list of weights must hold {len(weight)} [A, B] tensors of one shape, "
+                             f"got {sorted(shapes)}")
+        return (len(weight), *next(iter(shapes)))
+    return tuple(weight.shape)
+
+
+def _dtypes(weight: Weights | None) -> set:
+    if weight is None:
+        return set()
+    return {w.dtype for w in weight} if isinstance(weight, (list, tuple)) else {weight.dtype}
+
+
+def _check(x: Tensor, w1: Weights, w2: Weights, w3: Weights | None) -> None:
+    d1, d2, d3 = dims(w1), dims(w2), dims(w3) if w3 is not None else None
+    ok = (x.dim() == 4 and len(d1) == 3 and len(d2) == 3 and d1[0] == x.shape[1]
+          and d1[2] == x.shape[3] and d2[0] == x.shape[1] and d2[2] == d1[1] and (d3 is None or d3 == d1))
     if not ok:
         raise ValueError(f"moe.peer_mlp: x [P, El, R, M], w1 / w3 [El, H, M], w2 [El, M, H] expected, got "
-                         f"x, w1, w2, w3 = {shapes}")
-    if any(t is not None and t.dtype != x.dtype for t in (w1, w2, w3)):
-        raise ValueError(f"moe.peer_mlp: x and the weights must share a dtype, got x {x.dtype}, w1 {w1.dtype}, "
-                         f"w2 {w2.dtype}" + (f", w3 {w3.dtype}" if w3 is not None else ""))
+                         f"x, w1, w2, w3 = {[tuple(x.shape), d1, d2, d3]}")
+    dtypes = _dtypes(w1) | _dtypes(w2) | _dtypes(w3)
+    if dtypes != {x.dtype}:
+        raise ValueError(f"moe.peer_mlp: x and the weights must share a dtype, got x {x.dtype}, weights "
+                         f"{sorted(str(d) for d in dtypes)}")
 
 
 def _setup_context(ctx, inputs, output):

@@ -200,11 +200,13 @@ def _attribute(chain: Chain) -> None:
 
 #: the expert matmuls of an exchange chain's middle (``moe.peer_bmm`` / ``peer_bmm_weight_grad``: the experts
 #: on the received peer-major buffer, ``ops/peer_bmm.py``; on the CPU the whole MLP per block and its
-#: gradients, ``moe.peer_mlp`` / ``peer_mlp_grads`` (fp32) / ``peer_mlp_backward`` (bf16), ``ops/peer_mlp.py``)
+#: gradients, ``moe.peer_mlp`` / ``peer_mlp_grads`` (fp32) / ``peer_mlp_backward`` (bf16), ``ops/peer_mlp.py``, and
+#: their ``_lists`` forms on per-expert weights)
 EXPERT_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default,
                   torch.ops.aten.addmm.default, torch.ops.moe.peer_bmm.default,
                   torch.ops.moe.peer_bmm_weight_grad.default, torch.ops.moe.peer_mlp.default,
-                  torch.ops.moe.peer_mlp_backward.default, torch.ops.moe.peer_mlp_grads.default}
+                  torch.ops.moe.peer_mlp_backward.default, torch.ops.moe.peer_mlp_grads.default,
+                  torch.ops.moe.peer_mlp_lists.default, torch.ops.moe.peer_mlp_grads_lists.default}
 if hasattr(torch.ops.aten, "_grouped_mm"):
     EXPERT_MATMULS.add(torch.ops.aten._grouped_mm.default)
 

@@ -7,6 +7,7 @@ import torch
 
 import moe_compile.ops  # noqa: F401  (registers torch.ops.moe.*)
 from moe_compile.ops.experts import ACTIVATIONS, GATED, experts_peers_decomposed
+from moe_compile.ops.peer_mlp import _CLOSED_FORM, _activation_vjp_
 
 PEERS, LOCAL, ROWS, MODEL_DIM, HIDDEN_DIM = 3, 2, 5, 4, 6
 #: one empty block, two full ones
@@ -219,3 +220,21 @@ def test_opcheck_of_the_fused_backward(activation, gated):
     torch.library.opcheck(torch.ops.moe.peer_mlp_grads.default,
                           (grad_y, x, h1, h3, w1, w2, w3, activation, act_args, FILLED, [False, True, False],
                            [True, True, True, gated, True, True, gated]))
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("activation", sorted(_CLOSED_FORM))
+def test_closed_form_activation_vjp_is_autograds(activation, gated):
+    """The aten derivatives used per block give autograd's values bit for bit (the same ops, in its order)."""
+    torch.manual_seed(0)
+    a, c, grad_h = torch.randn(5, 7), torch.randn(5, 7) if gated else None, torch.randn(5, 7)
+    gh1, gh3, h = grad_h.clone(), torch.empty(5, 7) if gated else None, torch.empty(5, 7)
+    _activation_vjp_(gh1, gh3, h, a, c, activation, [])
+    leaves = [a.clone().requires_grad_()] + ([c.clone().requires_grad_()] if gated else [])
+    ref = ACTIVATIONS[activation](leaves[0])
+    ref = ref * leaves[1] if gated else ref
+    grads = torch.autograd.grad(ref, leaves, grad_h)
+    assert torch.equal(h, ref.detach())
+    assert torch.equal(gh1, grads[0])
+    if gated:
+        assert torch.equal(gh3, grads[1])

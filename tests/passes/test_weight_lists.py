@@ -1,0 +1,92 @@
+"""``passes/weight_lists.py``: per-expert weights read in place by ``moe.peer_mlp_lists`` /
+``peer_mlp_grads_lists``, never a stacked copy saved for the backward; every value equal to the stacked ops'
+and to eager; anything the pass does not fully read is left as it was."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import moe_compile
+import moe_compile.ops  # noqa: F401  (registers torch.ops.moe.*)
+from moe_compile.passes.weight_lists import read_weights_in_place
+from tests.models.loop import LoopMoE
+
+E, R, M, H = 4, 6, 8, 12
+FILLED = torch.tensor([[6, 0, 3, 5]])
+
+
+def _joint(gated: bool, extra_reader: bool):
+    """A stand-in for AOTAutograd's joint graph: stacks, ``peer_mlp``, ``peer_mlp_grads``, per-expert selects."""
+    def f(x, grad_y, filled, *weights):
+        w1, w2 = weights[:E], weights[E:2 * E]
+        w3 = weights[2 * E:] if gated else None
+        s1, s2 = torch.stack(list(w1)), torch.stack(list(w2))
+        s3 = torch.stack(list(w3)) if gated else None
+        y, h1, h3 = torch.ops.moe.peer_mlp(x, s1, s2, s3, "silu", None, None, None, [], filled)
+        grads = torch.ops.moe.peer_mlp_grads(grad_y, x, h1, h3, s1, s2, s3, "silu", [], filled,
+                                             [False] * 3, [True] * 4 + [False] * 3)
+        out = [y, grads[0]] + [grads[1 + i][e] for i in range(3 if gated else 2) for e in range(E)]
+        return out + ([s1.sum()] if extra_reader else [])
+
+    torch.manual_seed(0)
+    weights = [torch.randn(H, M) for _ in range(E)] + [torch.randn(M, H) for _ in range(E)]
+    weights += [torch.randn(H, M) for _ in range(E)] if gated else []
+    inputs = [torch.randn(1, E, R, M), torch.randn(1, E, R, M), FILLED, *weights]
+    return make_fx(f, tracing_mode="fake")(*inputs), inputs
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
+@pytest.mark.parametrize("extra_reader", [False, True], ids=["only-the-ops", "stack-read-elsewhere"])
+def test_rewrite_equals_the_stacked_ops(gated, extra_reader):
+    gm, inputs = _joint(gated, extra_reader)
+    expected = gm(*inputs)
+    assert read_weights_in_place(gm) == 2
+    targets = {n.target for n in gm.graph.nodes}
+    assert torch.ops.moe.peer_mlp_lists.default in targets and torch.ops.moe.peer_mlp_grads_lists.default in targets
+    stacks = [n for n in gm.graph.nodes if n.target is torch.ops.aten.stack.default]
+    assert len(stacks) == (1 if extra_reader else 0)   # kept only for the reader that is not the experts'
+    for got, want in zip(gm(*inputs), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_gradient_read_whole_is_left_stacked():
+    """``grad_w1`` read as one ``[E, H, M]`` tensor (not per expert): the backward op is left as it is."""
+    def f(x, grad_y, filled, *weights):
+        s1, s2 = torch.stack(list(weights[:E])), torch.stack(list(weights[E:]))
+        y, h1, h3 = torch.ops.moe.peer_mlp(x, s1, s2, None, "relu", None, None, None, [], filled)
+        grads = torch.ops.moe.peer_mlp_grads(grad_y, x, h1, h3, s1, s2, None, "relu", [], filled,
+                                             [False] * 3, [True] * 4 + [False] * 3)
+        return y, grads[1] * 2
+
+    weights = [torch.randn(H, M) for _ in range(E)] + [torch.randn(M, H) for _ in range(E)]
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(1, E, R, M), torch.randn(1, E, R, M), FILLED, *weights)
+    assert read_weights_in_place(gm) == 1   # the forward only
+    assert torch.ops.moe.peer_mlp_grads.default in {n.target for n in gm.graph.nodes}
+
+
+@pytest.mark.parametrize("num_experts", [4, 8])
+def test_modulelist_layer_equal_to_eager_without_stacks(num_experts):
+    """A ``ModuleList`` loop layer compiled with the eager inner: no ``stack`` runs, forward and every gradient
+    equal to eager."""
+    torch._dynamo.reset()
+    moe_compile.counters.clear()
+    torch.manual_seed(0)
+    layer = LoopMoE(16, 24, num_experts)
+    compiled_layer = LoopMoE(16, 24, num_experts)
+    compiled_layer.load_state_dict(layer.state_dict())
+    x = torch.randn(40, 16)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        compiled = torch.compile(compiled_layer, backend="moe", fullgraph=True, options={"inner": "eager"})
+        xc = x.clone().requires_grad_()
+        out = compiled(xc)
+    xe = x.clone().requires_grad_()
+    ref = layer(xe)
+    torch.testing.assert_close(out, ref)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    torch.testing.assert_close(xc.grad, xe.grad)
+    for (name, p), q in zip(compiled_layer.named_parameters(), layer.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}: {m}")
+    assert moe_compile.counters["regions_rewritten"] == 1
+    assert moe_compile.counters["weights_read_in_place"] == 2
