@@ -119,25 +119,25 @@ class Decoder(nn.Module):
 
 
 def _hf_config(style: str, args: argparse.Namespace):
-    """The family's tiny test configuration with this run's sizes."""
-    from tests.models.hf_families import tiny_config
+    """The family's tiny test configuration (``tests/models/hf_families.py``) built with this run's sizes."""
+    from tests.models import hf_families
 
-    config = tiny_config(style)
     heads = max(1, args.model_dim // 64)
     sizes = dict(hidden_size=args.model_dim, intermediate_size=2 * args.model_dim, moe_intermediate_size=args.expert_dim,
                  num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads, head_dim=64,
                  num_experts_per_tok=args.top_k, num_experts=args.experts, n_routed_experts=args.experts,
                  num_local_experts=args.experts, vocab_size=args.vocab, max_position_embeddings=max(args.seq, 64),
                  kv_lora_rank=args.model_dim // 4, q_lora_rank=args.model_dim // 2, qk_rope_head_dim=32,
-                 qk_nope_head_dim=32, v_head_dim=64, n_group=1, topk_group=1, sliding_window=None)
+                 qk_nope_head_dim=32, v_head_dim=64, n_group=1, topk_group=1)
     if style in ("mixtral", "gpt_oss"):   # one expert width: the FFN's
         sizes["intermediate_size"] = args.expert_dim
-    for key, value in sizes.items():
-        if hasattr(config, key):
-            setattr(config, key, value)
-    if hasattr(config, "layer_types") and config.layer_types is not None:
-        config.layer_types = ["full_attention"] * args.layers
-    return config
+    generic = dict(hf_families.GENERIC)
+    hf_families.GENERIC.update(sizes)   # the sizes go in at construction, where a config derives its own from them
+    try:
+        return hf_families.tiny_config(style)
+    finally:
+        hf_families.GENERIC.clear()
+        hf_families.GENERIC.update(generic)
 
 
 def build(style: str, args: argparse.Namespace, seed: int = 0) -> tuple[nn.Module, str]:
@@ -285,7 +285,7 @@ def run_rank(rank: int, world_size: int, style: str, args: argparse.Namespace) -
             barrier()
             _step(models[name], x)
     moe_compile.counters.clear()
-    for i in range(args.steps):
+    for i in range(args.steps if names else 0):
         for name in names[i % len(names):] + names[:i % len(names)]:
             barrier()
             out["variants"][name]["step_s"].append(_step(models[name], x)[0])
