@@ -11,7 +11,8 @@ Importing this package registers:
   expert-parallel rank's received buffer ``[P, El, R, M]``, its matmuls ``moe.peer_bmm``; on the CPU
   one ``moe.peer_mlp`` (the MLP per block, its activation in cache) and ``peer_mlp_grads`` (every
   gradient per block; in bf16 / fp16 ``peer_mlp_backward``, the weight gradients apart); ``peer_mlp_lists`` /
-  ``peer_mlp_grads_lists`` the same on the experts' own weights (no stacked copy);
+  ``peer_mlp_grads_lists`` the same on the experts' own weights (no stacked copy), ``peer_mlp_gate_up`` /
+  ``peer_mlp_grads_gate_up`` on one stored gate-and-up matrix (one GEMM where the model has one);
 - ``torch.ops.moe.chunk_rows`` / ``cat_rows`` / ``split_rows``: the buffer split along
   capacity into r chunks and joined back (ScheMoE §4 partitioning); ``chunk_filled`` a chunk's routed rows;
 - ``torch.ops.moe.esp_dump`` / ``esp_combine``: Parm's local dump and local combine
@@ -33,6 +34,7 @@ from .esp import esp_combine, esp_dump
 from .experts import ACTIVATIONS, GATED, check_activation, experts, experts_peers_torch, experts_torch
 from .peer_bmm import peer_bmm, peer_bmm_weight_grad
 from .peer_mlp import peer_mlp, peer_mlp_backward, peer_mlp_grads
+from .peer_mlp_gate_up import peer_mlp_gate_up, peer_mlp_grads_gate_up
 from .peer_mlp_lists import peer_mlp_grads_lists, peer_mlp_lists
 
 __all__ = [
@@ -61,7 +63,9 @@ __all__ = [
     "peer_bmm_weight_grad",
     "peer_mlp",
     "peer_mlp_backward",
+    "peer_mlp_gate_up",
     "peer_mlp_grads",
+    "peer_mlp_grads_gate_up",
     "peer_mlp_grads_lists",
     "peer_mlp_lists",
     "split_rows",

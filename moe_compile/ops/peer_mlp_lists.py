@@ -16,9 +16,6 @@ stack that only those two ops read::
                            ...)                                                     [w1_0, ...], ...)
     grad_w1_0 = select(g[1], 0, 0)                      grad_w1_0 = g[1]
 
-Measured on a two-block decoder with ``ModuleList`` SwiGLU experts (M = H = 512, E = 8, 2048 tokens, fp32,
-one thread): the saved stacks were 50 MB of the step's 341 MB peak (``benchmarks/model_step.py``).
-
 ``peer_mlp_grads_lists`` returns one flat list: ``[grad_x, grad_w1[0..El), grad_w2[0..El), grad_w3[0..El)
 (gated only), grad_b1, grad_b2, grad_b3]``, a gradient not in ``needs`` an empty tensor, as in
 ``peer_mlp_grads``. Both ops exist only in the graphs AOTAutograd has already differentiated; they have no

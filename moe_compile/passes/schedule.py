@@ -206,7 +206,8 @@ EXPERT_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.o
                   torch.ops.aten.addmm.default, torch.ops.moe.peer_bmm.default,
                   torch.ops.moe.peer_bmm_weight_grad.default, torch.ops.moe.peer_mlp.default,
                   torch.ops.moe.peer_mlp_backward.default, torch.ops.moe.peer_mlp_grads.default,
-                  torch.ops.moe.peer_mlp_lists.default, torch.ops.moe.peer_mlp_grads_lists.default}
+                  torch.ops.moe.peer_mlp_lists.default, torch.ops.moe.peer_mlp_grads_lists.default,
+                  torch.ops.moe.peer_mlp_gate_up.default, torch.ops.moe.peer_mlp_grads_gate_up.default}
 if hasattr(torch.ops.aten, "_grouped_mm"):
     EXPERT_MATMULS.add(torch.ops.aten._grouped_mm.default)
 

@@ -90,3 +90,56 @@ def test_modulelist_layer_equal_to_eager_without_stacks(num_experts):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}: {m}")
     assert moe_compile.counters["regions_rewritten"] == 1
     assert moe_compile.counters["weights_read_in_place"] == 2
+
+
+def _gate_up_joint(step: int, needs_w13: bool = True):
+    """The joint graph of experts whose gate and up rows are one ``[E, 2H, M]`` tensor (sliced, as
+    canonicalize reads transformers' ``gate_up_proj``), with AOTAutograd's ``slice_backward`` + ``add``."""
+    def f(x, grad_y, filled, w13, w2):
+        rows = w13.shape[1]
+        w1 = w13[:, : rows // 2] if step == 1 else w13[:, 0::2]
+        w3 = w13[:, rows // 2:] if step == 1 else w13[:, 1::2]
+        y, h1, h3 = torch.ops.moe.peer_mlp(x, w1, w2, w3, "silu", None, None, None, [], filled)
+        grads = torch.ops.moe.peer_mlp_grads(grad_y, x, h1, h3, w1, w2, w3, "silu", [], filled, [False] * 3,
+                                             [True, needs_w13, True, needs_w13] + [False] * 3)
+        out = [y, grads[0], grads[2]]
+        if needs_w13:
+            start, stop, stride = (0, rows // 2, 1) if step == 1 else (0, rows, 2)
+            gate = torch.ops.aten.slice_backward(grads[1], list(w13.shape), 1, start, stop, stride)
+            start, stop = (rows // 2, rows) if step == 1 else (1, rows)
+            up = torch.ops.aten.slice_backward(grads[3], list(w13.shape), 1, start, stop, stride)
+            out.append(gate + up)
+        return out
+
+    torch.manual_seed(0)
+    inputs = [torch.randn(1, E, R, M), torch.randn(1, E, R, M), FILLED, torch.randn(E, 2 * H, M),
+              torch.randn(E, M, H)]
+    return make_fx(f, tracing_mode="fake")(*inputs), inputs
+
+
+@pytest.mark.parametrize("needs_w13", [True, False], ids=["w13-grad", "frozen-w13"])
+@pytest.mark.parametrize("step", [1, 2], ids=["split", "interleaved"])
+def test_gate_up_rows_of_one_tensor_read_whole(step, needs_w13):
+    """One GEMM over ``W13`` per block and its gradient written whole: every value equals the sliced ops' (up to
+    the order of the 2H-column sums), the ``slice_backward`` / ``add`` assembly gone."""
+    gm, inputs = _gate_up_joint(step, needs_w13)
+    expected = gm(*inputs)
+    assert read_weights_in_place(gm) == 2
+    targets = [n.target for n in gm.graph.nodes]
+    assert torch.ops.moe.peer_mlp_gate_up.default in targets
+    assert torch.ops.moe.peer_mlp_grads_gate_up.default in targets
+    assert torch.ops.aten.slice_backward.default not in targets and torch.ops.aten.slice.Tensor not in targets
+    for got, want in zip(gm(*inputs), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_gate_up_rows_with_another_reader_keep_the_backward():
+    """A gate gradient read by something besides its ``slice_backward``: the backward op stays as it is."""
+    gm, inputs = _gate_up_joint(1)
+    grads = next(n for n in gm.graph.nodes if n.target is torch.ops.moe.peer_mlp_grads.default)
+    gate = next(u for u in grads.users if u.args[1] == 1)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    output.args = (list(output.args[0]) + [gate],)
+    gm.recompile()
+    assert read_weights_in_place(gm) == 1   # the forward only
+    assert torch.ops.moe.peer_mlp_grads.default in {n.target for n in gm.graph.nodes}

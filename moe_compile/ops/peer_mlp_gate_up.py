@@ -1,0 +1,131 @@
+"""``moe::peer_mlp_gate_up`` / ``moe::peer_mlp_grads_gate_up``: :mod:`.peer_mlp` for experts whose gate and up
+projections are one stored matrix.
+
+transformers' fused experts (Mixtral, Qwen3-MoE, DeepSeek-V3 ... in ``grouped_mm`` form) store
+``gate_up_proj [E, 2H, M]``; canonicalize reads it as two row slices, ``w1 = W13[:, :H]`` and
+``w3 = W13[:, H:]`` (or, interleaved, ``W13[:, 0::2]`` and ``W13[:, 1::2]``). ``moe.peer_mlp`` then runs two
+``[n, M] x [M, H]`` GEMMs per block where the model runs one ``[n, M] x [M, 2H]``, its backward four where one
+``[n, 2H]`` operand does, and AOTAutograd assembles ``W13``'s gradient from the two slices' by two
+``slice_backward`` (each a zero-filled ``[E, 2H, M]``) and an ``add``. These ops take ``W13`` whole::
+
+    forward, per block                      backward, per block (fp32)
+    h13 = x W13ᵀ          (one GEMM)        grad_h = grad_y W2; grad_h1, grad_h3 = act'(...) into one
+    h1, h3 = h13's gate and up columns      [n, 2H] block gh13 (its gate and up columns)
+    y = act(h1, h3) W2ᵀ                     grad_x = gh13 W13, grad_W13 += gh13ᵀ x, grad_W2 += grad_yᵀ h
+
+``step`` 1: gate rows ``[0, H)``, up rows ``[H, 2H)``; ``step`` 2: interleaved (gate even rows, up odd). Every
+value is the split ops' up to fp32 summation order (the GEMM over ``2H`` columns is the model's own).
+:mod:`moe_compile.passes.weight_lists` puts them in place of the split ops on the joint graph, only without
+biases, in fp32 / fp64 (the fused backward's dtypes). They have no autograd formula of their own.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .peer_bmm import filled_counts
+from .peer_mlp import _accumulate_, _activation_vjp_, _glu
+
+__all__ = ["peer_mlp_gate_up", "peer_mlp_grads_gate_up"]
+
+
+def _columns(width: int, step: int) -> tuple[slice, slice]:
+    """The gate's and the up projection's columns of a ``[n, 2H]`` block."""
+    half = width // 2
+    return (slice(0, half), slice(half, width)) if step == 1 else (slice(0, width, 2), slice(1, width, 2))
+
+
+def _check(x: Tensor, w13: Tensor, w2: Tensor, step: int) -> None:
+    ok = (x.dim() == 4 and w13.dim() == 3 and w2.dim() == 3 and w13.shape[0] == x.shape[1] == w2.shape[0]
+          and w13.shape[2] == x.shape[3] and w13.shape[1] == 2 * w2.shape[2] and step in (1, 2))
+    if not ok:
+        raise ValueError(f"moe.peer_mlp_gate_up: x [P, El, R, M], w13 [El, 2H, M], w2 [El, M, H], step 1 or 2 "
+                         f"expected, got {tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}, step {step}")
+
+
+@torch.library.custom_op("moe::peer_mlp_gate_up", mutates_args=())
+def peer_mlp_gate_up(x: Tensor, w13: Tensor, w2: Tensor, activation: str, act_args: Sequence[float],
+                     filled: Tensor | None, step: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, h1, h3)`` of ``moe.peer_mlp(x, w1, w2, w3, ...)`` with ``w1`` / ``w3`` the gate / up rows of ``w13``."""
+    _check(x, w13, w2, step)
+    P, El, R, _ = x.shape
+    H = w2.shape[2]
+    y, h1, h3 = x.new_empty(P, El, R, w2.shape[1]), x.new_empty(P, El, R, H), x.new_empty(P, El, R, H)
+    gate, up = _columns(2 * H, step)
+    scratch = x.new_empty(R, 2 * H)
+    counts = filled_counts(x, filled)
+    for p in range(P):
+        for e in range(El):
+            n = R if counts is None else counts[p][e]
+            if n < R:
+                for t in (y, h1, h3):
+                    t[p, e, n:].zero_()
+            if not n:
+                continue
+            h13 = scratch[:n]
+            torch.mm(x[p, e, :n], w13[e].t(), out=h13)
+            a, c = h1[p, e, :n], h3[p, e, :n]
+            a.copy_(h13[:, gate])
+            c.copy_(h13[:, up])
+            torch.mm(_glu(a, c, activation, act_args), w2[e].t(), out=y[p, e, :n])
+    return y, h1, h3
+
+
+@peer_mlp_gate_up.register_fake
+def _peer_mlp_gate_up_fake(x, w13, w2, activation, act_args, filled, step):
+    _check(x, w13, w2, step)
+    P, El, R, _ = x.shape
+    H = w2.shape[2]
+    return x.new_empty(P, El, R, w2.shape[1]), x.new_empty(P, El, R, H), x.new_empty(P, El, R, H)
+
+
+@torch.library.custom_op("moe::peer_mlp_grads_gate_up", mutates_args=())
+def peer_mlp_grads_gate_up(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w13: Tensor, w2: Tensor,
+                           activation: str, act_args: Sequence[float], filled: Tensor | None, step: int,
+                           needs: Sequence[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    """``(grad_x, grad_w13, grad_w2)`` of :func:`peer_mlp_gate_up`, one block at a time; those not in ``needs``
+    (x, w13, w2) empty. An expert no row reached gets zero gradients; the input gradient's padding is zero."""
+    _check(x, w13, w2, step)
+    P, El, R, M = grad_y.shape
+    H = w2.shape[2]
+    gate, up = _columns(2 * H, step)
+    grad_x, grad_w13, grad_w2 = _peer_mlp_grads_gate_up_fake(grad_y, x, h1, h3, w13, w2, activation, act_args,
+                                                             filled, step, needs)
+    gh13_block, h_block = grad_y.new_empty(R, 2 * H), grad_y.new_empty(R, H)
+    counts = filled_counts(grad_y, filled)
+    for e in range(El):
+        first = True
+        for p in range(P):
+            n = R if counts is None else counts[p][e]
+            if needs[0] and n < R:
+                grad_x[p, e, n:].zero_()
+            if not n:
+                continue
+            g, rows = grad_y[p, e, :n], x[p, e, :n]
+            gh13, h = gh13_block[:n], h_block[:n]
+            gh1, gh3 = gh13[:, gate], gh13[:, up]
+            torch.mm(g, w2[e], out=gh1)                                   # grad_h = grad_y W2
+            _activation_vjp_(gh1, gh3, h, h1[p, e, :n], h3[p, e, :n], activation, act_args)
+            if needs[0]:
+                torch.mm(gh13, w13[e], out=grad_x[p, e, :n])              # grad_x = [gh1 gh3] W13
+            if needs[1]:
+                _accumulate_(grad_w13[e], gh13, rows, first)              # grad_W13 += [gh1 gh3]ᵀ x
+            if needs[2]:
+                _accumulate_(grad_w2[e], g, h, first)                     # grad_W2 += grad_yᵀ h
+            first = False
+        if first:                                                         # no routed row reached expert e
+            for grad, need in ((grad_w13, needs[1]), (grad_w2, needs[2])):
+                if need:
+                    grad[e].zero_()
+    return grad_x, grad_w13, grad_w2
+
+
+@peer_mlp_grads_gate_up.register_fake
+def _peer_mlp_grads_gate_up_fake(grad_y, x, h1, h3, w13, w2, activation, act_args, filled, step, needs):
+    _check(x, w13, w2, step)
+    grad_x = grad_y.new_empty(grad_y.shape) if needs[0] else grad_y.new_empty(0)
+    grad_w13 = torch.empty_like(w13, memory_format=torch.contiguous_format) if needs[1] else grad_y.new_empty(0)
+    grad_w2 = torch.empty_like(w2, memory_format=torch.contiguous_format) if needs[2] else grad_y.new_empty(0)
+    return grad_x, grad_w13, grad_w2
