@@ -1,0 +1,157 @@
+"""Sharded experts under FSDP2 on a 2-D (dp_mod_ep, ep) = (2, 2) mesh of 4 gloo ranks (moe_compile/fsdp.py).
+
+One spawn for every check. The model is ``examples/moe_transformer.py``'s; the compiled stack is
+torchtitan's order: ``shard_experts`` on ``mesh["ep"]``, ``torch.compile`` each block with ``backend="moe"``
+and ``ep_group=mesh["ep"]``, then ``moe_compile.fully_shard`` each block and the model over all 4 ranks
+(the experts over ``dp_mod_ep``). The reference is the same model run eagerly with replicated experts and
+torch's ``fully_shard`` over all 4 ranks (FSDP's data-parallel average). Checked:
+
+- the experts are FSDP2's (a ``DTensor`` on the 2-D mesh, each rank holding ``E / 4`` experts' rows);
+- the first step's gradients, as global tensors, equal the reference's (fp32), so the experts'
+  gradient scaling is the data-parallel average (AdamW's update would hide a constant factor);
+- losses of 3 AdamW steps and the final parameters equal the reference's: fp32; with activation
+  checkpointing of each block; with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
+  (bf16 tolerance, as ``test_training_stack.py``);
+- layouts that cannot be right raise a ``ConfigError``: FSDP's mesh not covering the EP × dp_mod_ep ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+
+from moe_compile.testing import spawn
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(660)]
+
+FP32 = {"rtol": 1e-5, "atol": 1e-5}
+BF16 = {"rtol": 2e-2, "atol": 2e-2}
+LR = 1e-2
+STEPS = 3
+#: bf16 parameters after AdamW: an element whose bf16 gradient rounds to the other sign moves up to 2·lr per step
+#: (``test_training_stack.py``'s ``BF16_SIGN_FLIPS``)
+BF16_SIGN_FLIPS = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    checkpoint: bool = False
+    mixed_precision: bool = False
+
+
+CASES = [Case("2d"), Case("2d+ac", checkpoint=True), Case("2d+mixed_precision+ac", checkpoint=True,
+                                                             mixed_precision=True)]
+
+
+def _model(example):
+    torch.manual_seed(0)
+    return example.MoETransformer(vocab=64, dim=16, hidden=32, num_experts=4, num_layers=2, num_heads=2)
+
+
+def _batch(example, step: int, rank: int) -> torch.Tensor:
+    return example.synthetic_batch(2, 9, 64, torch.Generator().manual_seed(1000 * step + rank))
+
+
+def _wrap(model, case: Case, mesh=None, dp=None):
+    """``mesh`` None: the eager reference (replicated experts, torch's fully_shard over the world)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import moe_compile
+
+    kwargs = {"mesh": dp}
+    if case.mixed_precision:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard = torch_fully_shard if mesh is None else moe_compile.fully_shard
+    options = {"ep_group": mesh["ep"], "inner": "eager"} if mesh is not None else None
+    for i, block in enumerate(model.blocks):
+        if case.checkpoint:
+            block = checkpoint_wrapper(block)
+        if mesh is not None:
+            block = torch.compile(block, backend="moe", fullgraph=True, options=options)
+        fully_shard(block, **kwargs)
+        model.blocks[i] = block
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _names(model) -> dict:
+    return {n.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", ""): p
+            for n, p in model.named_parameters()}
+
+
+def _assert_close(got, expected, tol, msg):
+    if tol is FP32:
+        torch.testing.assert_close(got, expected, **tol, msg=lambda m: f"{msg}: {m}")
+        return
+    diff = (got.float() - expected.float()).abs()
+    outside = diff > tol["atol"] + tol["rtol"] * expected.float().abs()
+    assert diff.max().item() <= 2 * LR * STEPS + tol["atol"], f"{msg}: max difference {diff.max().item():.3g}"
+    assert outside.float().mean().item() <= BF16_SIGN_FLIPS, f"{msg}: {int(outside.sum())} of {outside.numel()}"
+
+
+def _train(example, model, rank):
+    """The losses of ``STEPS`` AdamW steps, and the first step's gradients (global tensors, by name)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss = model(_batch(example, step, rank))
+        loss.backward()
+        if step == 0:
+            grads = {name: p.grad.full_tensor() for name, p in _names(model).items()}
+        optimizer.step()
+        losses.append(loss.detach().float())
+    return torch.stack(losses), grads
+
+
+def _run(rank: int, world_size: int) -> list[str]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    import moe_compile
+    from tests.helpers import example_transformer
+
+    example = sys.modules.setdefault("moe_transformer", example_transformer())  # Dynamo re-imports it under AC
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_mod_ep", "ep"))
+    dp = mesh._flatten("dp")
+    done = []
+    for case in CASES:
+        torch._dynamo.reset()
+        tol = BF16 if case.mixed_precision else FP32
+        eager = _wrap(_model(example), case)
+        model = _model(example)
+        kept = moe_compile.shard_experts(model, mesh["ep"], _batch(example, 0, rank),
+                                         options={"ep_group": mesh["ep"]})
+        assert sorted(kept) == [f"blocks.{i}.moe.{w}" for i in range(2) for w in ("w1", "w2")], kept
+        compiled = _wrap(model, case, mesh, dp)
+        w1 = _names(compiled)["blocks.0.moe.w1"]
+        assert isinstance(w1, DTensor) and w1.device_mesh.mesh_dim_names == ("dp_mod_ep", "ep"), w1
+        assert w1.to_local().shape[0] == 1 and w1.shape[0] == 4, (w1.to_local().shape, w1.shape)
+
+        moe_compile.counters.clear()
+        expected, expected_grads = _train(example, eager, rank)
+        got, grads = _train(example, compiled, rank)
+        counts = dict(moe_compile.counters)
+        assert counts.get("regions_expert_parallel", 0) == counts["regions_found"] >= 1, f"{case.name}: {counts}"
+        torch.testing.assert_close(got, expected, **tol, msg=lambda m: f"{case.name} rank {rank} losses: {m}")
+        assert grads.keys() == expected_grads.keys()
+        for name, grad in grads.items():  # the experts' too: FSDP's average, not a multiple of it
+            torch.testing.assert_close(grad.float(), expected_grads[name].float(), **tol,
+                                       msg=lambda m: f"{case.name} rank {rank} step 0 grad of {name}: {m}")
+        reference = _names(eager)
+        for name, p in _names(compiled).items():
+            _assert_close(p.full_tensor(), reference[name].full_tensor(), tol, f"{case.name} rank {rank} {name}")
+        dist.barrier()
+        done.append(case.name)
+    return done
+
+
+def test_sharded_experts_under_fsdp2_on_ep_x_fsdp_mesh():
+    results = spawn(_run, 4, timeout=600)
+    assert results == [[c.name for c in CASES]] * 4
