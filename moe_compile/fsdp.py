@@ -134,7 +134,9 @@ def fully_shard(module: torch.nn.Module, *, mesh: DeviceMesh | None = None, expe
         if group.mesh_info is expert_info:
             # the reduce-scatter sums over dp_mod_ep what each EP group summed already: divide by all of them
             group.gradient_divide_factor = float(len(fsdp_ranks))
-            group.force_sum_reduction_for_comms = True  # a plain SUM, then the division (any backend)
+            # a plain SUM, then the division: gloo has no PREMUL_SUM. Not on one rank: FSDP (torch 2.13) then divides
+            # by the factor as it copies and again after, as if it had reduced
+            group.force_sum_reduction_for_comms = efsdp.size() > 1
             for fsdp_param in group.fsdp_params:
                 _read_past_placeholder(fsdp_param)
     return wrapped

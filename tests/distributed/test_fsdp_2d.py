@@ -12,7 +12,12 @@ torch's ``fully_shard`` over all 4 ranks (FSDP's data-parallel average). Checked
 - losses of 3 AdamW steps and the final parameters equal the reference's: fp32; with activation
   checkpointing of each block; with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
   (bf16 tolerance, as ``test_training_stack.py``);
-- layouts that cannot be right raise a ``ConfigError``: FSDP's mesh not covering the EP × dp_mod_ep ranks.
+- DCP: the model and AdamW state saved at (2, 2) (``get_state_dict``, experts on the 2-D mesh) load at
+  (1, 4) (every expert FSDP-sharded over one rank), at (4, 1) (replicated experts, torch's ``fully_shard``) and
+  into the unsharded model in this process; the next 2 steps give the losses the (2, 2) run went on with
+  (2 steps: the second depends on the loaded AdamW moments and on the gradients' scaling at the new shape);
+- layouts that cannot be right raise a ``ConfigError``: FSDP's mesh not covering the EP × dp_mod_ep ranks,
+  a 2-D FSDP mesh.
 """
 from __future__ import annotations
 
@@ -24,12 +29,15 @@ import torch
 
 from moe_compile.testing import spawn
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(660)]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(660),
+              pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
 BF16 = {"rtol": 2e-2, "atol": 2e-2}
 LR = 1e-2
 STEPS = 3
+#: the steps after the DCP checkpoint (saved after ``STEPS``) that a resumed run must repeat
+RESUMED = range(STEPS, STEPS + 2)
 #: bf16 parameters after AdamW: an element whose bf16 gradient rounds to the other sign moves up to 2·lr per step
 #: (``test_training_stack.py``'s ``BF16_SIGN_FLIPS``)
 BF16_SIGN_FLIPS = 0.01
@@ -94,23 +102,49 @@ def _assert_close(got, expected, tol, msg):
     assert outside.float().mean().item() <= BF16_SIGN_FLIPS, f"{msg}: {int(outside.sum())} of {outside.numel()}"
 
 
-def _train(example, model, rank):
-    """The losses of ``STEPS`` AdamW steps, and the first step's gradients (global tensors, by name)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+def _train(example, model, rank, steps=range(STEPS), optimizer=None):
+    """The losses of AdamW ``steps``, the first step's gradients (global tensors, by name), the optimizer."""
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads = [], {}
-    for step in range(STEPS):
+    for step in steps:
         optimizer.zero_grad()
         loss = model(_batch(example, step, rank))
         loss.backward()
-        if step == 0:
+        if not grads:
             grads = {name: p.grad.full_tensor() for name, p in _names(model).items()}
         optimizer.step()
         losses.append(loss.detach().float())
-    return torch.stack(losses), grads
+    return torch.stack(losses), grads, optimizer
 
 
-def _run(rank: int, world_size: int) -> list[str]:
+def _resume(example, rank, path, shape, mesh_names=("dp_mod_ep", "ep")):
+    """A model at (dp_mod_ep, ep) = ``shape`` (ep 1: replicated experts, torch's fully_shard), its model and
+    AdamW state loaded from the DCP checkpoint ``path``; the losses of ``RESUMED`` more steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import moe_compile
+
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=mesh_names)
+    model = _model(example)
+    if shape[1] > 1:
+        assert moe_compile.shard_experts(model, mesh["ep"], _batch(example, 0, rank), options={"ep_group": mesh["ep"]})
+        model = _wrap(model, Case("resume"), mesh, mesh._flatten("dp"))
+    else:
+        model = _wrap(model, Case("resume"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return _train(example, model, rank, RESUMED, optimizer)[0]
+
+
+def _run(rank: int, world_size: int, path: str) -> tuple[list[str], list[float]]:
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
@@ -135,8 +169,8 @@ def _run(rank: int, world_size: int) -> list[str]:
         assert w1.to_local().shape[0] == 1 and w1.shape[0] == 4, (w1.to_local().shape, w1.shape)
 
         moe_compile.counters.clear()
-        expected, expected_grads = _train(example, eager, rank)
-        got, grads = _train(example, compiled, rank)
+        expected, expected_grads, _ = _train(example, eager, rank)
+        got, grads, optimizer = _train(example, compiled, rank)
         counts = dict(moe_compile.counters)
         assert counts.get("regions_expert_parallel", 0) == counts["regions_found"] >= 1, f"{case.name}: {counts}"
         torch.testing.assert_close(got, expected, **tol, msg=lambda m: f"{case.name} rank {rank} losses: {m}")
@@ -147,11 +181,63 @@ def _run(rank: int, world_size: int) -> list[str]:
         reference = _names(eager)
         for name, p in _names(compiled).items():
             _assert_close(p.full_tensor(), reference[name].full_tensor(), tol, f"{case.name} rank {rank} {name}")
+        if case == CASES[0]:  # DCP: saved at (2, 2), resumed at (1, 4) and at (4, 1), as the run goes on
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_sd, optim_sd = get_state_dict(compiled, optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+            resumed = {"(2, 2)": _train(example, compiled, rank, RESUMED, optimizer)[0]}
         dist.barrier()
         done.append(case.name)
-    return done
+    resumed["(1, 4)"] = _resume(example, rank, path, (1, 4))
+    resumed["(4, 1)"] = _resume(example, rank, path, (4, 1))
+    for shape in ("(1, 4)", "(4, 1)"):
+        torch.testing.assert_close(resumed[shape], resumed["(2, 2)"], **FP32,
+                                   msg=lambda m: f"resumed at {shape} rank {rank}: {m}")
+    done.append("dcp")
+
+    # FSDP's mesh must hold every (dp_mod_ep, ep) pair: mesh["ep"] alone would never average the other EP group's
+    torch._dynamo.reset()
+    model = _model(example)
+    moe_compile.shard_experts(model, mesh["ep"], _batch(example, 0, rank), options={"ep_group": mesh["ep"]})
+    with pytest.raises(moe_compile.ConfigError, match=r"every data-parallel rank must be one \(expert-FSDP, EP\)"):
+        moe_compile.fully_shard(model.blocks[0], mesh=mesh["ep"])
+    with pytest.raises(moe_compile.ConfigError, match=r"must be 1-D"):
+        moe_compile.fully_shard(model.blocks[0], mesh=mesh)
+    done.append("refused")
+    return done, [float(x) for x in resumed["(2, 2)"]]
 
 
-def test_sharded_experts_under_fsdp2_on_ep_x_fsdp_mesh():
-    results = spawn(_run, 4, timeout=600)
-    assert results == [[c.name for c in CASES]] * 4
+def _resume_unsharded(example, path: str, world_size: int) -> list[float]:
+    """In this process (no process group), the unsharded eager model: DCP's model and AdamW state, then ``RESUMED``
+    steps on the mean loss over the ranks' batches (the gradient FSDP averages); each step's per-rank losses."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = _model(example)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    losses = []
+    for step in RESUMED:
+        optimizer.zero_grad()
+        per_rank = [model(_batch(example, step, r)) for r in range(world_size)]
+        torch.stack(per_rank).mean().backward()
+        optimizer.step()
+        losses.append([loss.item() for loss in per_rank])
+    return losses
+
+
+def test_sharded_experts_under_fsdp2_on_ep_x_fsdp_mesh(tmp_path):
+    from tests.helpers import example_transformer
+
+    path = str(tmp_path / "checkpoint")
+    results = spawn(_run, 4, path, timeout=600)
+    assert [done for done, _ in results] == [[c.name for c in CASES] + ["dcp", "refused"]] * 4
+    # unsharded, one process: the losses the (2, 2) run went on with, rank by rank
+    unsharded = _resume_unsharded(sys.modules.setdefault("moe_transformer", example_transformer()), path, 4)
+    for rank, (_, losses) in enumerate(results):
+        torch.testing.assert_close([step[rank] for step in unsharded], losses, **FP32,
+                                   msg=lambda m: f"unsharded, rank {rank}'s batches: {m}")
