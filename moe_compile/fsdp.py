@@ -84,8 +84,9 @@ def fully_shard(module: torch.nn.Module, *, mesh: DeviceMesh | None = None, expe
     """``torch.distributed.fsdp.fully_shard(module, ...)`` that places sharded experts by their EP mesh's layout
     (see the module docstring); every other argument is torch's.
 
-    ``expert_mesh``: the 1-D mesh to FSDP-shard the experts over (``dp_mod_ep``); by default the EP mesh's one
-    other dimension in its 2-D mesh, none if the EP mesh is 1-D.
+    ``expert_mesh``: the 1-D mesh to FSDP-shard the experts over (``dp_mod_ep``); by default the EP mesh's
+    other dimension in its mesh (:func:`expert_fsdp_mesh`), none if the EP mesh is a mesh of its own. Give it
+    where the meshes are views of one flat mesh (torchtitan's ``ParallelDims``: ``get_mesh("efsdp")``).
     """
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -98,9 +99,15 @@ def fully_shard(module: torch.nn.Module, *, mesh: DeviceMesh | None = None, expe
                           f"different EP meshes; shard_experts once, with one group")
     ep = next(iter(ep_meshes.values()))
     fsdp_ranks = _fsdp_ranks(mesh)
-    if expert_mesh is None and ep._get_root_mesh().ndim == 1:
-        return _fully_shard_1d(module, experts, ep, fsdp_ranks, mesh, ignored_params, torch_fully_shard, kwargs)
     efsdp = expert_mesh if expert_mesh is not None else expert_fsdp_mesh(ep)
+    if efsdp is None:
+        if dist.get_process_group_ranks(ep.get_group()) != fsdp_ranks and ep._get_root_mesh().ndim == 1 \
+                and ep._get_root_mesh() is not ep:
+            raise ConfigError(
+                f"moe_compile.fully_shard: the EP mesh {ep} is a view of a mesh whose other dimensions are not known "
+                f"here (torchtitan's ParallelDims unflattens one world mesh): give expert_mesh= the 1-D mesh of the "
+                f"ranks that hold the same experts (parallel_dims.get_mesh('efsdp'))")
+        return _fully_shard_1d(module, experts, ep, fsdp_ranks, mesh, ignored_params, torch_fully_shard, kwargs)
     _check_2d(efsdp, ep, fsdp_ranks)
     if kwargs.get("shard_placement_fn") is not None:
         raise ConfigError("moe_compile.fully_shard: shard_placement_fn is this function's with sharded experts "
@@ -161,20 +168,24 @@ def _read_past_placeholder(fsdp_param) -> None:
     fsdp_param.reset_sharded_param = reset_sharded_param
 
 
-def expert_fsdp_mesh(ep: DeviceMesh) -> DeviceMesh:
-    """The 1-D mesh of the ranks that hold the same experts as this one: the one dimension of the EP mesh's
-    2-D mesh other than EP (``dp_mod_ep``, torchtitan's ``efsdp``)."""
+def expert_fsdp_mesh(ep: DeviceMesh) -> DeviceMesh | None:
+    """The 1-D mesh of the ranks that hold the same experts as this one: the dimension of the EP mesh's
+    mesh other than EP (``dp_mod_ep``, torchtitan's ``efsdp``) of more than one rank, else the one nearest
+    before EP; None if the EP mesh is a mesh of its own (1-D), or a view whose parent is not known."""
     root = ep._get_root_mesh()
+    if root.ndim == 1:
+        return None
     names = root.mesh_dim_names
     if names is None or ep.mesh_dim_names is None:
         raise ConfigError("moe_compile.fully_shard: the EP mesh is a dimension of an unnamed mesh; name the mesh's "
                           "dimensions (init_device_mesh(..., mesh_dim_names=('dp_mod_ep', 'ep'))) or give expert_mesh")
     others = [n for n in names if n not in ep.mesh_dim_names]
-    if len(others) != 1:
+    sharded = [n for n in others if root[n].size() > 1]
+    if len(sharded) > 1:
         raise ConfigError(f"moe_compile.fully_shard: the EP mesh {ep.mesh_dim_names} is part of a mesh with "
-                          f"dimensions {names}: which of {others} the experts are FSDP-sharded over is not known; "
+                          f"dimensions {names}: which of {sharded} the experts are FSDP-sharded over is not known; "
                           f"give expert_mesh= (the 1-D mesh of the ranks that hold the same experts)")
-    return root[others[0]]
+    return root[sharded[0] if sharded else others[-1]]
 
 
 def _fsdp_ranks(mesh: DeviceMesh | None) -> list[int]:

@@ -16,6 +16,8 @@ torch's ``fully_shard`` over all 4 ranks (FSDP's data-parallel average). Checked
   (1, 4) (every expert FSDP-sharded over one rank), at (4, 1) (replicated experts, torch's ``fully_shard``) and
   into the unsharded model in this process; the next 2 steps give the losses the (2, 2) run went on with
   (2 steps: the second depends on the loaded AdamW moments and on the gradients' scaling at the new shape);
+  and at (2, 2) again through torchtitan's ``ParallelDims`` layout (one world mesh unflattened into
+  ``(efsdp, ep)`` views, ``expert_mesh`` given; without it a ``ConfigError`` asks for it);
 - layouts that cannot be right raise a ``ConfigError``: FSDP's mesh not covering the EP × dp_mod_ep ranks,
   a 2-D FSDP mesh.
 """
@@ -63,23 +65,23 @@ def _batch(example, step: int, rank: int) -> torch.Tensor:
     return example.synthetic_batch(2, 9, 64, torch.Generator().manual_seed(1000 * step + rank))
 
 
-def _wrap(model, case: Case, mesh=None, dp=None):
-    """``mesh`` None: the eager reference (replicated experts, torch's fully_shard over the world)."""
+def _wrap(model, case: Case, ep=None, dp=None, **kwargs):
+    """``ep`` None: the eager reference (replicated experts, torch's fully_shard over the world)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     import moe_compile
 
-    kwargs = {"mesh": dp}
+    kwargs["mesh"] = dp
     if case.mixed_precision:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    fully_shard = torch_fully_shard if mesh is None else moe_compile.fully_shard
-    options = {"ep_group": mesh["ep"], "inner": "eager"} if mesh is not None else None
+    fully_shard = torch_fully_shard if ep is None else moe_compile.fully_shard
+    options = {"ep_group": ep, "inner": "eager"} if ep is not None else None
     for i, block in enumerate(model.blocks):
         if case.checkpoint:
             block = checkpoint_wrapper(block)
-        if mesh is not None:
+        if ep is not None:
             block = torch.compile(block, backend="moe", fullgraph=True, options=options)
         fully_shard(block, **kwargs)
         model.blocks[i] = block
@@ -117,9 +119,11 @@ def _train(example, model, rank, steps=range(STEPS), optimizer=None):
     return torch.stack(losses), grads, optimizer
 
 
-def _resume(example, rank, path, shape, mesh_names=("dp_mod_ep", "ep")):
+def _resume(example, rank, path, shape, views=False):
     """A model at (dp_mod_ep, ep) = ``shape`` (ep 1: replicated experts, torch's fully_shard), its model and
-    AdamW state loaded from the DCP checkpoint ``path``; the losses of ``RESUMED`` more steps."""
+    AdamW state loaded from the DCP checkpoint ``path``; the losses of ``RESUMED`` more steps. ``views``: the
+    meshes as torchtitan's ``ParallelDims`` makes them, views of one world mesh unflattened (their parent is
+    not known to FSDP's meshes: ``expert_mesh`` given)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -127,11 +131,19 @@ def _resume(example, rank, path, shape, mesh_names=("dp_mod_ep", "ep")):
     import moe_compile
 
     torch._dynamo.reset()
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=mesh_names)
     model = _model(example)
-    if shape[1] > 1:
+    if views:
+        world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+        sparse = world._unflatten(0, shape, ("efsdp", "ep"))
+        assert moe_compile.shard_experts(model, sparse["ep"], _batch(example, 0, rank),
+                                         options={"ep_group": sparse["ep"]})
+        with pytest.raises(moe_compile.ConfigError, match=r"give expert_mesh="):
+            moe_compile.fully_shard(model.blocks[0], mesh=world)
+        model = _wrap(model, Case("resume"), sparse["ep"], world, expert_mesh=sparse["efsdp"])
+    elif shape[1] > 1:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_mod_ep", "ep"))
         assert moe_compile.shard_experts(model, mesh["ep"], _batch(example, 0, rank), options={"ep_group": mesh["ep"]})
-        model = _wrap(model, Case("resume"), mesh, mesh._flatten("dp"))
+        model = _wrap(model, Case("resume"), mesh["ep"], mesh._flatten("dp"))
     else:
         model = _wrap(model, Case("resume"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -163,7 +175,7 @@ def _run(rank: int, world_size: int, path: str) -> tuple[list[str], list[float]]
         kept = moe_compile.shard_experts(model, mesh["ep"], _batch(example, 0, rank),
                                          options={"ep_group": mesh["ep"]})
         assert sorted(kept) == [f"blocks.{i}.moe.{w}" for i in range(2) for w in ("w1", "w2")], kept
-        compiled = _wrap(model, case, mesh, dp)
+        compiled = _wrap(model, case, mesh["ep"], dp)
         w1 = _names(compiled)["blocks.0.moe.w1"]
         assert isinstance(w1, DTensor) and w1.device_mesh.mesh_dim_names == ("dp_mod_ep", "ep"), w1
         assert w1.to_local().shape[0] == 1 and w1.shape[0] == 4, (w1.to_local().shape, w1.shape)
@@ -191,7 +203,8 @@ def _run(rank: int, world_size: int, path: str) -> tuple[list[str], list[float]]
         done.append(case.name)
     resumed["(1, 4)"] = _resume(example, rank, path, (1, 4))
     resumed["(4, 1)"] = _resume(example, rank, path, (4, 1))
-    for shape in ("(1, 4)", "(4, 1)"):
+    resumed["(2, 2) views"] = _resume(example, rank, path, (2, 2), views=True)
+    for shape in ("(1, 4)", "(4, 1)", "(2, 2) views"):
         torch.testing.assert_close(resumed[shape], resumed["(2, 2)"], **FP32,
                                    msg=lambda m: f"resumed at {shape} rank {rank}: {m}")
     done.append("dcp")
