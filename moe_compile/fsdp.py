@@ -59,8 +59,11 @@ Contract: call it on each block and then on the model, in torchtitan's order;
 every rank makes the same calls. Layouts that cannot be right raise a
 :class:`~moe_compile.ConfigError`: FSDP's ``mesh`` not 1-D, the EP and expert-FSDP
 dimensions not covering exactly ``mesh``'s ranks, an EP mesh of a mesh with more
-than one other dimension (give ``expert_mesh``), a ``shard_placement_fn`` of the
-caller's (the experts' is this function's). Replicated experts (no
+than one other dimension of more than one rank, or a view of one flat mesh as
+torchtitan's ``ParallelDims`` makes them (give ``expert_mesh``:
+``parallel_dims.get_mesh("efsdp")``), a ``shard_placement_fn`` of the caller's (the
+experts' is this function's), per-expert (``nn.ModuleList``) sharded weights on a
+2-D mesh. Replicated experts (no
 ``shard_experts``) need nothing: torch's ``fully_shard`` is the right call, and
 so is this one (it then adds nothing).
 """
