@@ -10,7 +10,7 @@ torch's ``fully_shard`` over all 4 ranks (FSDP's data-parallel average). Checked
 - the first step's gradients, as global tensors, equal the reference's (fp32), so the experts'
   gradient scaling is the data-parallel average (AdamW's update would hide a constant factor);
 - losses of 3 AdamW steps and the final parameters equal the reference's: fp32; with activation
-  checkpointing of each block; with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
+  checkpointing of each block and gradient accumulation over 2 micro-batches; with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
   (bf16 tolerance, as ``test_training_stack.py``);
 - DCP: the model and AdamW state saved at (2, 2) (``get_state_dict``, experts on the 2-D mesh) load at
   (1, 4) (every expert FSDP-sharded over one rank), at (4, 1) (replicated experts, torch's ``fully_shard``) and
@@ -50,10 +50,12 @@ class Case:
     name: str
     checkpoint: bool = False
     mixed_precision: bool = False
+    #: gradient accumulation: ``set_requires_gradient_sync(False)`` on all but the last micro-batch
+    micro_batches: int = 1
 
 
-CASES = [Case("2d"), Case("2d+ac", checkpoint=True), Case("2d+mixed_precision+ac", checkpoint=True,
-                                                             mixed_precision=True)]
+CASES = [Case("2d"), Case("2d+ac+accumulation", checkpoint=True, micro_batches=2),
+         Case("2d+mixed_precision+ac", checkpoint=True, mixed_precision=True)]
 
 
 def _model(example):
@@ -104,14 +106,18 @@ def _assert_close(got, expected, tol, msg):
     assert outside.float().mean().item() <= BF16_SIGN_FLIPS, f"{msg}: {int(outside.sum())} of {outside.numel()}"
 
 
-def _train(example, model, rank, steps=range(STEPS), optimizer=None):
+def _train(example, model, rank, steps=range(STEPS), optimizer=None, micro_batches=1):
     """The losses of AdamW ``steps``, the first step's gradients (global tensors, by name), the optimizer."""
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads = [], {}
     for step in steps:
         optimizer.zero_grad()
-        loss = model(_batch(example, step, rank))
-        loss.backward()
+        loss = 0.0
+        for micro in range(micro_batches):
+            model.set_requires_gradient_sync(micro == micro_batches - 1)
+            micro_loss = model(_batch(example, step, 10 * micro + rank)) / micro_batches
+            micro_loss.backward()
+            loss = loss + micro_loss.detach()
         if not grads:
             grads = {name: p.grad.full_tensor() for name, p in _names(model).items()}
         optimizer.step()
@@ -181,8 +187,8 @@ def _run(rank: int, world_size: int, path: str) -> tuple[list[str], list[float]]
         assert w1.to_local().shape[0] == 1 and w1.shape[0] == 4, (w1.to_local().shape, w1.shape)
 
         moe_compile.counters.clear()
-        expected, expected_grads, _ = _train(example, eager, rank)
-        got, grads, optimizer = _train(example, compiled, rank)
+        expected, expected_grads, _ = _train(example, eager, rank, micro_batches=case.micro_batches)
+        got, grads, optimizer = _train(example, compiled, rank, micro_batches=case.micro_batches)
         counts = dict(moe_compile.counters)
         assert counts.get("regions_expert_parallel", 0) == counts["regions_found"] >= 1, f"{case.name}: {counts}"
         torch.testing.assert_close(got, expected, **tol, msg=lambda m: f"{case.name} rank {rank} losses: {m}")
