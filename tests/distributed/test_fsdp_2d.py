@@ -12,6 +12,7 @@ torch's ``fully_shard`` over all 4 ranks (FSDP's data-parallel average). Checked
 - losses of 3 AdamW steps and the final parameters equal the reference's: fp32; with activation
   checkpointing of each block and gradient accumulation over 2 micro-batches; with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
   (bf16 tolerance, as ``test_training_stack.py``);
+- the gradient norm (``moe_compile.clip_grad_norm_``) is the reference's;
 - DCP: the model and AdamW state saved at (2, 2) (``get_state_dict``, experts on the 2-D mesh) load at
   (1, 4) (every expert FSDP-sharded over one rank), at (4, 1) (replicated experts, torch's ``fully_shard``) and
   into the unsharded model in this process; the next 2 steps give the losses the (2, 2) run went on with
@@ -199,6 +200,10 @@ def _run(rank: int, world_size: int, path: str) -> tuple[list[str], list[float]]
         reference = _names(eager)
         for name, p in _names(compiled).items():
             _assert_close(p.full_tensor(), reference[name].full_tensor(), tol, f"{case.name} rank {rank} {name}")
+        if not case.mixed_precision:  # the last step's gradients: each expert counted once in the norm
+            want = torch.stack([q.grad.full_tensor().norm() for q in eager.parameters()]).norm()
+            got_norm = moe_compile.clip_grad_norm_(list(compiled.parameters()), 1e9)
+            torch.testing.assert_close(got_norm, want, **tol, msg=lambda m: f"{case.name} rank {rank} grad norm: {m}")
         if case == CASES[0]:  # DCP: saved at (2, 2), resumed at (1, 4) and at (4, 1), as the run goes on
             from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -255,6 +260,13 @@ def test_sharded_experts_under_fsdp2_on_ep_x_fsdp_mesh(tmp_path):
     path = str(tmp_path / "checkpoint")
     results = spawn(_run, 4, path, timeout=600)
     assert [done for done, _ in results] == [[c.name for c in CASES] + ["dcp", "refused"]] * 4
+    # one global tensor per expert weight, its model and AdamW moments, one chunk per rank
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for key in ("model.blocks.0.moe.w1", "optim.state.blocks.0.moe.w1.exp_avg"):
+        assert list(metadata[key].size) == [4, 16, 32], (key, metadata[key].size)
+        assert sorted(c.offsets[0] for c in metadata[key].chunks) == [0, 1, 2, 3], (key, metadata[key].chunks)
     # unsharded, one process: the losses the (2, 2) run went on with, rank by rank
     unsharded = _resume_unsharded(sys.modules.setdefault("moe_transformer", example_transformer()), path, 4)
     for rank, (_, losses) in enumerate(results):
