@@ -7,11 +7,12 @@ and ``ep_group=mesh["ep"]``, then ``moe_compile.fully_shard`` each block and the
 torch's ``fully_shard`` over all 4 ranks (FSDP's data-parallel average). Checked:
 
 - the experts are FSDP2's (a ``DTensor`` on the 2-D mesh, each rank holding ``E / 4`` experts' rows);
-- the first step's gradients, as global tensors, equal the reference's (fp32), so the experts'
-  gradient scaling is the data-parallel average (AdamW's update would hide a constant factor);
+- the first step's gradients, as global tensors, equal the reference's, so the experts' gradient
+  scaling is the data-parallel average (AdamW's update would hide a constant factor);
 - losses of 3 AdamW steps and the final parameters equal the reference's: fp32; with activation
-  checkpointing of each block and gradient accumulation over 2 micro-batches; with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
-  (bf16 tolerance, as ``test_training_stack.py``);
+  checkpointing of each block and gradient accumulation over 2 micro-batches; with
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` and activation checkpointing (bf16
+  tolerance, as ``test_training_stack.py``);
 - the gradient norm (``moe_compile.clip_grad_norm_``) is the reference's;
 - DCP: the model and AdamW state saved at (2, 2) (``get_state_dict``, experts on the 2-D mesh) load at
   (1, 4) (every expert FSDP-sharded over one rank), at (4, 1) (replicated experts, torch's ``fully_shard``) and
