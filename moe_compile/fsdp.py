@@ -17,10 +17,11 @@ experts). FSDP2 manages both (one ``fully_shard`` per block, a
 ``apply_fsdp_to_decoder`` does)::
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_mod_ep", "ep"))
+    dp_mesh = mesh._flatten("dp")                           # 1-D: every data-parallel rank
     moe_compile.shard_experts(model, mesh["ep"], example_batch, options=options)  # options["ep_group"]: mesh["ep"]
     for i, block in enumerate(model.blocks):                # torchtitan's order
         model.blocks[i] = block = torch.compile(block, backend="moe", fullgraph=True, options=options)
-        moe_compile.fully_shard(block, mesh=dp_mesh, mp_policy=...)   # dp_mesh: 1-D, all 4 ranks
+        moe_compile.fully_shard(block, mesh=dp_mesh, mp_policy=...)
     moe_compile.fully_shard(model, mesh=dp_mesh, mp_policy=...)
 
 Before (rank r; ``El = E / ep``)::
@@ -43,7 +44,9 @@ those of the other EP groups, so the expert parameters' FSDP group divides by th
 whole data-parallel size (dp_mod_ep · ep), not by its own mesh's, and every
 gradient is the data-parallel average, as FSDP gives every other parameter.
 FSDP casts the experts like every parameter it manages:
-``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` works.
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` works (the NaN
+placeholders the model's code reads are made ``param_dtype`` too, so Dynamo traces
+the dtypes the graph gets).
 
 **1-D: EP over every data-parallel rank.** The EP mesh is a mesh of its own (a
 group, ``"world"``, a 1-D ``init_device_mesh``): there is no rank left to
