@@ -234,15 +234,29 @@ class _Captured(Exception):
         self.found = found
 
 
-def _placeholder(weight: torch.Tensor) -> torch.Tensor:
+def _placeholder(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The NaN tensor of ``weight``'s shape the model's code reads in place of a sharded or remote weight: for a
     stacked ``[E, ..., a, b]`` weight one expert's ``[a, b]`` matrix expanded over the leading dims (stride 0 there;
     ``torch._grouped_mm``, torchtitan's experts, checks that a matrix's own strides are those of a matrix), else one
-    element expanded."""
-    nan = float("nan")
+    element expanded. In ``weight``'s dtype, or ``dtype``."""
+    nan, dtype = float("nan"), dtype or weight.dtype
     if weight.dim() >= 3:
-        return torch.full(weight.shape[-2:], nan, dtype=weight.dtype, device=weight.device).expand(weight.shape)
-    return torch.full((), nan, dtype=weight.dtype, device=weight.device).expand(weight.shape)
+        return torch.full(weight.shape[-2:], nan, dtype=dtype, device=weight.device).expand(weight.shape)
+    return torch.full((), nan, dtype=dtype, device=weight.device).expand(weight.shape)
+
+
+def cast_placeholders(module: nn.Module, params: set[int], dtype: torch.dtype) -> None:
+    """The placeholders in ``module`` of the sharded weights ``params`` (their ids) made ``dtype``: what the model's
+    code reads where FSDP's mixed precision gives the compiled graph those weights in ``dtype``
+    (:func:`moe_compile.fully_shard`). Each keeps its record; nothing else changes."""
+    for owner in module.modules():
+        for name, value in list(vars(owner).items()):
+            shard = expert_shard(value)
+            if shard is None or value.dtype == dtype or id(shard.local) not in params:
+                continue
+            placeholder = _placeholder(value, dtype)
+            setattr(placeholder, SHARD_ATTR, shard)
+            object.__setattr__(owner, name, placeholder)
 
 
 def _trace_expert_weights(model, args, kwargs, cfg: MoECompileConfig) -> list[tuple[torch.Tensor, int, int | None]]:
