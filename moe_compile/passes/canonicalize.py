@@ -188,6 +188,7 @@ def stale_reason(graph: Graph, region: MoERegion) -> str | None:
                for w in (*linear.weights, *linear.bias)]
     named = [*region.nodes, *region.inputs, *region.outputs, region.hidden, region.tokens, region.expert_ids,
              region.gate_weights, region.output, *weights] + [n for n in (region.routed, region.kept) if n is not None]
+    named += [n for pick in region.picks for n in (pick.expert_ids, pick.gate_weights)]
     gone = sorted({n.name for n in named if n not in alive})
     if gone:
         return f"it read {', '.join(gone)}, no longer in the graph"
@@ -240,10 +241,14 @@ def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
         rows = tokens
         if not isinstance(k, int):  # a runtime k (Tutel §5 top-ANY): read from the [T, k] ids, not a constant
             k = call(torch.ops.aten.sym_size.int, env[region.expert_ids], -1)
-        ids = call("reshape", env[region.expert_ids], (-1, k), method=True)
-        if region.dense_weights:   # [T, E] scores: the weights are their entries at the ids
+        if region.picks:   # one argmax per pick (GShard's top-2): their [T] ids and weights side by side
+            ids = call(torch.stack, [env[p.expert_ids] for p in region.picks], -1)
+            weights = call(torch.stack, [env[p.gate_weights] for p in region.picks], -1)
+        elif region.dense_weights:   # [T, E] scores: the weights are their entries at the ids
+            ids = call("reshape", env[region.expert_ids], (-1, k), method=True)
             weights = call(torch.gather, env[region.gate_weights], 1, call("long", ids, method=True))
         else:
+            ids = call("reshape", env[region.expert_ids], (-1, k), method=True)
             weights = call("reshape", env[region.gate_weights], (-1, k), method=True)
         if region.kept is not None:   # Switch's per-sequence capacity: a dropped choice weighs 0 (capacity_router)
             kept = call("sum", env[region.kept], -1, method=True)
