@@ -103,11 +103,11 @@ def _dim(node: Node, default=None):
 def _one_hot(argmax: Node, num_experts) -> Node:
     hots = [u for u in _users(argmax) if is_call(u, *_ONE_HOT, method=("one_hot",))]
     if len(hots) != 1:
-        raise NoMatch(f"the pick {argmax.name} of a two-argmax router has {len(hots)} one-hots of the experts, not one")
+        raise NoMatch(f"a pick has {len(hots)} one-hots of the experts, not one ({argmax.name})")
     classes = hots[0].kwargs.get("num_classes", hots[0].args[1] if len(hots[0].args) > 1 else None)
     if classes != num_experts:
-        raise NoMatch(f"the one-hot {hots[0].name} of {argmax.name} has {classes} classes, not the E = {num_experts} "
-                      "experts")
+        raise NoMatch(f"a pick's one-hot has {classes} classes, not the E = {num_experts} experts ({hots[0].name} of "
+                      f"{argmax.name})")
     return hots[0]
 
 
@@ -159,8 +159,8 @@ def _next_pick(picks: list[Node], hots: list[Node]) -> Node | None:
                     candidates.add(node)
     found = [a for a in candidates if set(masked_picks(a)) == set(picks) and a not in picks]
     if len(found) > 1:
-        raise NoMatch(f"two argmaxes ({', '.join(sorted(a.name for a in found))}) mask out the picks "
-                      f"{', '.join(p.name for p in picks)}: not one next pick")
+        raise NoMatch(f"two argmaxes mask out the same earlier picks, not one next pick "
+                      f"({', '.join(sorted(a.name for a in found))} without {', '.join(p.name for p in picks)})")
     return found[0] if found else None
 
 
@@ -296,20 +296,20 @@ def _kept(j: int, hots: list[Node]) -> _Kept | None:
                     continue
                 if not (is_call(compare, operator.lt, torch.lt, operator.le, torch.le, method=("lt", "le"))
                         and len(compare.args) == 2 and strip(compare.args[0], methods=_CASTS) is node):
-                    raise NoMatch(f"the positions {node.name} of the pick {hot.args[0].name} are read by "
-                                  f"{compare.name}, neither a capacity test `positions < C` masking its one-hot nor "
-                                  "a position read at the kept choices (`positions * mask`)")
+                    raise NoMatch(f"a pick's positions are read otherwise than by a capacity test `positions < C` "
+                                  "masking its one-hot or as the kept choices' slots `positions * mask` "
+                                  f"({node.name} of {hot.args[0].name} read by {compare.name})")
                 offset = _locations(node, j, hots)
                 if offset is None:
                     raise NoMatch(
-                        f"the positions {node.name} of the pick {hot.args[0].name}'s one-hot {hot.name} are not "
-                        f"cumsum(one_hot, 0){' plus the counts of every earlier pick (k-major)' if j else ''}: "
-                        "counted in another order than GShard's (all first choices, then the second ones)")
+                        "its positions are counted in another order than GShard's k-major one, all first choices "
+                        f"then the second ones ({node.name} of {hot.args[0].name} is not cumsum({hot.name}, 0)"
+                        f"{' plus the counts of every earlier pick before the drop' if j else ''})")
                 limit = _constant_int(compare.args[1])
                 if limit is None:
-                    raise NoMatch(f"the capacity {getattr(compare.args[1], 'name', compare.args[1])} of {compare.name} is "
-                                  "no constant of the graph (a capacity computed from a symbolic token count, or at "
-                                  "run time): the canonical dispatch needs a fixed C")
+                    raise NoMatch("its capacity is no constant of the graph, where the canonical dispatch needs a "
+                                  f"fixed C ({getattr(compare.args[1], 'name', compare.args[1])} of {compare.name}: "
+                                  "computed from a symbolic token count, or at run time)")
                 le = is_call(compare, operator.le, torch.le, method=("le",))
                 # kept iff cumsum + counts + offset < limit (<= limit), the 1-based k-major rank r = cumsum + counts
                 capacity = limit - offset - (0 if le else 1)
@@ -319,14 +319,14 @@ def _kept(j: int, hots: list[Node]) -> _Kept | None:
                         found.append(_Kept(kept, capacity))
                         break
                 else:
-                    raise NoMatch(f"the capacity test {compare.name} does not mask the one-hot {hot.name} "
-                                  "(`one_hot * (positions < C)`)")
+                    raise NoMatch("a capacity test does not mask its pick's one-hot as `one_hot * (positions < C)` "
+                                  f"({compare.name}, {hot.name})")
     if not found:
         return None   # positions read at the kept choices only: no choice dropped (DeepSpeed's drop_tokens=False)
     if len(found) != 1:
-        raise NoMatch(f"the one-hot {hot.name} of {hot.args[0].name} has {len(found)} capacity tests, not one")
+        raise NoMatch(f"a pick has {len(found)} capacity tests, not one ({hot.name} of {hot.args[0].name})")
     if found[0].capacity < 1:
-        raise NoMatch(f"the expert capacity of {found[0].mask.name} is {found[0].capacity}: every choice dropped")
+        raise NoMatch(f"its expert capacity is {found[0].capacity}, every choice dropped ({found[0].mask.name})")
     return found[0]
 
 
@@ -427,26 +427,26 @@ def read_argmax_picks(first: Node, num_experts) -> ArgmaxPicks:
     probs = first.args[0]
     shape = shape_of(probs)
     if shape is None or len(shape) != 2:
-        raise NoMatch(f"its router picks experts by successive argmaxes ({first.name}) over {len(shape or ())}-d "
-                      "scores; only [T, E] scores are read (positions over all T tokens)")
+        raise NoMatch(f"its picks are over {len(shape or ())}-d scores, where [T, E] ones are read (positions over all "
+                      f"T tokens; {first.name})")
     picks, hots = [first], [_one_hot(first, num_experts)]
     while True:
         nxt = _next_pick(picks, hots)
         if nxt is None:
             break
         if _dim(nxt) not in (-1, 1):
-            raise NoMatch(f"the pick {nxt.name} is no argmax over the experts (dim {_dim(nxt)})")
+            raise NoMatch(f"a pick is no argmax over the experts ({nxt.name}, dim {_dim(nxt)})")
         picks.append(nxt)
         hots.append(_one_hot(nxt, num_experts))
     if len(picks) < 2:
-        raise NoMatch(f"no second pick masks out {first.name}'s expert")
+        raise NoMatch(f"no second pick masks out the first one's expert ({first.name})")
     kept = [_kept(j, hots) for j in range(len(picks))]
     capacities = {k.capacity for k in kept if k is not None}
     if None in kept and capacities:
-        raise NoMatch(f"only some of its picks ({', '.join(p.name for p, k in zip(picks, kept) if k)}) have a capacity "
-                      "test: no one capacity for every choice")
+        raise NoMatch("only some of its picks have a capacity test, no one capacity for every choice "
+                      f"({', '.join(p.name for p, k in zip(picks, kept) if k)})")
     if len(capacities) > 1:
-        raise NoMatch(f"its picks have different capacities ({sorted(capacities)}): the canonical dispatch has one C")
+        raise NoMatch(f"its picks have different capacities, where the canonical dispatch has one C ({sorted(capacities)})")
     capacity = capacities.pop() if capacities else 0
     # a one-hot is read before its drop: the positions of the later picks and the counts are of all the choices
     for j, (hot, k) in enumerate(zip(hots, kept)):
@@ -455,8 +455,8 @@ def read_argmax_picks(first: Node, num_experts) -> ArgmaxPicks:
         writes = [u for u in hot.users if is_inplace(u) and u.args[0] is hot]
         if writes and any(not _before(u, writes[0]) for u in _users(hot) if u not in writes
                           and is_call(u, torch.cumsum, torch.sum, method=("cumsum", "sum"))):
-            raise NoMatch(f"a position or count of {hot.name} is read after its capacity drop {writes[0].name}: the "
-                          "positions do not count every choice (GShard's k-major order counts the dropped ones too)")
+            raise NoMatch("its positions count the kept choices only, where GShard's k-major order counts the "
+                          f"dropped ones too (a position or count of {hot.name} read after its drop {writes[0].name})")
     masks = [k.mask if k is not None else h for h, k in zip(hots, kept)]
     _check_mask_uses(hots, masks, probs, picks)
     weights, after = [], []
@@ -466,15 +466,16 @@ def read_argmax_picks(first: Node, num_experts) -> ArgmaxPicks:
         if w is None and mask is not hot:
             w = _pick_weight(hot, strip(probs, methods=_CASTS))
         if w is None:
-            raise NoMatch(f"no weight of the pick {hot.args[0].name}: neither sum({probs.name} * {mask.name}, -1) nor "
-                          f"einsum('se,se->s', {probs.name}, {mask.name}) is computed")
+            raise NoMatch(f"a pick has no weight read as the first pick's probabilities at its choice, neither "
+                          f"sum({probs.name} * {mask.name}, -1) nor einsum('se,se->s', {probs.name}, {mask.name}) "
+                          f"({hot.args[0].name})")
         weights.append(w)
     divisions = _renormalised(weights)
     if divisions is not None:
         weights = divisions
     elif any(is_call(u, *_DIV, method=("div", "div_")) for w in weights for u in w.users):
-        raise NoMatch(f"the weights {', '.join(w.name for w in weights)} of its picks are divided by something other "
-                      "than their common sum")
+        raise NoMatch("its picks' weights are divided by something other than their common sum "
+                      f"({', '.join(w.name for w in weights)})")
     return ArgmaxPicks(tuple(Pick(p, w) for p, w in zip(picks, weights)), tuple(hots), capacity,
                        divisions is not None, all(after))
 
@@ -487,6 +488,11 @@ def _check_mask_uses(hots: list[Node], masks: list[Node], probs: Node, picks: li
     for hot, mask in zip(hots, masks):
         for source in {hot, mask}:
             for user in _users(source):
+                if _as_index(user, source):
+                    raise NoMatch(
+                        "its experts read a 0/1 mask of the router's choices as expert ids, not dispatching by its "
+                        f"choices ({source.name} of {hot.args[0].name} read by {user.name}, {_op_name(user)}: "
+                        "transformers 5.24's NllbMoeSparseMLP passes its kept top-1 mask where its experts expect ids)")
                 if user in allowed or not is_call(user, *_MUL, method=("mul", "mul_", "logical_and", "__and__")):
                     continue
                 others = [strip(a, methods=_CASTS) for a in user.args if strip(a, methods=_CASTS) is not source]
@@ -496,9 +502,35 @@ def _check_mask_uses(hots: list[Node], masks: list[Node], probs: Node, picks: li
                 if all(isinstance(o, Node) and _is_positions(o, hots) for o in others):
                     continue   # a choice's position read where it is kept: locations * mask
                 raise NoMatch(
-                    f"the choices of {hot.args[0].name} are masked by {user.name} ({', '.join(getattr(o, 'name', str(o)) for o in others)}), "
-                    "not only by their capacity test: another drop of choices (a random drop of second choices, a "
-                    "padding mask) that the canonical dispatch would not make")
+                    "its choices are masked by more than their capacity test, a drop the canonical dispatch would not "
+                    f"make ({hot.args[0].name} masked by {user.name} with "
+                    f"{', '.join(getattr(o, 'name', str(o)) for o in others)}: a padding mask, a random drop of second "
+                    "choices)")
+
+
+_INDEXED = (torch.gather, torch.index_select, torch.take_along_dim, torch.scatter, torch.scatter_add,
+            F.embedding, torch.embedding)
+_INDEXED_METHODS = ("gather", "index_select", "take_along_dim", "scatter", "scatter_", "scatter_add",
+                    "scatter_add_", "index_add", "index_add_", "index_copy", "index_put", "index_put_")
+
+
+def _as_index(user: Node, mask: Node) -> bool:
+    """``user`` reads the 0/1 ``mask`` (through casts) as indices: one-hot encodes it, gathers or scatters by it,
+    or indexes another tensor with it as an integer index."""
+    args = [strip(a, methods=_CASTS) if isinstance(a, Node) else a for a in user.args]
+    if is_call(user, *_ONE_HOT, method=("one_hot",)):
+        return args[:1] == [mask]
+    if is_call(user, *_INDEXED, method=_INDEXED_METHODS):
+        index = user.kwargs.get("index", user.kwargs.get("indices"))
+        return mask in args[1:] or (isinstance(index, Node) and strip(index, methods=_CASTS) is mask)
+    if user.op == "call_function" and user.target is operator.getitem and len(args) == 2:
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        return any(i is mask for i in index) and not example_value(mask).dtype == torch.bool
+    return False
+
+
+def _op_name(node: Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
 
 
 def _is_positions(node: Node, hots: list[Node]) -> bool:

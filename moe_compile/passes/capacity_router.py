@@ -128,9 +128,9 @@ def _read_picks(argmax: Node, second: Node, gate: Node, scores: Node, num_expert
         read = read_argmax_picks(argmax, num_experts)
     except NoMatch as e:
         raise NoMatch(
-            f"its router picks a second expert by a second argmax ({second.name}) over the scores without the first "
-            f"({argmax.name}), GShard's top-2 as fairscale's Top2Gate, DeepSpeed-MoE's top2gating and NLLB-MoE write "
-            f"it, in a form not read: {e}; the layer trains as written (equal to eager, not expert-parallel)") from None
+            f"its top-2 router by two argmax picks is not read: {e} (GShard's top-2 as fairscale's Top2Gate, "
+            f"DeepSpeed-MoE's top2gating and NLLB-MoE write it: {second.name} over the scores without {argmax.name}); "
+            "the layer trains as written (equal to eager, not expert-parallel)") from None
     ids = [p.expert_ids for p in read.picks]
     weights = [p.gate_weights for p in read.picks]
     k = len(read.picks)
