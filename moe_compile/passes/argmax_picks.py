@@ -29,7 +29,16 @@ being ``loc_j`` above; a dropped choice adds nothing in both, a kept one its exp
 own weight (0 for a dropped choice; renormalised over the kept ones, so the canonical form reads the weights the
 model computed after the drop and never recomputes them). Everything the router computes (the Gumbel draw,
 ``l_aux``, DeepSpeed's ``exp_counts``) stays as written. Without a capacity test (DeepSpeed's
-``drop_tokens=False``: its buffer holds the largest load) the layer is dropless, ``capacity = 0``.
+``drop_tokens=False``: its buffer holds the largest load) the layer is dropless, ``capacity = 0``. A capacity
+known at run time only (a size of the graph: ``C = 2T/E`` once Dynamo recompiles for another batch shape with a
+symbolic T; DeepSpeed's 0-d tensor computed from it) has no integer for the canonical dispatch: the layer is
+dispatched dropless and each pick's weight multiplied by its
+row of the model's kept one-hot (``Pick.kept``, as Switch's per-sequence capacity in :mod:`.capacity_router`), so
+a choice the model drops adds 0 and gets no gradient, and the layer is rewritten whatever the shapes (under
+``ep_group`` every rank then runs the exchange, whether it compiled with static or dynamic shapes)::
+
+    Read, C at run time:   picks = ((argmax_1, g1 / d, hot1 * (loc1 < C)), (argmax_2, g2 / d, hot2 * (loc2 < C)))
+        → moe.dispatch(x, stack(ids, -1), E, 0); moe.combine(.., stack(w_j · sum(kept_j, -1), -1))
 
 The rule, for any k: pick j+1 is an ``argmax`` over the last dim of ``[T, E]`` scores that are
 ``x.masked_fill(m, -inf)`` where the masks walked back through such fills name the one-hots of exactly the picks
@@ -42,8 +51,9 @@ weights' sum (clamped, or plus a constant).
 Not read, each a :class:`~.regions.NoMatch` naming it (the layer stays as written, equal to eager): the positions
 counted per pick (no earlier picks' counts), counted in another order (NLLB-MoE's ``batch_prioritized_routing``:
 the one-hots sorted by score before the ``cumsum``), a one-hot multiplied by anything but its capacity test
-(NLLB-MoE's ``second_expert_policy="random"``, its padding mask), a capacity that is no constant of the graph
-(a token count under dynamic shapes), ``[B, S, E]`` scores, different capacities per pick. Only reads the graph.
+(NLLB-MoE's ``second_expert_policy="random"``, its padding mask), a 0/1 mask of the choices read as expert ids
+(transformers 5.24's ``NllbMoeSparseMLP``), ``[B, S, E]`` scores, different constant capacities per pick. Only
+reads the graph.
 """
 from __future__ import annotations
 
@@ -76,9 +86,10 @@ class ArgmaxPicks:
 
     picks: tuple[Pick, ...]            # per pick: its argmax (ids [T]) and the weight the model applies ([T])
     one_hots: tuple[Node, ...]         # hot_j, before any drop
-    capacity: int                      # C (0: dropless, no capacity test)
+    capacity: int                      # C (0: dropless, no capacity test or a symbolic one)
     normalised: bool                   # the weights divided by (a function of) their sum
     weights_after_drop: bool           # the weights read the kept masks (0 for a dropped choice)
+    symbolic: bool = False             # C known at run time only: dispatched dropless, the picks' kept masks applied
 
 
 def _is_argmax(node: object) -> bool:
@@ -275,8 +286,8 @@ def _evaluate(node: Node, cache: dict, depth: int):
 
 @dataclasses.dataclass(frozen=True)
 class _Kept:
-    mask: Node        # hot * (loc < C): the kept one-hot (an in-place product: the node that holds it)
-    capacity: int
+    mask: Node              # hot * (loc < C): the kept one-hot (an in-place product: the node that holds it)
+    capacity: int | None    # None: C known at run time only (a size of the graph, a tensor)
 
 
 def _kept(j: int, hots: list[Node]) -> _Kept | None:
@@ -305,14 +316,10 @@ def _kept(j: int, hots: list[Node]) -> _Kept | None:
                         "its positions are counted in another order than GShard's k-major one, all first choices "
                         f"then the second ones ({node.name} of {hot.args[0].name} is not cumsum({hot.name}, 0)"
                         f"{' plus the counts of every earlier pick before the drop' if j else ''})")
-                limit = _constant_int(compare.args[1])
-                if limit is None:
-                    raise NoMatch("its capacity is no constant of the graph, where the canonical dispatch needs a "
-                                  f"fixed C ({getattr(compare.args[1], 'name', compare.args[1])} of {compare.name}: "
-                                  "computed from a symbolic token count, or at run time)")
+                limit = _constant_int(compare.args[1])   # None: known at run time only (its kept mask applied)
                 le = is_call(compare, operator.le, torch.le, method=("le",))
                 # kept iff cumsum + counts + offset < limit (<= limit), the 1-based k-major rank r = cumsum + counts
-                capacity = limit - offset - (0 if le else 1)
+                capacity = None if limit is None else limit - offset - (0 if le else 1)
                 for kept in compare.users:
                     if (is_call(kept, *_MUL, method=("mul", "mul_", "logical_and")) and len(kept.args) == 2
                             and {strip(a, methods=_CASTS) for a in kept.args} == {hot, compare}):
@@ -325,7 +332,7 @@ def _kept(j: int, hots: list[Node]) -> _Kept | None:
         return None   # positions read at the kept choices only: no choice dropped (DeepSpeed's drop_tokens=False)
     if len(found) != 1:
         raise NoMatch(f"a pick has {len(found)} capacity tests, not one ({hot.name} of {hot.args[0].name})")
-    if found[0].capacity < 1:
+    if found[0].capacity is not None and found[0].capacity < 1:
         raise NoMatch(f"its expert capacity is {found[0].capacity}, every choice dropped ({found[0].mask.name})")
     return found[0]
 
@@ -445,9 +452,10 @@ def read_argmax_picks(first: Node, num_experts) -> ArgmaxPicks:
     if None in kept and capacities:
         raise NoMatch("only some of its picks have a capacity test, no one capacity for every choice "
                       f"({', '.join(p.name for p, k in zip(picks, kept) if k)})")
-    if len(capacities) > 1:
+    if len(capacities) > 1 and None not in capacities:
         raise NoMatch(f"its picks have different capacities, where the canonical dispatch has one C ({sorted(capacities)})")
-    capacity = capacities.pop() if capacities else 0
+    symbolic = None in capacities   # C known at run time only: dropless, each choice weighted by its kept mask
+    capacity = 0 if symbolic or not capacities else capacities.pop()
     # a one-hot is read before its drop: the positions of the later picks and the counts are of all the choices
     for j, (hot, k) in enumerate(zip(hots, kept)):
         if k is None:
@@ -476,8 +484,8 @@ def read_argmax_picks(first: Node, num_experts) -> ArgmaxPicks:
     elif any(is_call(u, *_DIV, method=("div", "div_")) for w in weights for u in w.users):
         raise NoMatch("its picks' weights are divided by something other than their common sum "
                       f"({', '.join(w.name for w in weights)})")
-    return ArgmaxPicks(tuple(Pick(p, w) for p, w in zip(picks, weights)), tuple(hots), capacity,
-                       divisions is not None, all(after))
+    return ArgmaxPicks(tuple(Pick(p, w, k.mask if symbolic else None) for p, w, k in zip(picks, weights, kept)),
+                       tuple(hots), capacity, divisions is not None, all(after), symbolic)
 
 
 def _check_mask_uses(hots: list[Node], masks: list[Node], probs: Node, picks: list[Node]) -> None:

@@ -92,7 +92,7 @@ from .detect import RUNS_LOCALLY, find_moe_regions, rematch
 from .graph_utils import example_value, is_inplace, reachable, region_boundary, shape_of
 from .fake_values import propagate
 from .manager import PassResult
-from .regions import ExpertLinear, MoERegion, NoMatch, Skip
+from .regions import ExpertLinear, MoERegion, NoMatch, Pick, Skip
 from .state import moe_state
 
 __all__ = ["Canonicalize", "capacity_from_factor", "stale_reason"]
@@ -188,7 +188,7 @@ def stale_reason(graph: Graph, region: MoERegion) -> str | None:
                for w in (*linear.weights, *linear.bias)]
     named = [*region.nodes, *region.inputs, *region.outputs, region.hidden, region.tokens, region.expert_ids,
              region.gate_weights, region.output, *weights] + [n for n in (region.routed, region.kept) if n is not None]
-    named += [n for pick in region.picks for n in (pick.expert_ids, pick.gate_weights)]
+    named += [n for pick in region.picks for n in (pick.expert_ids, pick.gate_weights, pick.kept) if n is not None]
     gone = sorted({n.name for n in named if n not in alive})
     if gone:
         return f"it read {', '.join(gone)}, no longer in the graph"
@@ -243,7 +243,7 @@ def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
             k = call(torch.ops.aten.sym_size.int, env[region.expert_ids], -1)
         if region.picks:   # one argmax per pick (GShard's top-2): their [T] ids and weights side by side
             ids = call(torch.stack, [env[p.expert_ids] for p in region.picks], -1)
-            weights = call(torch.stack, [env[p.gate_weights] for p in region.picks], -1)
+            weights = call(torch.stack, [_kept_weight(call, p, env) for p in region.picks], -1)
         elif region.dense_weights:   # [T, E] scores: the weights are their entries at the ids
             ids = call("reshape", env[region.expert_ids], (-1, k), method=True)
             weights = call(torch.gather, env[region.gate_weights], 1, call("long", ids, method=True))
@@ -289,6 +289,16 @@ def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
     _eliminate_dead_code(graph)
     sub.recompile()
     return dispatch
+
+
+def _kept_weight(call, pick: Pick, env: dict[Node, Node]) -> Node:
+    """A pick's weight; with its kept mask (a symbolic capacity, dispatched dropless), times the mask's row sum:
+    a choice the model drops weighs 0 (it adds 0 and gets no gradient), as in eager."""
+    weight = env[pick.gate_weights]
+    if pick.kept is None:
+        return weight
+    kept = call("sum", env[pick.kept], -1, method=True)
+    return call(operator.mul, weight, call("to", kept, example_value(pick.gate_weights).dtype, method=True))
 
 
 def _same_shape(a: tuple | None, b: tuple | None) -> bool:

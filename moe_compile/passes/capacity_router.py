@@ -135,7 +135,10 @@ def _read_picks(argmax: Node, second: Node, gate: Node, scores: Node, num_expert
     weights = [p.gate_weights for p in read.picks]
     k = len(read.picks)
     form = f"top-{k} by {k} argmax picks (GShard)"
-    form += f", capacity {read.capacity} (k-major)" if read.capacity else ", dropless"
+    if read.symbolic:
+        form += ", capacity known at run time (dispatched dropless, the dropped choices weigh 0)"
+    else:
+        form += f", capacity {read.capacity} (k-major)" if read.capacity else ", dropless"
     if read.normalised:
         form += ", weights renormalised over the " + ("kept choices" if read.weights_after_drop else "choices")
     nodes = _router_nodes(gate, [*ids, *weights, scores])

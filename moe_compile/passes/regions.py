@@ -57,10 +57,13 @@ class ExpertMLP:
 @dataclasses.dataclass(frozen=True)
 class Pick:
     """One choice of a router that picks its k experts one at a time (GShard's top-2 by two ``argmax``:
-    :mod:`.argmax_picks`): the ``[T]`` expert ids of the pick and the ``[T]`` weight the model applies to it."""
+    :mod:`.argmax_picks`): the ``[T]`` expert ids of the pick and the ``[T]`` weight the model applies to it;
+    ``kept``, when the capacity is known at run time only (the canonical dispatch has no argument for it), the pick's 0/1
+    ``[T, E]`` kept one-hot (the layer is dispatched dropless and the weight multiplied by its row sum)."""
 
     expert_ids: Node
     gate_weights: Node
+    kept: Node | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -97,6 +97,36 @@ def test_gshard_top2_all_equal_tokens_drop_in_k_major_order():
     assert moe_compile.counters["regions_rewritten"] == 1
 
 
+@pytest.mark.parametrize("capacity_factor", [1.0, None], ids=["capacity", "dropless"])
+def test_gshard_top2_varying_batch_shapes(capacity_factor, caplog):
+    """A second batch shape recompiles with dynamic sizes, C = ceil(2·f·T/E) then a size of the graph: rewritten
+    on every compile (dropless, a dropped choice weighing 0 by the model's kept mask), forward and backward equal
+    to eager with the region check off, every batch dropping choices (asserted)."""
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    torch.manual_seed(3)
+    model = GShardTop2MoE(M, H, E, capacity_factor=capacity_factor)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="moe", fullgraph=True, options={"inner": "eager", "verify_regions": False})
+    moe_compile.counters.clear()
+    for shape in ((2, 6, M), (3, 5, M), (2, 7, M)):
+        x = torch.randn(shape)
+        if capacity_factor:
+            assert _dropped(eager, x) > 0, shape
+        x_c, x_e = x.clone().requires_grad_(), x.clone().requires_grad_()
+        state = torch.get_rng_state()
+        out_c = compiled(x_c)
+        torch.set_rng_state(state)
+        out_e = eager(x_e)
+        torch.testing.assert_close(out_c, out_e, msg=lambda m: f"{shape}: {m}")
+        ((out_c ** 2).sum() + model.l_aux).backward()
+        ((out_e ** 2).sum() + eager.l_aux).backward()
+        torch.testing.assert_close(x_c.grad, x_e.grad, msg=lambda m: f"{shape} input grad: {m}")
+        for (name, p_c), (_, p_e) in zip(model.named_parameters(), eager.named_parameters()):
+            torch.testing.assert_close(p_c.grad, p_e.grad, msg=lambda m: f"{shape} grad of {name}: {m}")
+    assert moe_compile.counters["regions_rewritten"] == moe_compile.counters["graphs"] == 2
+    assert not _messages(caplog)
+
+
 class _Variant(GShardTop2MoE):
     """The router of :class:`GShardTop2MoE` written another way (``variant``)."""
 
