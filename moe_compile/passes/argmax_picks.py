@@ -68,7 +68,7 @@ from torch.fx.node import map_arg
 from .graph_utils import example_value, is_call, is_inplace, shape_of, strip
 from .regions import NoMatch, Pick
 
-__all__ = ["ArgmaxPicks", "read_argmax_picks", "masked_picks"]
+__all__ = ["ArgmaxPicks", "masked_picks", "read_argmax_picks"]
 
 _ONE_HOT = (F.one_hot, torch._C._nn.one_hot)
 _CASTS = ("to", "type", "float", "double", "half", "bfloat16", "contiguous", "type_as", "long", "int", "bool")
@@ -85,11 +85,10 @@ class ArgmaxPicks:
     """A k-argmax router read off the graph (see the module)."""
 
     picks: tuple[Pick, ...]            # per pick: its argmax (ids [T]) and the weight the model applies ([T])
-    one_hots: tuple[Node, ...]         # hot_j, before any drop
-    capacity: int                      # C (0: dropless, no capacity test or a symbolic one)
+    capacity: int                      # C (0: dropless: no capacity test, or one known at run time only)
     normalised: bool                   # the weights divided by (a function of) their sum
     weights_after_drop: bool           # the weights read the kept masks (0 for a dropped choice)
-    symbolic: bool = False             # C known at run time only: dispatched dropless, the picks' kept masks applied
+    runtime_capacity: bool = False     # C known at run time only: dispatched dropless, the picks' kept masks applied
 
 
 def _is_argmax(node: object) -> bool:
@@ -369,10 +368,6 @@ def _additive_users(node: Node) -> list[Node]:
     return out
 
 
-def _before(a: Node, b: Node) -> bool:
-    return a < b
-
-
 # --------------------------------------------------------------------------- weights
 
 
@@ -390,8 +385,8 @@ def _pick_weight(mask: Node, probs: Node) -> Node | None:
         if is_call(user, operator.mul, torch.mul, method=("mul",)) and len(user.args) == 2 and \
                 {strip(a, methods=_CASTS) for a in user.args} == {mask, probs}:
             for total in user.users:
-                if is_call(total, torch.sum, method=("sum",)) and total.args[0] is user and _dim(total) in (1, -1, (1,), (-1,)) \
-                        and not total.kwargs.get("keepdim", False):
+                if (is_call(total, torch.sum, method=("sum",)) and total.args[0] is user
+                        and _dim(total) in (1, -1, (1,), (-1,)) and not total.kwargs.get("keepdim", False)):
                     return total
     return None
 
@@ -453,20 +448,20 @@ def read_argmax_picks(first: Node, num_experts) -> ArgmaxPicks:
         raise NoMatch("only some of its picks have a capacity test, no one capacity for every choice "
                       f"({', '.join(p.name for p, k in zip(picks, kept) if k)})")
     if len(capacities) > 1 and None not in capacities:
-        raise NoMatch(f"its picks have different capacities, where the canonical dispatch has one C ({sorted(capacities)})")
-    symbolic = None in capacities   # C known at run time only: dropless, each choice weighted by its kept mask
-    capacity = 0 if symbolic or not capacities else capacities.pop()
+        raise NoMatch("its picks have different capacities, where the canonical dispatch has one C "
+                      f"({sorted(capacities)})")
+    runtime = None in capacities   # C known at run time only: dropless, each choice weighted by its kept mask
+    capacity = 0 if runtime or not capacities else capacities.pop()
     # a one-hot is read before its drop: the positions of the later picks and the counts are of all the choices
     for j, (hot, k) in enumerate(zip(hots, kept)):
         if k is None:
             continue
         writes = [u for u in hot.users if is_inplace(u) and u.args[0] is hot]
-        if writes and any(not _before(u, writes[0]) for u in _users(hot) if u not in writes
+        if writes and any(u > writes[0] for u in _users(hot) if u not in writes
                           and is_call(u, torch.cumsum, torch.sum, method=("cumsum", "sum"))):
             raise NoMatch("its positions count the kept choices only, where GShard's k-major order counts the "
                           f"dropped ones too (a position or count of {hot.name} read after its drop {writes[0].name})")
     masks = [k.mask if k is not None else h for h, k in zip(hots, kept)]
-    _check_mask_uses(hots, masks, probs, picks)
     weights, after = [], []
     for hot, mask in zip(hots, masks):
         w = _pick_weight(mask, strip(probs, methods=_CASTS))
@@ -478,20 +473,24 @@ def read_argmax_picks(first: Node, num_experts) -> ArgmaxPicks:
                           f"sum({probs.name} * {mask.name}, -1) nor einsum('se,se->s', {probs.name}, {mask.name}) "
                           f"({hot.args[0].name})")
         weights.append(w)
+    sums = list(weights)
     divisions = _renormalised(weights)
+    _check_mask_uses(hots, masks, {strip(probs, methods=_CASTS), *sums, *(divisions or ())})
     if divisions is not None:
         weights = divisions
     elif any(is_call(u, *_DIV, method=("div", "div_")) for w in weights for u in w.users):
         raise NoMatch("its picks' weights are divided by something other than their common sum "
                       f"({', '.join(w.name for w in weights)})")
-    return ArgmaxPicks(tuple(Pick(p, w, k.mask if symbolic else None) for p, w, k in zip(picks, weights, kept)),
-                       tuple(hots), capacity, divisions is not None, all(after), symbolic)
+    _check_weight_uses(weights, {*hots, *masks})
+    return ArgmaxPicks(tuple(Pick(p, w, k.mask if runtime else None) for p, w, k in zip(picks, weights, kept)),
+                       capacity, divisions is not None, all(after), runtime)
 
 
-def _check_mask_uses(hots: list[Node], masks: list[Node], probs: Node, picks: list[Node]) -> None:
-    """Every product of a pick's one-hot (or kept mask) with a mask is its capacity test: a one-hot multiplied by
-    another 0/1 mask (a random drop of second choices, a padding mask) drops choices the canonical dispatch would
-    keep. NoMatch naming it."""
+def _check_mask_uses(hots: list[Node], masks: list[Node], scores: set[Node]) -> None:
+    """Every product of a pick's one-hot (or kept mask) is its capacity test, its positions read at the kept
+    choices, or the probabilities or the picks' weights (``scores``) at its choices: a one-hot multiplied by another
+    0/1 mask (a random drop of second choices, a padding mask) drops choices the canonical dispatch would keep; a
+    mask read as indices is no dispatch by the choices. NoMatch naming it."""
     allowed = {m for m in masks}
     for hot, mask in zip(hots, masks):
         for source in {hot, mask}:
@@ -504,9 +503,9 @@ def _check_mask_uses(hots: list[Node], masks: list[Node], probs: Node, picks: li
                 if user in allowed or not is_call(user, *_MUL, method=("mul", "mul_", "logical_and", "__and__")):
                     continue
                 others = [strip(a, methods=_CASTS) for a in user.args if strip(a, methods=_CASTS) is not source]
-                value = example_value(user)
-                if not isinstance(value, torch.Tensor) or value.is_floating_point():
-                    continue   # weights times the mask (the combine weights), or the probabilities (a weight)
+                if all(isinstance(o, Node) and _from_scores(o, scores) for o in others):
+                    continue   # the probabilities at the choices (a weight), a weight on them (the combine weights;
+                    # one scaled first is named by _check_weight_uses)
                 if all(isinstance(o, Node) and _is_positions(o, hots) for o in others):
                     continue   # a choice's position read where it is kept: locations * mask
                 raise NoMatch(
@@ -514,6 +513,55 @@ def _check_mask_uses(hots: list[Node], masks: list[Node], probs: Node, picks: li
                     f"make ({hot.args[0].name} masked by {user.name} with "
                     f"{', '.join(getattr(o, 'name', str(o)) for o in others)}: a padding mask, a random drop of second "
                     "choices)")
+
+
+_VIEWS = (*_CASTS, "unsqueeze", "view", "reshape", "expand", "expand_as", "view_as", "reshape_as")
+
+
+def _viewed(node: Node) -> Node:
+    """What ``node`` is a view or cast of (``w.unsqueeze(-1)``, ``w[:, None]``), back to the tensor itself."""
+    while True:
+        node = strip(node, methods=_VIEWS)
+        if (isinstance(node, Node) and node.op == "call_function" and node.target is operator.getitem
+                and isinstance(node.args[1], tuple) and all(i is None or i == slice(None) for i in node.args[1])):
+            node = node.args[0]
+            continue
+        return node
+
+
+def _from_scores(node: Node, scores: set[Node]) -> bool:
+    """``node`` is one of ``scores`` seen through views, casts and arithmetic with constants (``2 * w[:, None]``)."""
+    node = _viewed(node)
+    while node not in scores and is_call(node, *_MUL, *_DIV, *_ADD, *_SUB, operator.neg,
+                                         method=("mul", "div", "add", "sub", "neg")):
+        inputs = [a for a in node.args if isinstance(a, Node)]
+        if len(inputs) != 1:
+            return False
+        node = _viewed(inputs[0])
+    return node in scores
+
+
+def _check_weight_uses(weights: list[Node], masks: set[Node]) -> None:
+    """The picks' weights are what the model applies: each is read (through views and casts) only as a factor of a
+    pick's mask (``w[:, None] * kept``: the combine weights), in an ``einsum`` with one, or stacked with the others
+    (DeepSpeed's ``[k, T]`` gates); a weight scaled or shifted first is another weight. NoMatch naming it."""
+    for weight in weights:
+        todo = [weight]
+        while todo:
+            node = todo.pop()
+            for user in node.users:
+                if _viewed(user) is weight and user is not weight:
+                    todo.append(user)
+                    continue
+                operands = {_viewed(a) for a in user.args if isinstance(a, Node)} - {weight, node}
+                if is_call(user, *_MUL, *_EINSUM, method=("mul",)) and operands and operands <= masks:
+                    continue
+                if is_call(user, torch.stack, torch.cat, torch.concat) or (
+                        is_call(user, *_EINSUM) and operands & masks):
+                    continue
+                raise NoMatch(
+                    "its picks' weights are read otherwise than as the weights of the kept choices (a scale or shift "
+                    f"after the renormalisation: {weight.name} read by {user.name}, {_op_name(user)})")
 
 
 _INDEXED = (torch.gather, torch.index_select, torch.take_along_dim, torch.scatter, torch.scatter_add,

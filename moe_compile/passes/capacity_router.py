@@ -135,7 +135,7 @@ def _read_picks(argmax: Node, second: Node, gate: Node, scores: Node, num_expert
     weights = [p.gate_weights for p in read.picks]
     k = len(read.picks)
     form = f"top-{k} by {k} argmax picks (GShard)"
-    if read.symbolic:
+    if read.runtime_capacity:
         form += ", capacity known at run time (dispatched dropless, the dropped choices weigh 0)"
     else:
         form += f", capacity {read.capacity} (k-major)" if read.capacity else ", dropless"

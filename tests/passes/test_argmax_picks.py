@@ -167,6 +167,8 @@ class _Variant(GShardTop2MoE):
             g1, g2 = (gates * mask1).sum(dim=1), (gates * mask2).sum(dim=1)
             denom = torch.clamp(g1 + g2, min=torch.finfo(gates.dtype).eps)
             g1, g2 = g1 / denom, g2 / denom
+        if v == "scaled weights":
+            g1, g2 = g1 * 2.0, g2 * 2.0
         return mask1, mask2, g1, g2
 
 
@@ -187,11 +189,13 @@ def test_router_variants_read(variant):
     ("positions per pick", "its positions are counted in another order than GShard's k-major one"),
     ("counted after the drop", "its positions are counted in another order than GShard's k-major one"),
     ("random second", "its choices are masked by more than their capacity test"),
+    ("scaled weights", "its picks' weights are read otherwise than as the weights of the kept choices"),
 ])
 def test_router_variants_not_read_are_named(variant, reason, caplog):
     """Drops the canonical dispatch would not make (the second choices' positions not after all first choices,
-    a random drop of second choices): left as written with the region check off too, one WARNING naming the
-    cause, equal to eager."""
+    a random drop of second choices), weights scaled after the renormalisation (the model applies other weights
+    than those read): left as written with the region check off too, one WARNING naming the cause, equal to
+    eager."""
     caplog.set_level(logging.WARNING, logger="moe_compile")
     torch.manual_seed(2)
     model = _Variant(variant, capacity_factor=0.75)
