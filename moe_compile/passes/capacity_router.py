@@ -27,6 +27,9 @@ layer scaled by its router probability instead (the experts' outputs written int
 :func:`pass_through_copy`); such a layer computes something else than the canonical form: :mod:`.detect`
 names it (NoMatch), and the region check (``canonicalize.verify``) would leave it as written anyway.
 
+An ``argmax`` whose one-hot masks the scores of a second ``argmax`` is the first pick of GShard's top-2 router,
+read by :mod:`.argmax_picks` (the later picks are part of it, no routers of their own).
+
 An ``argmax`` whose ids no one-hot of the experts reads (a classifier's prediction) is no router
 (:class:`~.routing.NotARouter`); a one-hot whose ``cumsum`` is compared in a form this module does not
 read is :class:`~.regions.NoMatch` naming it (never read as dropless). Only reads the graph.
@@ -178,7 +181,8 @@ def _weights(argmax: Node, scores: Node) -> Node | None:
 
 
 def read_argmax_router(argmax: Node) -> Router:
-    """The Switch router whose selection is ``argmax`` (see the module); NotARouter / NoMatch otherwise."""
+    """The Switch router whose selection is ``argmax``, or GShard's top-2 whose first pick it is (see the module);
+    NotARouter / NoMatch otherwise."""
     scores = argmax.args[0]
     shape = shape_of(scores)
     dim = _dim(argmax)

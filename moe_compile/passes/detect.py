@@ -4,7 +4,8 @@ The first stage-1 pass. An MoE layer is found from its router: a selection (``to
 or ``max`` over a dim) over ``[T, E]`` scores that a gate linear computes, read by
 :mod:`.routing` into a :class:`~.routing.Router` (expert ids, gate weights, tokens,
 E, k; group-limited and bias-corrected top-k, softmax after the top-k, top-1 by max,
-sequential picks, training-mode noise). The enclosing module (``nn_module_stack``)
+sequential picks, training-mode noise; Switch's argmax with a capacity and GShard's top-2 by two argmax picks:
+:mod:`.capacity_router`, :mod:`.argmax_picks`). The enclosing module (``nn_module_stack``)
 whose output has the shape of its input is the layer; inside it the expert MLP is
 read by :mod:`.expert_weights`, the capacity from the expert input's shape. The pass
 records the layers in ``gm.meta["moe"]`` (:mod:`.state`: ``found``, ``pending``,

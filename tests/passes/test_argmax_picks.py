@@ -127,6 +127,37 @@ def test_gshard_top2_varying_batch_shapes(capacity_factor, caplog):
     assert not _messages(caplog)
 
 
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
+def test_gshard_algorithm_1_einsum_spelling(verify, caplog):
+    """GShard's Algorithm 1 end to end (tests/models/spellings.py): the drop and the renormalisation in place,
+    ``[T, E, C]`` combine weights, ``einsum`` dispatch, stacked experts and combine: rewritten (a ``gshard`` layer
+    whose capacity is the router's), forward and backward equal to eager, choices dropped."""
+    from tests.models.spellings import GShardEinsumTop2MoE
+
+    caplog.set_level(logging.INFO, logger="moe_compile")
+    torch.manual_seed(0)
+    model = GShardEinsumTop2MoE(M, H, E)
+    x = torch.randn(2, 9, M)
+    x[1] = x[0, 0]   # 10 equal tokens: one expert gets 10 first choices, past its capacity C = 9 (choices dropped)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="moe", fullgraph=True, options={"inner": "eager", "verify_regions": verify})
+    x_c, x_e = x.clone().requires_grad_(), x.clone().requires_grad_()
+    state = torch.get_rng_state()
+    out_c = compiled(x_c)
+    torch.set_rng_state(state)
+    out_e = eager(x_e)
+    torch.testing.assert_close(out_c, out_e)
+    (out_c ** 2).sum().backward()
+    (out_e ** 2).sum().backward()
+    torch.testing.assert_close(x_c.grad, x_e.grad)
+    for (name, p_c), (_, p_e) in zip(model.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(p_c.grad, p_e.grad, msg=lambda m: f"grad of {name}: {m}")
+    found = [m for m in _messages(caplog, logging.INFO) if m.startswith("found")]
+    assert any("found gshard MoE layer" in m and "capacity=9, routing: top-2 by 2 argmax picks" in m
+               for m in found), found
+    assert not _messages(caplog)
+
+
 class _Variant(GShardTop2MoE):
     """The router of :class:`GShardTop2MoE` written another way (``variant``)."""
 
