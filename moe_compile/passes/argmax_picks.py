@@ -123,12 +123,10 @@ def _one_hot(argmax: Node, num_experts) -> Node:
 
 def _masked_out(scores: Node) -> tuple[Node, list[Node]] | None:
     """``x.masked_fill(m1, -inf).masked_fill(m2, -inf)..``: (x, [m1, m2, ..] stripped of casts), None when the scores
-    are no such fill."""
+    are no such fill. Any fill value (``-inf``, ``finfo.min``): the ids are the model's whatever it is, and the
+    canonical dispatch gives a token's repeated expert a slot per choice, as GShard's positions do."""
     node, masks = strip(scores, methods=_CASTS), []
-    while is_call(node, *_MASKED_FILL, method=("masked_fill", "masked_fill_")) and len(node.args) >= 3:
-        value = node.args[2]
-        if not (isinstance(value, float) and value == float("-inf")):
-            return None
+    while is_call(node, *_MASKED_FILL, method=("masked_fill", "masked_fill_")) and len(node.args) >= 2:
         masks.append(strip(node.args[1], methods=_CASTS))
         node = strip(node.args[0], methods=_CASTS)
     return (node, masks) if masks else None
