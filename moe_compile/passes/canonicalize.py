@@ -42,7 +42,8 @@ stays as the model wrote it; the capacity semantics are the model's (a dropless
 model stays dropless, a capacity-C model keeps C and GShard's k-major priority)
 unless ``config.capacity_factor`` overrides them (``"runtime"``: the dispatch gets
 ``RUNTIME_CAPACITY`` and reads ``moe_compile.capacity_factor(f)`` at each call, see
-``moe_compile/capacity.py``). The rewrite is built on a copy
+``moe_compile/capacity.py``; a layer whose router weighs the choices its own capacity keeps, GShard's
+top-2 renormalised over the kept choices, is left as written then). The rewrite is built on a copy
 of the layer's subgraph, checked against the original on random inputs
 (``config.verify_regions``), and only then spliced into the graph. A layer that
 fails any step is left untouched and logged once.
@@ -151,6 +152,11 @@ class Canonicalize:
         at = _splice_point(region)
         if at is None:
             return "its inputs are defined after the first use of its output"
+        if region.picks and self.cfg.capacity_factor is not None:
+            return (f"options['capacity_factor']={self.cfg.capacity_factor!r} cannot apply: its router's weights are "
+                    "computed from the choices its own capacity keeps (GShard's top-2 renormalised over the kept "
+                    "choices), so another capacity would weigh the choices neither as the model nor as that capacity "
+                    "does; compile without capacity_factor to have it rewritten")
         try:
             canonical, env = _extract(gm, region)
             dispatch = _build(canonical, region, env)

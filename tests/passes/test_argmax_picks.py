@@ -236,3 +236,22 @@ def test_router_variants_not_read_are_named(variant, reason, caplog):
     assert moe_compile.counters["regions_rewritten"] == 0
     (warning,) = _messages(caplog)
     assert f"its top-2 router by two argmax picks is not read: {reason}" in warning, warning
+
+
+def test_capacity_factor_option_is_refused(caplog):
+    """``options["capacity_factor"]`` cannot apply to weights renormalised over the model's own kept choices: the
+    layer is left as written, one WARNING naming the option, equal to eager."""
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    torch.manual_seed(0)
+    model = GShardTop2MoE(M, H, E, capacity_factor=1.0)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="moe", fullgraph=True, options={"inner": "eager", "capacity_factor": 2.0})
+    x = torch.randn(2, 9, M)
+    moe_compile.counters.clear()
+    state = torch.get_rng_state()
+    out = compiled(x)
+    torch.set_rng_state(state)
+    torch.testing.assert_close(out, eager(x))
+    assert moe_compile.counters["regions_rewritten"] == 0
+    (warning,) = _messages(caplog)
+    assert "options['capacity_factor']=2.0 cannot apply" in warning, warning
