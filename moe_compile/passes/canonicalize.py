@@ -42,7 +42,8 @@ stays as the model wrote it; the capacity semantics are the model's (a dropless
 model stays dropless, a capacity-C model keeps C and GShard's k-major priority)
 unless ``config.capacity_factor`` overrides them (``"runtime"``: the dispatch gets
 ``RUNTIME_CAPACITY`` and reads ``moe_compile.capacity_factor(f)`` at each call, see
-``moe_compile/capacity.py``). The rewrite is built on a copy
+``moe_compile/capacity.py``; a layer whose router weighs the choices its own capacity keeps, GShard's
+top-2 renormalised over the kept choices, is left as written then). The rewrite is built on a copy
 of the layer's subgraph, checked against the original on random inputs
 (``config.verify_regions``), and only then spliced into the graph. A layer that
 fails any step is left untouched and logged once.
@@ -92,7 +93,7 @@ from .detect import RUNS_LOCALLY, find_moe_regions, rematch
 from .graph_utils import example_value, is_inplace, reachable, region_boundary, shape_of
 from .fake_values import propagate
 from .manager import PassResult
-from .regions import ExpertLinear, MoERegion, NoMatch, Skip
+from .regions import ExpertLinear, MoERegion, NoMatch, Pick, Skip
 from .state import moe_state
 
 __all__ = ["Canonicalize", "capacity_from_factor", "stale_reason"]
@@ -151,6 +152,11 @@ class Canonicalize:
         at = _splice_point(region)
         if at is None:
             return "its inputs are defined after the first use of its output"
+        if region.picks and self.cfg.capacity_factor is not None:
+            return (f"options['capacity_factor']={self.cfg.capacity_factor!r} cannot apply: its router's weights are "
+                    "computed from the choices its own capacity keeps (GShard's top-2 renormalised over the kept "
+                    "choices), so another capacity would weigh the choices neither as the model nor as that capacity "
+                    "does; compile without capacity_factor to have it rewritten")
         try:
             canonical, env = _extract(gm, region)
             dispatch = _build(canonical, region, env)
@@ -188,6 +194,7 @@ def stale_reason(graph: Graph, region: MoERegion) -> str | None:
                for w in (*linear.weights, *linear.bias)]
     named = [*region.nodes, *region.inputs, *region.outputs, region.hidden, region.tokens, region.expert_ids,
              region.gate_weights, region.output, *weights] + [n for n in (region.routed, region.kept) if n is not None]
+    named += [n for pick in region.picks for n in (pick.expert_ids, pick.gate_weights, pick.kept) if n is not None]
     gone = sorted({n.name for n in named if n not in alive})
     if gone:
         return f"it read {', '.join(gone)}, no longer in the graph"
@@ -240,10 +247,14 @@ def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
         rows = tokens
         if not isinstance(k, int):  # a runtime k (Tutel §5 top-ANY): read from the [T, k] ids, not a constant
             k = call(torch.ops.aten.sym_size.int, env[region.expert_ids], -1)
-        ids = call("reshape", env[region.expert_ids], (-1, k), method=True)
-        if region.dense_weights:   # [T, E] scores: the weights are their entries at the ids
+        if region.picks:   # one argmax per pick (GShard's top-2): their [T] ids and weights side by side
+            ids = call(torch.stack, [env[p.expert_ids] for p in region.picks], -1)
+            weights = call(torch.stack, [_kept_weight(call, p, env) for p in region.picks], -1)
+        elif region.dense_weights:   # [T, E] scores: the weights are their entries at the ids
+            ids = call("reshape", env[region.expert_ids], (-1, k), method=True)
             weights = call(torch.gather, env[region.gate_weights], 1, call("long", ids, method=True))
         else:
+            ids = call("reshape", env[region.expert_ids], (-1, k), method=True)
             weights = call("reshape", env[region.gate_weights], (-1, k), method=True)
         if region.kept is not None:   # Switch's per-sequence capacity: a dropped choice weighs 0 (capacity_router)
             kept = call("sum", env[region.kept], -1, method=True)
@@ -284,6 +295,16 @@ def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
     _eliminate_dead_code(graph)
     sub.recompile()
     return dispatch
+
+
+def _kept_weight(call, pick: Pick, env: dict[Node, Node]) -> Node:
+    """A pick's weight; with its kept mask (a symbolic capacity, dispatched dropless), times the mask's row sum:
+    a choice the model drops weighs 0 (it adds 0 and gets no gradient), as in eager."""
+    weight = env[pick.gate_weights]
+    if pick.kept is None:
+        return weight
+    kept = call("sum", env[pick.kept], -1, method=True)
+    return call(operator.mul, weight, call("to", kept, example_value(pick.gate_weights).dtype, method=True))
 
 
 def _same_shape(a: tuple | None, b: tuple | None) -> bool:

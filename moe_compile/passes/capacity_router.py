@@ -27,6 +27,9 @@ layer scaled by its router probability instead (the experts' outputs written int
 :func:`pass_through_copy`); such a layer computes something else than the canonical form: :mod:`.detect`
 names it (NoMatch), and the region check (``canonicalize.verify``) would leave it as written anyway.
 
+An ``argmax`` whose one-hot masks the scores of a second ``argmax`` is the first pick of GShard's top-2 router,
+read by :mod:`.argmax_picks` (the later picks are part of it, no routers of their own).
+
 An ``argmax`` whose ids no one-hot of the experts reads (a classifier's prediction) is no router
 (:class:`~.routing.NotARouter`); a one-hot whose ``cumsum`` is compared in a form this module does not
 read is :class:`~.regions.NoMatch` naming it (never read as dropless). Only reads the graph.
@@ -41,6 +44,7 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from .graph_utils import getitem_user, is_call, reachable, shape_of, strip
+from .argmax_picks import masked_picks, read_argmax_picks
 from .regions import NoMatch
 from .routing import _CASTS, NotARouter, Router, _gate_linear, _is_linear_like, _router_nodes, drops_by_score, same_size
 
@@ -121,14 +125,29 @@ def capacity_mask(ids: Node, num_experts) -> CapacityMask | None:
     return None
 
 
-def _first_pick(scores: Node) -> bool:
-    """The scores are masked where an earlier argmax's one-hot is set (``logits.masked_fill(hot.bool(), -inf)``):
-    this argmax is the second pick of a two-argmax router."""
-    scores = strip(scores, methods=_CASTS)
-    if not is_call(scores, torch.masked_fill, method=("masked_fill", "masked_fill_")) or len(scores.args) < 2:
-        return False
-    mask = strip(scores.args[1], methods=(*_CASTS, "bool"))
-    return is_call(mask, *_ONE_HOT, method=("one_hot",)) and is_argmax(strip(mask.args[0], methods=_CASTS))
+def _read_picks(argmax: Node, second: Node, gate: Node, scores: Node, num_experts) -> Router:
+    """GShard's top-2 (k) by successive argmax picks (:mod:`.argmax_picks`), its first pick ``argmax``."""
+    try:
+        read = read_argmax_picks(argmax, num_experts)
+    except NoMatch as e:
+        raise NoMatch(
+            f"its top-2 router by two argmax picks is not read: {e} (GShard's top-2 as fairscale's Top2Gate, "
+            f"DeepSpeed-MoE's top2gating and NLLB-MoE write it: {second.name} over the scores without {argmax.name}); "
+            "the layer trains as written (equal to eager, not expert-parallel)") from None
+    ids = [p.expert_ids for p in read.picks]
+    weights = [p.gate_weights for p in read.picks]
+    k = len(read.picks)
+    form = f"top-{k} by {k} argmax picks (GShard)"
+    if read.runtime_capacity:
+        form += ", capacity known at run time (dispatched dropless, the dropped choices weigh 0)"
+    else:
+        form += f", capacity {read.capacity} (k-major)" if read.capacity else ", dropless"
+    if read.normalised:
+        form += ", weights renormalised over the " + ("kept choices" if read.weights_after_drop else "choices")
+    nodes = _router_nodes(gate, [*ids, *weights, scores])
+    tokens = strip(gate.args[0], methods=_CASTS)
+    return Router(argmax, tuple(ids), frozenset(nodes), gate, tokens, argmax, weights[0], num_experts, k, form,
+                  capacity=read.capacity, picks=read.picks)
 
 
 def pass_through_copy(region: list[Node], tokens: Node) -> Node | None:
@@ -162,7 +181,8 @@ def _weights(argmax: Node, scores: Node) -> Node | None:
 
 
 def read_argmax_router(argmax: Node) -> Router:
-    """The Switch router whose selection is ``argmax`` (see the module); NotARouter / NoMatch otherwise."""
+    """The Switch router whose selection is ``argmax``, or GShard's top-2 whose first pick it is (see the module);
+    NotARouter / NoMatch otherwise."""
     scores = argmax.args[0]
     shape = shape_of(scores)
     dim = _dim(argmax)
@@ -178,17 +198,12 @@ def read_argmax_router(argmax: Node) -> Router:
     elif _weights(argmax, scores) is None:
         raise NotARouter(f"{argmax.name}: an argmax whose ids no one-hot of the experts reads and whose score no "
                          "weight reads (a prediction)")
-    if _first_pick(scores):
-        raise NotARouter(f"{argmax.name}: the second pick of a two-argmax router (read with its first pick)")
+    if masked_picks(argmax):
+        raise NotARouter(f"{argmax.name}: a later pick of a k-argmax router (read with its first pick)")
     second = next((n for n in reachable(hots, stop=lambda n: n not in hots and (is_argmax(n) or _is_linear_like(n)))
                    if is_argmax(n)), None)
     if second is not None:
-        raise NoMatch(
-            f"its router picks a second expert by a second argmax ({second.name}) over the scores without the first "
-            f"({argmax.name}): GShard's top-2 router as fairscale's Top2Gate, DeepSpeed-MoE's top2gating and "
-            "NLLB-MoE write it, its capacity positions of the second choices counted after "
-            "all first choices and its weights renormalised over the kept choices, is not read (only Switch's "
-            "top-1 argmax router is); the layer trains as written (equal to eager, not expert-parallel)")
+        return _read_picks(argmax, second, gate, scores, num_experts)
     mask = capacity_mask(argmax, num_experts)
     weights = _weights(argmax, scores)
     if weights is None:

@@ -4,7 +4,8 @@ The first stage-1 pass. An MoE layer is found from its router: a selection (``to
 or ``max`` over a dim) over ``[T, E]`` scores that a gate linear computes, read by
 :mod:`.routing` into a :class:`~.routing.Router` (expert ids, gate weights, tokens,
 E, k; group-limited and bias-corrected top-k, softmax after the top-k, top-1 by max,
-sequential picks, training-mode noise). The enclosing module (``nn_module_stack``)
+sequential picks, training-mode noise; Switch's argmax with a capacity and GShard's top-2 by two argmax picks:
+:mod:`.capacity_router`, :mod:`.argmax_picks`). The enclosing module (``nn_module_stack``)
 whose output has the shape of its input is the layer; inside it the expert MLP is
 read by :mod:`.expert_weights`, the capacity from the expert input's shape. The pass
 records the layers in ``gm.meta["moe"]`` (:mod:`.state`: ``found``, ``pending``,
@@ -350,6 +351,7 @@ def _match(graph: Graph, router: Router) -> MoERegion:
             dense_weights=router.dense_weights,
             scaled_before=scaled_before,
             kept=router.kept,
+            picks=router.picks,
         )
     raise NoMatch(f"top-k {selection.name}: no enclosing module returns a tensor shaped like its input"
                   + (_SPLIT_HINT if _leaves_graph(selection) else ""))
@@ -430,12 +432,14 @@ def _leaves_graph(node: Node) -> bool:
 
 def _layer_output(inputs: list[Node], outputs: list[Node]) -> tuple[Node | None, Node | None]:
     """The module output shaped like one of its float inputs (its hidden states), else one that is those
-    hidden states as ``[T, M]`` rows (Llama 4's MoE returns ``[B·S, M]`` for ``[B, S, M]``)."""
+    hidden states as ``[T, M]`` rows (Llama 4's MoE returns ``[B·S, M]`` for ``[B, S, M]``). Hidden states are
+    ``[.., M]`` rows: a 0-d output (fairscale's gate returns its ``l_aux``) is none, whatever 0-d input it
+    shares its shape with (the gate's Gumbel sampler's scalar parameters)."""
     for same in (_same_shape, _same_rows):
         for out in outputs:
             shape = shape_of(out)
             value = example_value(out)
-            if shape is None or not value.is_floating_point():
+            if shape is None or len(shape) < 2 or not value.is_floating_point():
                 continue
             for node in inputs:
                 if node.op != "get_attr" and not is_parameter(node) and same(shape_of(node), shape) and (

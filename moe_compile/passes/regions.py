@@ -16,7 +16,7 @@ import torch
 
 from torch.fx import Node
 
-__all__ = ["ExpertLinear", "ExpertMLP", "MoERegion", "NoMatch", "Skip"]
+__all__ = ["ExpertLinear", "ExpertMLP", "MoERegion", "NoMatch", "Pick", "Skip"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +55,18 @@ class ExpertMLP:
 
 
 @dataclasses.dataclass(frozen=True)
+class Pick:
+    """One choice of a router that picks its k experts one at a time (GShard's top-2 by two ``argmax``:
+    :mod:`.argmax_picks`): the ``[T]`` expert ids of the pick and the ``[T]`` weight the model applies to it;
+    ``kept``, when the capacity is known at run time only (the canonical dispatch has no argument for it), the pick's 0/1
+    ``[T, E]`` kept one-hot (the layer is dispatched dropless and the weight multiplied by its row sum)."""
+
+    expert_ids: Node
+    gate_weights: Node
+    kept: Node | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class MoERegion:
     name: str
     pattern: str
@@ -86,6 +98,9 @@ class MoERegion:
     #: Switch's per-sequence capacity (:mod:`.capacity_router`): a 0/1 ``[.., E]`` mask of the kept choices;
     #: canonicalize dispatches dropless and multiplies each token's weight by its row sum (0 for a dropped one)
     kept: Node | None = None
+    #: a router that picks its k experts one at a time (:mod:`.argmax_picks`): the ids and weights of each pick,
+    #: stacked by canonicalize into the ``[T, k]`` ids and weights (``expert_ids`` / ``gate_weights``: pick 1's)
+    picks: tuple[Pick, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

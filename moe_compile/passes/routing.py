@@ -76,7 +76,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .expert_weights import LINEAR, MATMUL, is_parameter
 from .graph_utils import example_value, getitem_user, is_call, is_inplace, reachable, shape_of, strip
-from .regions import NoMatch
+from .regions import NoMatch, Pick
 
 __all__ = [
     "NotARouter", "Router", "expert_tokens", "is_selection", "is_table_lookup", "read_router", "router_part", "same_size",
@@ -110,6 +110,9 @@ class Router:
     #: a 0/1 ``[.., E]`` mask of the choices the router keeps, when it drops by a capacity per sequence that the
     #: canonical dispatch cannot express (the weights are multiplied by its rows: a dropped choice weighs 0)
     kept: Node | None = None
+    #: the picks of a router that picks its k experts one at a time (GShard's two-argmax top-2,
+    #: :mod:`.argmax_picks`): ``expert_ids`` / ``gate_weights`` are pick 1's, canonicalize stacks them all
+    picks: tuple[Pick, ...] = ()
 
 
 _CASTS = ("to", "type", "float", "double", "half", "bfloat16", "contiguous", "type_as")

@@ -31,11 +31,13 @@ def _deepspeed_rows():
     rows = []
     for name, k, factor, drop, rts, expected in DEEPSPEED:
         config = f"`MoE(k={k}, capacity_factor={factor}, drop_tokens={drop}, use_rts={rts})`: {name}"
-        result = ("rewritten, equal to eager, `l_aux` / `exp_counts` kept" if expected == "rewritten"
+        result = ("rewritten; forward and gradients equal to eager, `l_aux` / `exp_counts` kept, region check on and "
+                  "off" if expected == "rewritten"
                   else f"left as written, WARNING \"{expected}\"; equal to eager, `l_aux` / `exp_counts` kept")
         rows.append(("DeepSpeed 0.19.8", config, result, "—", "test_deepspeed_fairscale.py"))
-    rows.append(("fairscale 0.4.13", "`MOELayer` + `Top2Gate`", "left as written, WARNING \"picks a second expert by "
-                 "a second argmax\"; equal to eager", "—", "test_deepspeed_fairscale.py"))
+    rows.append(("fairscale 0.4.13", "`MOELayer` + `Top2Gate` (GShard's top-2, capacity 2T/E, Gumbel-sampled second "
+                 "expert)", "rewritten; forward and gradients equal to eager, `l_aux` kept, region check on and off",
+                 "—", "test_deepspeed_fairscale.py"))
     return rows
 
 

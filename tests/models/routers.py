@@ -19,6 +19,7 @@ expert, ``bmm`` on the gathered stacked weights, ``index_add`` back: dropless, a
 | :class:`ZeroExpertsMoE` | top-k over E + Z classes, the last Z zero-computation experts (the token itself): their choices sent to expert 0 with weight 0 (``ids >= E``), the token added back scaled by their weights | LongCat-Flash (as ``moe_compile.hf.prepare`` writes its experts) |
 | :class:`SharedGammaMoE` | one gate linear for E routed and 1 shared expert; the k gathered logits and the shared one normalised together (``sigmoid`` / their sum, via ``logsigmoid`` and ``logsumexp``); the shared expert scaled by its share | Inkling |
 | :class:`SwitchCapacityMoE` | top-1 by ``argmax`` of the softmax, one-hot, ``cumsum`` positions ``<= C``: the tokens past an expert's capacity dropped (output 0), over all tokens or per sequence; weight the max probability; a ``ModuleList`` of ReLU experts looped over the kept one-hot | Switch Transformer (§2.1-2.2), transformers' ``SwitchTransformersSparseMLP`` |
+| :class:`GShardTop2MoE` | top-2 by two ``argmax`` picks, the second over the logits (plus Gumbel noise in training) with the first masked to ``-inf``; ``cumsum`` positions, the second choices after all first choices, ``< C`` (or dropless); weights renormalised over the kept choices; ``l_aux`` from the choices before the drop; a ``ModuleList`` of ReLU experts looped over the kept one-hots | GShard (§2.2, Algorithm 1), fairscale's ``Top2Gate``, DeepSpeed-MoE's ``top2gating`` |
 | :class:`DenseScoresMoE` | top-k logits scattered into ``-inf`` ``[T, E]`` scores, ``sigmoid``; every expert runs every token scaled by its score (``einsum`` over ``[E, T, M]``), summed over the experts | Llama 4 as transformers writes it |
 
 :class:`IndexedAttentionBlock` puts an attention whose key selection is a ``topk`` over ``[B, S, S]``
@@ -372,4 +373,54 @@ class SwitchCapacityMoE(nn.Module):
         for e, expert in enumerate(self.experts):
             rows = torch.where(kept[:, e])[0]
             out.index_add_(0, rows, expert(tokens[rows]) * weight[rows, None])
+        return out.reshape(shape)
+
+
+class GShardTop2MoE(nn.Module):
+    """GShard's top-2 layer (Lepikhin et al. 2020, §2.2, Algorithm 1) with the router as fairscale's ``top2gating``
+    writes it: the first expert the argmax of the probabilities, the second the argmax of the logits (plus Gumbel
+    noise when ``sampling`` and training) with the first masked to ``-inf``; each choice's position a ``cumsum`` of
+    its one-hot, the second choices counted after all first choices; positions ``>= C = ceil(2 · f · T / E)``
+    dropped (``capacity_factor=None``: dropless); the kept choices' probabilities renormalised over the kept
+    choices. ``self.l_aux`` is GShard's auxiliary loss of the choices before the drop. The experts a ``ModuleList``
+    of ReLU MLPs, each run on the rows that kept a choice of it, weighted by that choice's weight."""
+
+    def __init__(self, model_dim, hidden_dim, num_experts=4, capacity_factor: float | None = 1.0, sampling=True):
+        super().__init__()
+        self.num_experts, self.capacity_factor, self.sampling = num_experts, capacity_factor, sampling
+        self.wg = nn.Linear(model_dim, num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(model_dim, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, model_dim))
+            for _ in range(num_experts))
+
+    def route(self, tokens):
+        """(kept one-hots of the first and second choices [T, E], their weights [T]) and ``self.l_aux``."""
+        logits = self.wg(tokens)
+        gates = F.softmax(logits, dim=1)
+        mask1 = F.one_hot(torch.argmax(gates, dim=1), num_classes=self.num_experts)
+        if self.sampling and self.training:
+            logits = logits - torch.log(-torch.log(torch.rand_like(logits)))   # Gumbel(0, 1) noise
+        mask2 = F.one_hot(torch.argmax(logits.masked_fill(mask1.bool(), float("-inf")), dim=1),
+                          num_classes=self.num_experts)
+        locations1 = torch.cumsum(mask1, dim=0) - 1
+        locations2 = torch.cumsum(mask2, dim=0) - 1 + torch.sum(mask1, dim=0, keepdim=True)
+        self.l_aux = torch.mean(torch.mean(gates, dim=0) * torch.mean(mask1.float(), dim=0)) * self.num_experts ** 2
+        if self.capacity_factor is not None:
+            capacity = math.ceil(2 * self.capacity_factor * tokens.shape[0] / self.num_experts)
+            mask1 = mask1 * torch.lt(locations1, capacity)
+            mask2 = mask2 * torch.lt(locations2, capacity)
+        gates1 = (gates * mask1).sum(dim=1)
+        gates2 = (gates * mask2).sum(dim=1)
+        denom = torch.clamp(gates1 + gates2, min=torch.finfo(gates.dtype).eps)
+        return mask1, mask2, gates1 / denom, gates2 / denom
+
+    def forward(self, x):
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        mask1, mask2, gates1, gates2 = self.route(tokens)
+        weights = gates1[:, None] * mask1 + gates2[:, None] * mask2          # [T, E], 0 where not kept
+        out = torch.zeros_like(tokens)
+        for e, expert in enumerate(self.experts):
+            rows = torch.where(mask1[:, e] + mask2[:, e])[0]
+            out.index_add_(0, rows, expert(tokens[rows]) * weights[rows, e, None])
         return out.reshape(shape)

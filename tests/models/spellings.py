@@ -5,7 +5,12 @@ or name at WARNING with its true reason.
   (``torch.stack([e.up.weight for e in experts])[ids]``) and applied by ``bmm``.
 - ``DenseMixtureMoE``: every expert on every token, its output weighted by a ``[T, E]`` gate scattered from the
   top-k (0 for the experts not chosen).
+- ``GShardEinsumTop2MoE``: GShard's Algorithm 1 as its paper and fairscale write it end to end: two argmax picks,
+  the drop in place (``mask *= locations < C``), the weights renormalised in place, ``[T, E, C]`` combine weights
+  from one-hot locations, the ``einsum`` dispatch and combine, stacked ``[E, M, H]`` experts in an ``einsum``.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,3 +56,44 @@ class DenseMixtureMoE(_Routed):
         gate = torch.zeros(x.shape[0], len(self.experts), dtype=x.dtype).scatter(1, ids, weights)
         outputs = torch.stack([expert(x) for expert in self.experts], 1)
         return (outputs * gate.unsqueeze(-1)).sum(1).reshape(shape)
+
+
+class GShardEinsumTop2MoE(nn.Module):
+    def __init__(self, model_dim=16, hidden_dim=32, num_experts=4, capacity_factor=1.0):
+        super().__init__()
+        self.num_experts, self.capacity_factor = num_experts, capacity_factor
+        self.wg = nn.Linear(model_dim, num_experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(num_experts, model_dim, hidden_dim) / math.sqrt(model_dim))
+        self.w2 = nn.Parameter(torch.randn(num_experts, hidden_dim, model_dim) / math.sqrt(hidden_dim))
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        num_tokens, num_experts = x.shape[0], self.num_experts
+        capacity = math.ceil(2 * self.capacity_factor * num_tokens / num_experts)
+        logits = self.wg(x)
+        gates = F.softmax(logits, dim=1)
+        mask1 = F.one_hot(torch.argmax(gates, dim=1), num_classes=num_experts)
+        logits_w_noise = logits + (-torch.log(-torch.log(torch.rand_like(logits)))) if self.training else logits
+        mask2 = F.one_hot(torch.argmax(logits_w_noise.masked_fill(mask1.bool(), float("-inf")), dim=1),
+                          num_classes=num_experts)
+        locations1 = torch.cumsum(mask1, dim=0) - 1
+        locations2 = torch.cumsum(mask2, dim=0) - 1
+        locations2 += torch.sum(mask1, dim=0, keepdim=True)
+        mask1 *= torch.lt(locations1, capacity)
+        mask2 *= torch.lt(locations2, capacity)
+        locations1_s = torch.sum(locations1 * mask1, dim=1)
+        locations2_s = torch.sum(locations2 * mask2, dim=1)
+        gates1_s = torch.einsum("se,se->s", gates, mask1.float())
+        gates2_s = torch.einsum("se,se->s", gates, mask2.float())
+        denom_s = torch.clamp(gates1_s + gates2_s, min=torch.finfo(gates.dtype).eps)
+        gates1_s /= denom_s
+        gates2_s /= denom_s
+        gates1 = torch.einsum("s,se->se", gates1_s, mask1.float())
+        gates2 = torch.einsum("s,se->se", gates2_s, mask2.float())
+        combine = (torch.einsum("se,sc->sec", gates1, F.one_hot(locations1_s, capacity).float())
+                   + torch.einsum("se,sc->sec", gates2, F.one_hot(locations2_s, capacity).float()))
+        expert_in = torch.einsum("sec,sm->ecm", combine.bool().float(), x)
+        h = torch.einsum("ecm,emh->ech", expert_in, self.w1)
+        expert_out = torch.einsum("ech,ehm->ecm", F.relu(h), self.w2)
+        return torch.einsum("sec,ecm->sm", combine, expert_out).reshape(shape)

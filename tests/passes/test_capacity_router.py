@@ -159,14 +159,17 @@ class _TwoArgmaxRouter(nn.Module):
         return out.reshape(x.shape)
 
 
-def test_two_argmax_router_is_named(caplog):
-    """NLLB-MoE's top-2 by two argmaxes: one WARNING naming it (not one per pick), equal to eager. An argmax
-    of a classifier's logits (no one-hot of experts after it) is no router and says nothing."""
+def test_two_argmax_router_weighted_densely_is_named(caplog):
+    """A top-2 by two argmaxes whose weights are the probabilities at both kept choices as one dense ``[T, E]``
+    tensor (no per-pick weight, not renormalised): one WARNING naming the form and why (not one per pick), equal
+    to eager (GShard's per-pick weights are read: tests/passes/test_argmax_picks.py). An argmax of a classifier's
+    logits (no one-hot of experts after it) is no router and says nothing."""
     caplog.set_level(logging.WARNING, logger="moe_compile")
     torch.manual_seed(0)
     _compare(_TwoArgmaxRouter(), torch.randn(2, 6, 16))
     (warning,) = _warnings(caplog)
-    assert "picks a second expert by a second argmax" in warning and "NLLB-MoE" in warning and "fairscale" in warning, warning
+    assert "its top-2 router by two argmax picks is not read: a pick has no weight" in warning, warning
+    assert "NLLB-MoE" in warning and "fairscale" in warning, warning
     caplog.clear()
     torch._dynamo.reset()
     head = nn.Linear(16, 5)
