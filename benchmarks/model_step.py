@@ -346,6 +346,20 @@ def table(rows: list[dict]) -> None:
     print_table("one training step of a whole MoE model", header, body, left={"style", "variant"})
 
 
+def markdown(rows: list[dict]) -> str:
+    """One line per (style, P): each variant's median ms and first-call s, for benchmarks/README.md."""
+    out = ["| style | P | " + " | ".join(f"{v} ms" for v in VARIANTS) + " | first s: inductor / moe / moe+inductor |",
+           "|---|---|" + "---|" * (len(VARIANTS) + 1)]
+    keys = sorted({(r["style"], r["P"]) for r in rows}, key=lambda k: (STYLES.index(k[0]), k[1]))
+    for style, world_size in keys:
+        got = {r["variant"]: r for r in rows if (r["style"], r["P"]) == (style, world_size)}
+        cell = lambda v, key, spec: _fmt(got[v].get(key), spec) if v in got and key in got[v] else "–"  # noqa: E731
+        firsts = " / ".join(cell(v, "first_s", ".1f") for v in (INDUCTOR, MOE, MOE_INDUCTOR))
+        out.append(f"| {style} | {world_size} | " + " | ".join(cell(v, "median_ms", ".1f") for v in VARIANTS)
+                   + f" | {firsts} |")
+    return "\n".join(out)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--styles", nargs="+", default=list(STYLES), choices=STYLES)
@@ -396,6 +410,7 @@ def main(argv=None) -> list[dict]:
             rows.extend(summarize(style, world_size, ranks))
             print(f"{style}, P={world_size}: done in {time.perf_counter() - start:.0f} s", flush=True)
     table(rows)
+    print(markdown(rows))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     args.json.write_text(json.dumps({"machine": machine_info(), "config": config, "rows": rows}, indent=1))
