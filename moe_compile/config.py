@@ -110,7 +110,9 @@ class MoECompileConfig:
     #: Write ``<dir>/rank<r>/graph<id>/<NN>_<pass>_{before,after}.py`` (env MOE_COMPILE_DEBUG_DIR).
     debug_dir: str | None = None
     #: Compiler run after the passes: "eager" (AOTAutograd graphs run as they are),
-    #: "inductor", or "auto" = inductor when the graph's tensors are on CUDA, else eager.
+    #: "inductor", or "auto" = inductor when the graph's tensors are on CUDA (it fuses the model around the
+    #: canonical ops), else eager (on CPU Inductor's first call took 10-30x the eager inner's for a step a
+    #: few percent faster: benchmarks/model_step.py).
     inner: InnerCompiler = InnerCompiler.AUTO
     #: Find MoE layers and rewrite them into the canonical ``moe.*`` ops. False hands
     #: every graph to the inner compiler untouched.
