@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .peer_bmm import filled_counts
-from .peer_mlp import _accumulate_, _activation_vjp_, _glu
+from .peer_mlp import _accumulate_, _activation_vjp_, _blocks, _glu
 
 __all__ = ["peer_mlp_gate_up", "peer_mlp_grads_gate_up"]
 
@@ -50,32 +50,33 @@ def peer_mlp_gate_up(x: Tensor, w13: Tensor, w2: Tensor, activation: str, act_ar
                      filled: Tensor | None, step: int) -> tuple[Tensor, Tensor, Tensor]:
     """``(y, h1, h3)`` of ``moe.peer_mlp(x, w1, w2, w3, ...)`` with ``w1`` / ``w3`` the gate / up rows of ``w13``."""
     _check(x, w13, w2, step)
-    P, El, R, _ = x.shape
-    H = w2.shape[2]
-    y, h1, h3 = x.new_empty(P, El, R, w2.shape[1]), x.new_empty(P, El, R, H), x.new_empty(P, El, R, H)
+    R, H = x.shape[2], w2.shape[2]
+    y, h1, h3 = _outputs(x, w2)
     gate, up = _columns(2 * H, step)
     scratch = x.new_empty(R, 2 * H)
-    counts = filled_counts(x, filled)
-    for p in range(P):
-        for e in range(El):
-            n = R if counts is None else counts[p][e]
-            if n < R:
-                for t in (y, h1, h3):
-                    t[p, e, n:].zero_()
-            if not n:
-                continue
-            h13 = scratch[:n]
-            torch.mm(x[p, e, :n], w13[e].t(), out=h13)
-            a, c = h1[p, e, :n], h3[p, e, :n]
-            a.copy_(h13[:, gate])
-            c.copy_(h13[:, up])
-            torch.mm(_glu(a, c, activation, act_args), w2[e].t(), out=y[p, e, :n])
+    for p, e, n in _blocks(x, filled):
+        if n < R:
+            for t in (y, h1, h3):
+                t[p, e, n:].zero_()
+        if not n:
+            continue
+        h13 = scratch[:n]
+        torch.mm(x[p, e, :n], w13[e].t(), out=h13)
+        a, c = h1[p, e, :n], h3[p, e, :n]
+        a.copy_(h13[:, gate])
+        c.copy_(h13[:, up])
+        torch.mm(_glu(a, c, activation, act_args), w2[e].t(), out=y[p, e, :n])
     return y, h1, h3
 
 
 @peer_mlp_gate_up.register_fake
 def _peer_mlp_gate_up_fake(x, w13, w2, activation, act_args, filled, step):
     _check(x, w13, w2, step)
+    return _outputs(x, w2)
+
+
+def _outputs(x: Tensor, w2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, h1, h3)``, unwritten: ``[P, El, R, M]`` and two ``[P, El, R, H]``."""
     P, El, R, _ = x.shape
     H = w2.shape[2]
     return x.new_empty(P, El, R, w2.shape[1]), x.new_empty(P, El, R, H), x.new_empty(P, El, R, H)

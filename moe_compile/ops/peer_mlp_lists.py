@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .peer_mlp import grad_blocks, mlp_blocks
+from .peer_mlp import _check, _empty_grads, _empty_outputs, grad_blocks, mlp_blocks
 
 __all__ = ["grad_index", "peer_mlp_grads_lists", "peer_mlp_lists"]
 
@@ -43,8 +43,6 @@ def peer_mlp_lists(x: Tensor, w1: Sequence[Tensor], w2: Sequence[Tensor], w3: Se
 
 @peer_mlp_lists.register_fake
 def _peer_mlp_lists_fake(x, w1, w2, w3, activation, b1, b2, b3, act_args, filled):
-    from .peer_mlp import _check, _empty_outputs
-
     w3 = list(w3) or None
     _check(x, list(w1), list(w2), w3)
     return _empty_outputs(x, list(w1), list(w2), w3)
@@ -61,8 +59,6 @@ def peer_mlp_grads_lists(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w1: 
 
 @peer_mlp_grads_lists.register_fake
 def _peer_mlp_grads_lists_fake(grad_y, x, h1, h3, w1, w2, w3, activation, act_args, filled, needs):
-    from .peer_mlp import _empty_grads
-
     grad_x, stored, biases = _empty_grads(grad_y, list(w1), list(w2), list(w3) or None, (False,) * 3, needs)
     return _flat(grad_y, len(w1), bool(w3), (grad_x, *stored, *biases))
 

@@ -65,7 +65,7 @@ import torch.nn.functional as F
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-from .graph_utils import example_value, is_call, is_inplace, shape_of, strip
+from .graph_utils import dim_arg, example_value, is_argmax, is_call, is_inplace, shape_of, strip, users_through
 from .regions import NoMatch, Pick
 
 __all__ = ["ArgmaxPicks", "masked_picks", "read_argmax_picks"]
@@ -91,23 +91,9 @@ class ArgmaxPicks:
     runtime_capacity: bool = False     # C known at run time only: dispatched dropless, the picks' kept masks applied
 
 
-def _is_argmax(node: object) -> bool:
-    if not is_call(node, torch.argmax, method=("argmax",)):
-        return False
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    return isinstance(dim, int)
-
-
 def _users(node: Node) -> list[Node]:
     """``node``'s users, seen through casts."""
-    out = []
-    for user in node.users:
-        out.extend(_users(user) if is_call(user, method=_CASTS) and user.args[0] is node else [user])
-    return out
-
-
-def _dim(node: Node, default=None):
-    return node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else default)
+    return users_through(node, _CASTS)
 
 
 def _one_hot(argmax: Node, num_experts) -> Node:
@@ -152,7 +138,7 @@ def masked_picks(argmax: Node) -> list[Node]:
     for mask in found[1]:
         for hot in _masked_hots(mask) or []:
             source = strip(hot.args[0], methods=_CASTS)
-            if _is_argmax(source):
+            if is_argmax(source):
                 picks.append(source)
     return picks
 
@@ -163,7 +149,7 @@ def _next_pick(picks: list[Node], hots: list[Node]) -> Node | None:
     for hot in hots:
         for user in _users(hot):
             for node in _descendants_through_fills(user):
-                if _is_argmax(node):
+                if is_argmax(node):
                     candidates.add(node)
     found = [a for a in candidates if set(masked_picks(a)) == set(picks) and a not in picks]
     if len(found) > 1:
@@ -179,7 +165,7 @@ def _descendants_through_fills(node: Node) -> list[Node]:
         n = todo.pop()
         out.append(n)
         for user in n.users:
-            if is_call(user, *_MASKED_FILL, method=("masked_fill", "masked_fill_", *_CASTS)) or _is_argmax(user):
+            if is_call(user, *_MASKED_FILL, method=("masked_fill", "masked_fill_", *_CASTS)) or is_argmax(user):
                 todo.append(user)
     return out
 
@@ -207,7 +193,7 @@ def _is_count(node: object, hot: Node) -> bool:
     node = strip(node, methods=_CASTS)
     if not (is_call(node, torch.sum, method=("sum",)) and strip(node.args[0], methods=_CASTS) is hot):
         return False
-    return _dim(node) in (0, (0,), [0])
+    return dim_arg(node) in (0, (0,), [0])
 
 
 def _locations(loc: Node, j: int, hots: list[Node]) -> int | None:
@@ -220,7 +206,7 @@ def _locations(loc: Node, j: int, hots: list[Node]) -> int | None:
         if isinstance(term, int) and not isinstance(term, bool):
             constant += sign * term
         elif (sign == 1 and is_call(term, torch.cumsum, method=("cumsum",))
-              and strip(term.args[0], methods=_CASTS) is hots[j] and _dim(term) in (0, -2)):
+              and strip(term.args[0], methods=_CASTS) is hots[j] and dim_arg(term) in (0, -2)):
             cumsums += 1
         elif sign == 1 and any(_is_count(term, hots[i]) for i in range(j)):
             counts.append(next(i for i in range(j) if _is_count(term, hots[i])))
@@ -384,7 +370,7 @@ def _pick_weight(mask: Node, probs: Node) -> Node | None:
                 {strip(a, methods=_CASTS) for a in user.args} == {mask, probs}:
             for total in user.users:
                 if (is_call(total, torch.sum, method=("sum",)) and total.args[0] is user
-                        and _dim(total) in (1, -1, (1,), (-1,)) and not total.kwargs.get("keepdim", False)):
+                        and dim_arg(total) in (1, -1, (1,), (-1,)) and not total.kwargs.get("keepdim", False)):
                     return total
     return None
 
@@ -434,8 +420,8 @@ def read_argmax_picks(first: Node, num_experts) -> ArgmaxPicks:
         nxt = _next_pick(picks, hots)
         if nxt is None:
             break
-        if _dim(nxt) not in (-1, 1):
-            raise NoMatch(f"a pick is no argmax over the experts ({nxt.name}, dim {_dim(nxt)})")
+        if dim_arg(nxt) not in (-1, 1):
+            raise NoMatch(f"a pick is no argmax over the experts ({nxt.name}, dim {dim_arg(nxt)})")
         picks.append(nxt)
         hots.append(_one_hot(nxt, num_experts))
     if len(picks) < 2:

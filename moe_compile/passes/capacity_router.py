@@ -43,12 +43,12 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from .graph_utils import getitem_user, is_call, reachable, shape_of, strip
+from .graph_utils import dim_arg, getitem_user, is_argmax, is_call, reachable, shape_of, strip, users_through
 from .argmax_picks import masked_picks, read_argmax_picks
 from .regions import NoMatch
 from .routing import _CASTS, NotARouter, Router, _gate_linear, _is_linear_like, _router_nodes, drops_by_score, same_size
 
-__all__ = ["CapacityMask", "capacity_mask", "is_argmax", "pass_through_copy", "read_argmax_router"]
+__all__ = ["CapacityMask", "capacity_mask", "pass_through_copy", "read_argmax_router"]
 
 _ONE_HOT = (F.one_hot, torch._C._nn.one_hot)
 
@@ -62,29 +62,14 @@ class CapacityMask:
     per_sequence: bool    # the cumsum runs over dim -2 of [B, S, E] with B > 1 (a capacity per sequence)
 
 
-def is_argmax(node: Node) -> bool:
-    """``argmax`` over a dim (never the global one)."""
-    if not is_call(node, torch.argmax, method=("argmax",)):
-        return False
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    return isinstance(dim, int)
-
-
 def _users(node: Node) -> list[Node]:
     """``node``'s users, seen through casts (``.to(dtype)``, ``.long()``)."""
-    out = []
-    for user in node.users:
-        out.extend(_users(user) if is_call(user, method=_CASTS) and user.args[0] is node else [user])
-    return out
+    return users_through(node, _CASTS)
 
 
 def _constant(node: Node, position: int):
     arg = node.args[position] if len(node.args) > position else None
     return arg if isinstance(arg, (int, float)) and not isinstance(arg, bool) else None
-
-
-def _dim(node: Node, default=None):
-    return node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else default)
 
 
 def capacity_mask(ids: Node, num_experts) -> CapacityMask | None:
@@ -97,7 +82,7 @@ def capacity_mask(ids: Node, num_experts) -> CapacityMask | None:
         for cumsum in _users(hot):
             if not is_call(cumsum, torch.cumsum, method=("cumsum",)):
                 continue
-            dim = _dim(cumsum)
+            dim = dim_arg(cumsum)
             if shape is None or len(shape) not in (2, 3) or dim not in (len(shape) - 2, -2):
                 raise NoMatch(f"the expert one-hot {hot.name} is cumsummed ({cumsum.name}) over dim {dim} of "
                               f"{list(shape or ())}, not over the tokens of [T, E] or [B, S, E]")
@@ -169,7 +154,7 @@ def pass_through_copy(region: list[Node], tokens: Node) -> Node | None:
 def _weights(argmax: Node, scores: Node) -> Node | None:
     """The chosen expert's score: ``max(scores, dim).values`` or ``scores.gather(dim, ids.unsqueeze(dim))``."""
     for user in scores.users:
-        if is_call(user, torch.max, method=("max",)) and _dim(user) == _dim(argmax):
+        if is_call(user, torch.max, method=("max",)) and dim_arg(user) == dim_arg(argmax):
             values = getitem_user(user, 0)
             if values is not None:
                 return values
@@ -185,7 +170,7 @@ def read_argmax_router(argmax: Node) -> Router:
     NotARouter / NoMatch otherwise."""
     scores = argmax.args[0]
     shape = shape_of(scores)
-    dim = _dim(argmax)
+    dim = dim_arg(argmax)
     if shape is None or dim not in (-1, len(shape) - 1):
         raise NotARouter(f"{argmax.name}: not an argmax over the last dim of [.., E] scores")
     num_experts = shape[-1]

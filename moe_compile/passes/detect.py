@@ -49,11 +49,12 @@ from ..counters import counters
 from ..debug import log
 from ..graph_breaks import split_layers
 from .expert_weights import expert_mlp, is_parameter, routed_output
-from .graph_utils import example_value, is_call, module_region, reachable, region_boundary, shape_of, strip
+from .graph_utils import (example_value, is_argmax, is_call, module_region, reachable, region_boundary, shape_of,
+                          strip)
 from .manager import PassResult
 from .checkpoint_bodies import checkpoint_bodies
 from .regions import MoERegion, NoMatch, Skip
-from .capacity_router import is_argmax, pass_through_copy, read_argmax_router
+from .capacity_router import pass_through_copy, read_argmax_router
 from .routing import (
     NotARouter, _is_linear_like, Router, expert_tokens, is_selection, read_router, router_part, same_size, scales_expert_input,
     selection_of,

@@ -14,8 +14,10 @@ from torch.fx import Node
 __all__ = [
     "between",
     "depends_on",
+    "dim_arg",
     "example_value",
     "getitem_user",
+    "is_argmax",
     "is_call",
     "is_inplace",
     "module_region",
@@ -24,6 +26,7 @@ __all__ = [
     "region_boundary",
     "shape_of",
     "strip",
+    "users_through",
 ]
 
 # bookkeeping nodes Dynamo emits beside data-dependent ops (often without nn_module_stack)
@@ -97,6 +100,25 @@ def strip(node: object, methods: Iterable[str] = _TRANSPARENT_METHODS) -> object
     while isinstance(node, Node) and node.op == "call_method" and node.target in methods:
         node = node.args[0]
     return node
+
+
+def users_through(node: Node, methods: Iterable[str]) -> list[Node]:
+    """``node``'s users, seen through the ``call_method`` nodes named in ``methods`` (casts) that read it."""
+    out = []
+    for user in node.users:
+        through = user.op == "call_method" and user.target in methods and user.args[0] is node
+        out.extend(users_through(user, methods) if through else [user])
+    return out
+
+
+def dim_arg(node: Node, default=None):
+    """The ``dim`` argument of a call (keyword, else the second positional), or ``default``."""
+    return node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else default)
+
+
+def is_argmax(node: object) -> bool:
+    """``argmax`` over a dim (never the global one)."""
+    return is_call(node, torch.argmax, method=("argmax",)) and isinstance(dim_arg(node), int)
 
 
 def module_region(graph: torch.fx.Graph, module_key: str) -> list[Node]:

@@ -42,8 +42,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..counters import counters
-from .capacity_router import is_argmax
-from .graph_utils import example_value
+from .graph_utils import example_value, is_argmax
 from .manager import PassResult
 from .routing import is_selection
 

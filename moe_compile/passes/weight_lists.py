@@ -154,6 +154,15 @@ def _new(graph, target, args, like: Node) -> Node:
     return node
 
 
+def _take(graph, old: Node, new: Node, index: int) -> None:
+    """Replace ``old`` by ``new[index]`` (with ``old``'s meta) and erase it."""
+    with graph.inserting_before(old):
+        item = graph.call_function(operator.getitem, (new, index))
+    item.meta.update(old.meta)
+    old.replace_all_uses_with(item)
+    graph.erase_node(old)
+
+
 def _fuse_gate_up(graph, node: Node, dead: set[Node]) -> bool:
     """``peer_mlp`` / ``peer_mlp_grads`` on the gate and up rows of one tensor → the ``_gate_up`` ops."""
     if node.target is torch.ops.moe.peer_mlp.default:
@@ -178,21 +187,12 @@ def _fuse_gate_up(graph, node: Node, dead: set[Node]) -> bool:
                (grad_y, x, h1, h3, found[0], w2, activation, act_args, filled, found[1],
                 [needs[0], needs[1], needs[2]]), node)
     dead.update((w1, w3))
-    replaced = {0: 0, 2: 2}
     for user in list(node.users):
-        if user.args[1] in replaced:
-            with graph.inserting_before(user):
-                moved = graph.call_function(operator.getitem, (new, replaced[user.args[1]]))
-            moved.meta.update(user.meta)
-            user.replace_all_uses_with(moved)
-            graph.erase_node(user)
+        if user.args[1] in (0, 2):   # grad_x, grad_w2: the same positions
+            _take(graph, user, new, user.args[1])
     if add is not None:
-        with graph.inserting_before(add):
-            moved = graph.call_function(operator.getitem, (new, 1))
-        moved.meta.update(add.meta)
-        add.replace_all_uses_with(moved)
         backs = list(add.args[:2])
-        graph.erase_node(add)
+        _take(graph, add, new, 1)
         for back in backs:
             item = back.args[0]
             graph.erase_node(back)
@@ -204,60 +204,53 @@ def _fuse_gate_up(graph, node: Node, dead: set[Node]) -> bool:
     return True
 
 
+def _read_lists(graph, node: Node, dead: set[Node]) -> bool:
+    """``peer_mlp`` / ``peer_mlp_grads`` on stacks of per-expert weights → the ``_lists`` ops."""
+    if node.target is torch.ops.moe.peer_mlp.default:
+        x, w1, w2, w3, activation, b1, b2, b3, act_args, filled = node.args
+        lists = [_listed(w) for w in (w1, w2)] + [_listed(w3) if w3 is not None else []]
+        if any(item is None for item in lists):
+            return False
+        new = _new(graph, torch.ops.moe.peer_mlp_lists.default, (x, *lists, activation, b1, b2, b3, act_args, filled),
+                   node)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        dead.update((w1, w2, w3))
+        return True
+    grad_y, x, h1, h3, w1, w2, w3, activation, act_args, filled, transposed, needs = node.args
+    lists = [_listed(w) for w in (w1, w2)] + [_listed(w3) if w3 is not None else []]
+    if any(item is None for item in lists) or any(transposed):
+        return False
+    experts = len(lists[0])
+    selects = [_selects(node, 1 + i, experts) for i in range(3)]
+    if any(s is None for s in selects):
+        return False
+    new = _new(graph, torch.ops.moe.peer_mlp_grads_lists.default,
+               (grad_y, x, h1, h3, *lists, activation, act_args, filled, needs), node)
+    dead.update((w1, w2, w3))
+    flat_bias = 1 + (3 if w3 is not None else 2) * experts
+    for user in list(node.users):   # getitem(g, k): grad_x and the biases move; the weights' selects go
+        position = user.args[1]
+        if position == 0 or position >= 4:
+            _take(graph, user, new, 0 if position == 0 else flat_bias + position - 4)
+    for weight, reads in enumerate(selects):
+        for select, expert in reads:
+            _take(graph, select, new, grad_index(weight, expert, experts))
+    for user in list(node.users):
+        graph.erase_node(user)     # the weights' getitems, now unread
+    graph.erase_node(node)
+    return True
+
+
 def read_weights_in_place(joint: GraphModule) -> int:
-    """Rewrite every ``peer_mlp`` / ``peer_mlp_grads`` pair of ``joint`` that reads stacked per-expert weights
-    (see the module); the number of ops rewritten."""
+    """Rewrite every ``peer_mlp`` / ``peer_mlp_grads`` of ``joint`` that reads stacked per-expert weights or the
+    gate and up rows of one matrix (see the module); the number of ops rewritten."""
     graph = joint.graph
     rewritten = 0
     dead: set[Node] = set()   # the stacks and slices the rewritten ops read, erased once nothing does
     for node in list(graph.nodes):
-        if node.target in (torch.ops.moe.peer_mlp.default, torch.ops.moe.peer_mlp_grads.default) and \
-                _fuse_gate_up(graph, node, dead):
-            rewritten += 1
-            continue
-        if node.target is torch.ops.moe.peer_mlp.default:
-            x, w1, w2, w3, activation, b1, b2, b3, act_args, filled = node.args
-            lists = [_listed(w) for w in (w1, w2)] + [_listed(w3) if w3 is not None else []]
-            if any(item is None for item in lists):
-                continue
-            new = _new(graph, torch.ops.moe.peer_mlp_lists.default,
-                       (x, *lists, activation, b1, b2, b3, act_args, filled), node)
-            node.replace_all_uses_with(new)
-            graph.erase_node(node)
-            dead.update((w1, w2, w3))
-            rewritten += 1
-        elif node.target is torch.ops.moe.peer_mlp_grads.default:
-            grad_y, x, h1, h3, w1, w2, w3, activation, act_args, filled, transposed, needs = node.args
-            lists = [_listed(w) for w in (w1, w2)] + [_listed(w3) if w3 is not None else []]
-            if any(item is None for item in lists) or any(transposed):
-                continue
-            experts = len(lists[0])
-            selects = [_selects(node, 1 + i, experts) for i in range(3)]
-            if any(s is None for s in selects):
-                continue
-            new = _new(graph, torch.ops.moe.peer_mlp_grads_lists.default,
-                       (grad_y, x, h1, h3, *lists, activation, act_args, filled, needs), node)
-            dead.update((w1, w2, w3))
-            flat_bias = 1 + (3 if w3 is not None else 2) * experts
-            for user in list(node.users):   # getitem(g, k): grad_x and the biases move; the weights' selects go
-                position = user.args[1]
-                if position == 0 or position >= 4:
-                    index = 0 if position == 0 else flat_bias + position - 4
-                    with graph.inserting_before(user):
-                        moved = graph.call_function(operator.getitem, (new, index))
-                    moved.meta.update(user.meta)
-                    user.replace_all_uses_with(moved)
-                    graph.erase_node(user)
-            for weight, reads in enumerate(selects):
-                for select, expert in reads:
-                    with graph.inserting_before(select):
-                        moved = graph.call_function(operator.getitem, (new, grad_index(weight, expert, experts)))
-                    moved.meta.update(select.meta)
-                    select.replace_all_uses_with(moved)
-                    graph.erase_node(select)
-            for user in list(node.users):
-                graph.erase_node(user)     # the weights' getitems, now unread
-            graph.erase_node(node)
+        if node.target in (torch.ops.moe.peer_mlp.default, torch.ops.moe.peer_mlp_grads.default) and (
+                _fuse_gate_up(graph, node, dead) or _read_lists(graph, node, dead)):
             rewritten += 1
     if rewritten:
         for node in reversed(list(graph.nodes)):
