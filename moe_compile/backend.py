@@ -21,6 +21,7 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
+from .collectives.first_compile import compile_scope
 from .compile_context import CompileContext
 from .config import ConfigError, MoECompileConfig, config
 from .counters import counters
@@ -94,7 +95,7 @@ def moe_backend(
     """Compile ``gm`` (a Dynamo graph): see the module docstring."""
     if mode is not None:
         raise ConfigError(f"mode={mode!r}: the moe backend takes no mode; pass settings as options={{...}}")
-    with _timed("seconds:backend"):
+    with _timed("seconds:backend"), compile_scope(options):  # agreements made once per frame: first_compile.py
         return _compile_graph(gm, example_inputs, config.merged(options))
 
 

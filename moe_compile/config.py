@@ -134,13 +134,12 @@ class MoECompileConfig:
     #: "world" (the default process group), a ``ProcessGroup``, a 1-D ``DeviceMesh``
     #: or ``(DeviceMesh, dim)``. Expert e lives on group rank ``e // (E / P)``.
     ep_group: Any = None
-    #: Under ``ep_group`` / ``dp_group``: agree across the ranks, while compiling, on every layer's rewrite
-    #: and plan (``passes/agree.py``): a layer any rank cannot rewrite stays as written on every rank, and
-    #: every rank adopts the first rank's plan. The agreement is an all-gather at compile time, so every rank
-    #: must then compile at the same steps: mark the token dimension dynamic, and note that a GShard layer,
-    #: whose capacity specialises the graph on T, recompiles at every new length. Off by default: ranks whose
-    #: batch sizes differ recompile at different steps and would wait for each other.
-    agree_layers: bool = False
+    #: Under ``ep_group`` / ``dp_group``: agree across the ranks on every layer's rewrite and plan
+    #: (``passes/agree.py``): a layer any rank cannot rewrite stays as written on every rank, and every rank
+    #: adopts the first rank's plan. The ranks exchange their verdicts through the store at each frame's first
+    #: compile, and a recompile (a rank's new batch length) reads them back, so the ranks need not recompile in
+    #: step. False: each rank decides alone, and ranks whose verdicts differ hang in the layer's exchange.
+    agree_layers: bool = True
     #: With expert parallelism and a data-dependent capacity (dropless or adaptive), the
     #: capacity agreed over the group is rounded up to a multiple of this many rows.
     capacity_bucket: int = 8

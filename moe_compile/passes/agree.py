@@ -9,9 +9,10 @@ match expected size``). A difference of plans (r, the algorithm, Parm's schedule
 another count or order of collectives. Under ``dp_group`` a layer rewritten on one rank and not on
 another changes the backward's gradient order, so the gradient buckets differ.
 
-What. Two agreements, each one ``all_gather_object`` of a small record at compile time, inside
-:func:`~moe_compile.collectives.compile_time.real_collectives` (AOTAutograd's fake mode and Python
-dispatcher off: the gloo/GIL deadlock of :mod:`moe_compile.collectives.compile_time`):
+What. Two agreements, each an exchange of a small record over the group at the frame's first compile,
+through the process group's store, and read back at its recompiles
+(:mod:`moe_compile.collectives.first_compile`: ranks recompile at different steps, when their batch lengths
+change at different steps, and must not wait for each other there):
 
 - :meth:`Agreement.layers` (called by ``canonicalize`` once it has checked every layer and before it
   splices any): each rank's verdict per layer, keyed by the layer's name (its module path and call,
@@ -24,7 +25,7 @@ dispatcher off: the gloo/GIL deadlock of :mod:`moe_compile.collectives.compile_t
   alternatives, P1 / P2), as :mod:`moe_compile.schedule.grad_agree` does for the gradient buckets. These
   are performance choices only (every one gives the model's values), so adopting one is correct and makes
   the hang impossible; the ranks whose own choice differed are named in one WARNING.
-- NetMoE (``sample_placement``) places a layer only where every rank places it: the ranks all-gather the
+- NetMoE (``sample_placement``) places a layer only where every rank places it: the ranks exchange the
   layers they place (:meth:`Agreement.gather`) until every rank places the same ones.
 
 Before (``moe`` with T·k = 8 on rank 0; on rank 1 its region check failed)::
@@ -42,19 +43,23 @@ Which ranks. The agreement runs over the group whose ranks must decide alike: ``
 set (it holds the EP group), the default group with ``mp_group`` / ``esp_group`` (their layout is
 resolved over it), else ``ep_group``. On one rank there is nothing to agree; the WARNINGs are the same.
 
-Contract: every rank of the group compiles the same graphs in the same order (the graphs' own
-collectives already require it); a rank that recompiles alone (a new input shape on that rank only,
-without dynamic shapes) would wait in the agreement. The agreement is a few hundred bytes per graph.
+Recompiles. A layer's verdict is its first compile's on every rank, whenever each rank recompiles: a layer
+refused then stays as written, a layer first found at a recompile is left as written (on every rank alike),
+and a layer agreed on that this rank cannot rewrite at a recompile raises
+:class:`~moe_compile.collectives.first_compile.AgreementError` naming it, rather than leave the other
+ranks waiting in its exchange.
+
+Contract: every rank of the group compiles the same models with the same options in the same order (their
+first calls); the ranks' recompiles need not be in step. The agreement is a few hundred bytes per frame.
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
 
-import torch.distributed as dist
 from torch.fx import GraphModule
 
-from ..collectives.compile_time import real_collectives
+from ..collectives.first_compile import AgreementError, exchange
 from ..config import MoECompileConfig
 from ..debug import log
 from .manager import PassResult
@@ -87,7 +92,7 @@ class Agreement:
         state = moe_state(gm)
         mine = {} if late else {s.name: s.reason for s in state.skips}
         mine.update(own)
-        everyone = self.gather(mine)
+        everyone, fresh = self.gather(mine, "late" if late else "layers")
         names = list(dict.fromkeys(name for _, verdicts in everyone for name in verdicts))
         refused: dict[str, str] = {}
         for name in names:
@@ -98,14 +103,20 @@ class Agreement:
                     continue
                 if rank not in why.setdefault(reason, []):
                     why[reason].append(rank)
-            if not why:
-                continue
-            refused[name] = "; ".join(f"{_ranks(ranks)}: {reason}" for reason, ranks in why.items())
+            if why:
+                refused[name] = "; ".join(f"{_ranks(ranks)}: {reason}" for reason, ranks in why.items())
+        if not fresh:  # a recompile: the verdicts are the first compile's, on every rank
+            _check_recompile(mine, refused, names, late)
+            for name in mine:
+                if name not in names:
+                    refused[name] = ("first found at a recompile of its graph, after the ranks agreed on its layers "
+                                     "(each rank leaves such a layer as written)")
+        for name, reason in refused.items():
             if late:
-                log.warning("MoE layer %s is not expert-parallel on any rank: %s%s", name, refused[name],
+                log.warning("MoE layer %s is not expert-parallel on any rank: %s%s", name, reason,
                             _LOCAL if self.expert_parallel else "")
             else:
-                log.warning("MoE layer %s left unchanged on every rank: %s%s", name, refused[name],
+                log.warning("MoE layer %s left unchanged on every rank: %s%s", name, reason,
                             _LOCAL if self.expert_parallel else "")
         return refused
 
@@ -114,10 +125,10 @@ class Agreement:
         whose own decisions differed."""
         state = moe_state(gm)
         mine = {plan.name: tuple(getattr(plan, f) for f in PLAN_DECISIONS) for plan in state.layers}
-        everyone = self.gather(mine)
+        everyone, _ = self.gather(mine, "plans")
         source, first = everyone[0]
-        if any(set(e) != set(first) for _, e in everyone):
-            raise RuntimeError(
+        if any(set(e) != set(first) for _, e in [*everyone, (None, mine)]):
+            raise AgreementError(
                 f"the ranks planned different MoE layers ({ {rank: sorted(e) for rank, e in everyone} }) after "
                 f"agreeing which layers to rewrite; compile the same model with the same options on every rank")
         differed = tuple(rank for rank, e in everyone if e != first)
@@ -133,16 +144,24 @@ class Agreement:
                 source, source, {name: dict(zip(PLAN_DECISIONS, d)) for name, d in first.items()})
         return differed
 
-    def gather(self, mine: dict) -> list[tuple[int, dict]]:
-        """(global rank, its ``mine``) of every rank, in the group's order (this process alone: its own); a
-        collective: every rank of the group calls it at the same point of its compile."""
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        if self.group is None:
-            return [(rank, mine)]
-        everyone: list = [None] * dist.get_world_size(self.group)
-        with real_collectives():  # compiled under AOTAutograd's fake mode and Python dispatcher: compile_time.py
-            dist.all_gather_object(everyone, (rank, mine), group=self.group)
-        return everyone
+    def gather(self, mine: dict, topic: str) -> tuple[list[tuple[int, dict]], bool]:
+        """``(everyone, fresh)``: (global rank, its ``mine``) of every rank, in the group's order (this process
+        alone: its own), exchanged at this frame's first compile and read back at its recompiles (``fresh``
+        False): :func:`~moe_compile.collectives.first_compile.exchange`."""
+        return exchange(self.group, topic, mine)
+
+
+def _check_recompile(mine: Mapping[str, str | None], refused: Mapping[str, str], agreed: list[str], late: bool) -> None:
+    """At a recompile, a layer every rank agreed to rewrite must still be rewritable here: the other ranks'
+    graphs exchange its tokens, and they may not be compiling now to agree again."""
+    for name, reason in mine.items():
+        if reason is not None and name in agreed and name not in refused:
+            raise AgreementError(
+                f"MoE layer {name}: this rank cannot {'exchange' if late else 'rewrite'} it at this recompile "
+                f"({reason}), but every rank agreed to at the first compile of its graph, and the other ranks' "
+                "compiled graphs exchange its tokens: leaving it as written here would make them wait. Its verdict "
+                "depends on this batch's shape; mark the token dimension dynamic (torch._dynamo.mark_dynamic) so "
+                "that one graph serves every length, or report the layer")
 
 
 def agreement_of(cfg: MoECompileConfig) -> Agreement | None:

@@ -59,7 +59,7 @@ stale one is matched again from its router (:func:`.detect.rematch`), and one
 that no longer matches is left unchanged and logged with the reason.
 
 Under ``ep_group`` / ``dp_group`` the ranks decide each layer alike (:mod:`.agree`): every layer is
-checked first (steps 0-3) with nothing spliced, the ranks all-gather their verdicts, and only the
+checked first (steps 0-3) with nothing spliced, the ranks exchange their verdicts, and only the
 layers every rank can rewrite are spliced (their check is not run again unless an earlier splice
 made the record stale); a layer one rank refuses is left as written on every rank, with one WARNING
 naming the rank and its reason. A layer agreed on that a rank still cannot rewrite (matched again

@@ -76,6 +76,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..capacity import RUNTIME_CAPACITY
+from ..collectives.first_compile import AgreementError, first_compile
 from ..config import MoECompileConfig
 from ..counters import counters
 from ..ops import netmoe as netmoe_ops
@@ -193,6 +194,21 @@ def _refuse(gm: GraphModule, refused: dict[str, str], name: str, reason: str) ->
     counters["sample_placement:refused"] += 1
 
 
+def _keep_agreed(gm: GraphModule, refused: dict[str, str], placed: list[str], agreed: list[str]) -> bool:
+    """At a recompile, leave unplaced what the ranks did not place at the first compile; True when the rest is
+    exactly what they placed (a placed layer this rank cannot place now would meet the others' all-to-all)."""
+    missing = [name for name in agreed if name not in placed]
+    if missing:
+        raise AgreementError(
+            f"sample_placement: this rank cannot place layers {missing} at this recompile, but every rank placed "
+            "them at the first compile of the graph, and the other ranks' graphs scatter their samples; mark the "
+            "token dimension dynamic so that one graph serves every length")
+    extra = [name for name in placed if name not in agreed]
+    for name in extra:
+        _refuse(gm, refused, name, "the ranks did not place it at the first compile of its graph")
+    return not extra
+
+
 class SamplePlacement:
     """Stage-1 pass: see the module docstring."""
 
@@ -227,6 +243,9 @@ class SamplePlacement:
             else:
                 layers[layer.add] = layer
         refused: dict[str, str] = {}
+        agreed = None
+        if self.agreement is not None and not first_compile():
+            agreed = self.agreement.gather([], "placed")[0][0][1]
         while True:
             active = {add: lay for add, lay in layers.items() if lay.name not in refused}
             problem = self._analyse(gm, active)
@@ -237,8 +256,13 @@ class SamplePlacement:
                 break
             # every rank places the same layers, else one rank's scatter meets another's all-to-all
             placed = sorted(lay.name for lay in active.values())
-            everyone = self.agreement.gather({"placed": placed, "refused": refused})
+            if agreed is not None:  # a recompile: the layers every rank placed at the first compile
+                if _keep_agreed(gm, refused, placed, agreed):
+                    break
+                continue
+            everyone, _ = self.agreement.gather({"placed": placed, "refused": refused}, "placement")
             if all(theirs["placed"] == everyone[0][1]["placed"] for _, theirs in everyone):
+                self.agreement.gather(placed, "placed")  # what a recompile reads back
                 break
             for rank, theirs in everyone:
                 for name in placed:

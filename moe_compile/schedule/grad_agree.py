@@ -23,8 +23,10 @@ construction and keeps the difference visible. What is still an error: graphs th
 (the fingerprints differ): a position on one rank's graph means nothing on the other's, and the ranks' other
 collectives would not match either.
 
-Cost: one ``all_gather_object`` of a few hundred bytes per compiled backward graph, at compile time (every rank
-compiles the same graph at the same step, as the graph's own collectives already require).
+Cost: one exchange of a few hundred bytes per compiled backward graph, through the process group's store at its
+frame's first compile (:mod:`moe_compile.collectives.first_compile`); a recompile reads rank 0's placement back
+without waiting for ranks that are not compiling, and raises (rather than hang) when its graph is no longer the
+one placed.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch.fx import GraphModule, Node
 
-from ..collectives.compile_time import real_collectives
+from ..collectives.first_compile import exchange
 
 __all__ = ["AGREEMENT_META", "Agreement", "agree_placement", "graph_fingerprint"]
 
@@ -75,11 +77,11 @@ def agree_placement(gm: GraphModule, points: Sequence[Node], layers: Sequence | 
     own = tuple(order[p] for p in points)
     mine = {"rank": dist.get_rank(), "graph": graph_fingerprint(gm), "positions": own,
             "layers": tuple(layers) if layers is not None else (None,) * len(own)}
-    everyone: list = [None] * dist.get_world_size(group)
-    with real_collectives():  # compiled under AOTAutograd's fake mode and Python dispatcher: see compile_time.py
-        dist.all_gather_object(everyone, mine, group=group)
+    everyone = [record for _, record in exchange(group, "grad_buckets", mine)[0]]   # a recompile: the first's
     first = everyone[0]
     other_graphs = [e["rank"] for e in everyone if e["graph"] != first["graph"]]
+    if mine["graph"] != first["graph"] and mine["rank"] not in other_graphs:   # this rank's recompile
+        other_graphs.append(mine["rank"])
     if other_graphs:
         raise RuntimeError(
             f"options['dp_placement']={option!r}: the backward graph of ranks {other_graphs} differs from rank "

@@ -80,7 +80,7 @@ class _Warnings(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _run(rank: int, world_size: int, refuse_on: int | None) -> dict:
+def _run(rank: int, world_size: int, refuse_on: int | None, steps=None, options=None) -> dict:
     import moe_compile
     from moe_compile.passes import canonicalize
 
@@ -97,9 +97,10 @@ def _run(rank: int, world_size: int, refuse_on: int | None) -> dict:
     torch.manual_seed(0)
     model = TwoLayers()
     eager = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="moe", fullgraph=True, options={"ep_group": "world", "agree_layers": True})
+    compiled = torch.compile(model, backend="moe", fullgraph=True,
+                             options=options or {"ep_group": "world", "agree_layers": True})
     exchanged = []
-    for step, tokens in enumerate(STEPS[world_size]):
+    for step, tokens in enumerate(steps or STEPS[world_size]):
         x = torch.randn(1, tokens[rank], 8, generator=torch.Generator().manual_seed(10 * step + rank))
         x_c, x_e = x.clone().requires_grad_(), x.clone().requires_grad_()
         moe_compile.counters.clear()
@@ -136,6 +137,122 @@ def test_one_rank_refusing_leaves_the_layer_unchanged_on_every_rank(world_size, 
         assert f"left unchanged on every rank: rank {refuse_on}: its canonical form does not reproduce it " \
                "(outputs differ on random tokens (forced))" in warning, warning
         assert "every rank runs all of its experts locally" in warning, warning
+
+
+#: tokens per rank at each step, changing at a different step on each rank: rank r recompiles at step r + 1
+#: (a new length: dynamic T), while the other ranks run the graphs they have
+OUT_OF_STEP = {2: [(8, 4), (6, 4), (6, 5), (6, 5)], 4: [(8, 4, 3, 2), (6, 4, 3, 2), (6, 5, 3, 2), (6, 5, 7, 2),
+                                                        (6, 5, 7, 5), (6, 5, 7, 5)]}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ranks_recompiling_at_different_steps_neither_wait_nor_differ(world_size):
+    """The default options agree (no ``agree_layers`` given): each rank's recompile reads the verdicts and plans
+    agreed at the first compile, without waiting for ranks that are not compiling."""
+    steps = OUT_OF_STEP[world_size]
+    results = spawn(_run, world_size, None, steps, {"ep_group": "world"})
+    for rank, r in enumerate(results):
+        # both layers exchanged at the first compile, and again at this rank's one recompile (step rank + 1)
+        assert r["exchanged"] == [2 if step in (0, rank + 1) else 0 for step in range(len(steps))], (rank, r)
+        assert not r["warnings"], r
+
+
+def _contradicted(rank: int, world_size: int) -> dict:
+    """Every rank rewrites both layers at its first compile; then rank 1 alone recompiles at a new length, where
+    its region check of the first layer fails (forced): it must raise, not leave the layer local."""
+    from moe_compile.passes import canonicalize
+
+    torch.manual_seed(0)
+    model = TwoLayers()
+    compiled = torch.compile(model, backend="moe", fullgraph=True, options={"ep_group": "world"})
+    compiled(torch.randn(1, 8, 8)).sum().backward()
+    error = None
+    if rank == 1:
+        verify = canonicalize.verify
+        canonicalize.verify = lambda original, canonical, region, cfg: (
+            "outputs differ on random tokens (forced)" if region.name == "first" else verify(original, canonical,
+                                                                                              region, cfg))
+        try:
+            compiled(torch.randn(1, 5, 8))
+        except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's error
+            error = str(e)
+    dist.barrier()
+    return {"error": error}
+
+
+def test_a_recompile_that_contradicts_the_agreement_raises_instead_of_waiting():
+    results = spawn(_contradicted, 2)
+    assert results[0]["error"] is None
+    error = results[1]["error"]
+    assert error is not None and "AgreementError: MoE layer first: this rank cannot rewrite it at this recompile " \
+                                 "(its canonical form does not reproduce it" in error, error
+    assert "mark the token dimension dynamic" in error, error
+
+
+def _layers():
+    """(name, layer, tolerance) of the repository's patterns and spellings (E = 4): each is compiled alone."""
+    from tests.models.gshard import GShardMoE
+    from tests.models.loop import LoopMoE
+    from tests.models.routers import ArgmaxMoE, SwitchMaxMoE
+    from tests.models.sort import SortMoE
+    from tests.models.spellings import GShardEinsumTop2MoE, StackedInForwardMoE
+
+    return [("gshard", GShardMoE(8, 16, E, top_k=2)), ("loop", LoopMoE(8, 16, E, top_k=2)),
+            ("sort", SortMoE(8, 16, E, top_k=2)), ("argmax", ArgmaxMoE(8, 16, E)), ("switch", SwitchMaxMoE(8, 16, E)),
+            ("stacked", StackedInForwardMoE(8, 16, E, top_k=2)), ("einsum_top2", GShardEinsumTop2MoE(8, 16, E))]
+
+
+#: tokens per rank at each step for the patterns: T·k == E on one rank only (T = 2, k = 2), T < E, T = 1; each
+#: rank's length changes at its own steps, so the ranks recompile out of step
+PATTERN_STEPS = {2: [(2, 6), (2, 3), (1, 3), (1, 5), (1, 5)],
+                 4: [(2, 6, 3, 1), (2, 3, 3, 1), (1, 3, 4, 1), (1, 5, 4, 7), (1, 5, 4, 7)]}
+
+
+def _run_patterns(rank: int, world_size: int) -> dict:
+    """Each pattern under the default options: every step equals eager on this rank's batch, and every compile
+    (the first, in step; the recompiles, out of step) exchanges the same layers on every rank."""
+    import moe_compile
+
+    decisions = {}
+    for name, layer in _layers():
+        torch.manual_seed(0)
+        for p in layer.parameters():   # the same weights on every rank, as under data parallelism
+            dist.broadcast(p.data, 0)
+        eager = copy.deepcopy(layer)
+        compiled = torch.compile(layer, backend="moe", fullgraph=True, options={"ep_group": "world"})
+        compiles = []
+        for step, tokens in enumerate(PATTERN_STEPS[world_size]):
+            x = torch.randn(1, tokens[rank], 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            x_c, x_e = x.clone().requires_grad_(), x.clone().requires_grad_()
+            moe_compile.counters.clear()
+            torch.manual_seed(step)   # the same draws (GShard top-2's Gumbel noise) in both
+            out_c = compiled(x_c)
+            torch.manual_seed(step)
+            out_e = eager(x_e)
+            what = f"{name}: rank {rank} step {step} (T = {tokens[rank]})"
+            torch.testing.assert_close(out_c, out_e, **TOL, msg=lambda m: f"{what} output: {m}")
+            out_c.square().sum().backward()
+            out_e.square().sum().backward()
+            torch.testing.assert_close(x_c.grad, x_e.grad, **TOL, msg=lambda m: f"{what} input grad: {m}")
+            if moe_compile.counters["graphs"]:
+                compiles.append((step, moe_compile.counters["regions_expert_parallel"]))
+        decisions[name] = compiles
+        dist.barrier()
+    return decisions
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_patterns_on_lengths_that_differ_per_rank_and_step(world_size):
+    results = spawn(_run_patterns, world_size)
+    for name in results[0]:
+        first = {r[name][0] for r in results}
+        assert len(first) == 1 and next(iter(first))[0] == 0, (name, [r[name] for r in results])
+        exchanged = next(iter(first))[1]
+        for rank, r in enumerate(results):   # a recompile decides as the first compile did
+            assert all(n == exchanged for _, n in r[name]), (name, rank, r[name])
+    # the patterns the detection reads are exchanged (a layer left local would be named at WARNING instead)
+    assert {name: results[0][name][0][1] for name in results[0]} == {
+        "gshard": 1, "loop": 1, "sort": 1, "argmax": 1, "switch": 1, "stacked": 1, "einsum_top2": 1}, results[0]
 
 
 def _run_plans(rank: int, world_size: int) -> dict:

@@ -1,5 +1,5 @@
 """Every rank adopts rank 0's gradient-bucket placement (moe_compile/schedule/grad_agree.py), in one process: the
-all-gather is replaced by the entries two ranks would contribute (the 2-rank case with different cost models
+exchange is replaced by the entries two ranks would contribute (the 2-rank case with different cost models
 per rank, which hangs without the agreement, is in tests/distributed/test_grad_sync.py)."""
 from __future__ import annotations
 
@@ -25,17 +25,9 @@ def _graph(extra: bool = False) -> GraphModule:
 
 
 def _as_rank1(monkeypatch, rank0: dict):
-    """This process is rank 1 of 2; the all-gather returns ``rank0`` (what rank 0 sent) and this rank's entry."""
+    """This process is rank 1 of 2; the exchange returns ``rank0`` (what rank 0 sent) and this rank's entry."""
     monkeypatch.setattr(grad_agree.dist, "get_rank", lambda *a: 1)
-    monkeypatch.setattr(grad_agree.dist, "get_world_size", lambda *a: 2)
-
-    def all_gather_object(out, obj, group=None):
-        seen.append(torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher))
-        out[0], out[1] = rank0, obj
-
-    seen: list[bool] = []
-    monkeypatch.setattr(grad_agree.dist, "all_gather_object", all_gather_object)
-    return seen
+    monkeypatch.setattr(grad_agree, "exchange", lambda group, topic, obj: ([(0, rank0), (1, obj)], True))
 
 
 def test_fingerprint_names_the_graph_not_the_object():
@@ -67,16 +59,14 @@ def test_different_graphs_raise_naming_the_option_and_ranks(monkeypatch):
         agree_placement(gm, [list(gm.graph.nodes)[1]], None, None, "fsmoe")
 
 
-def test_the_all_gather_runs_outside_the_python_dispatcher(monkeypatch):
-    """The backward is compiled inside the forward's AOTAutograd compile, with the Python dispatcher on; a gloo
-    collective issued there can deadlock (moe_compile/collectives/compile_time.py), so the agreement's all-gather
-    runs with it off."""
-    from torch._dispatch.python import enable_python_dispatcher
-
+def test_a_recompile_whose_graph_is_no_longer_the_one_placed_raises(monkeypatch):
+    """At a recompile the exchange reads back the first compile's records, where every rank had the same graph:
+    a rank whose new backward graph differs is named (its positions would mean nothing there)."""
     gm = _graph()
-    nodes = list(gm.graph.nodes)
-    seen = _as_rank1(monkeypatch, {"rank": 0, "graph": graph_fingerprint(gm), "positions": (1,), "layers": (None,)})
-    with enable_python_dispatcher():
-        assert torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher)
-        agree_placement(gm, [nodes[1]], None, None, "timeline")
-    assert seen == [False]
+    first = _graph(extra=True)
+    record = {"graph": graph_fingerprint(first), "positions": (1,), "layers": (None,)}
+    monkeypatch.setattr(grad_agree.dist, "get_rank", lambda *a: 1)
+    monkeypatch.setattr(grad_agree, "exchange", lambda group, topic, obj: (
+        [(0, {"rank": 0, **record}), (1, {"rank": 1, **record})], False))
+    with pytest.raises(RuntimeError, match=r"the backward graph of ranks \[1\] differs from rank 0's"):
+        agree_placement(gm, [list(gm.graph.nodes)[1]], None, None, "timeline")
