@@ -95,7 +95,7 @@ def moe_backend(
     """Compile ``gm`` (a Dynamo graph): see the module docstring."""
     if mode is not None:
         raise ConfigError(f"mode={mode!r}: the moe backend takes no mode; pass settings as options={{...}}")
-    with _timed("seconds:backend"), compile_scope(options):  # agreements made once per frame: first_compile.py
+    with _timed("seconds:backend"), compile_scope(options, example_inputs):  # agreed once per frame: first_compile.py
         return _compile_graph(gm, example_inputs, config.merged(options))
 
 

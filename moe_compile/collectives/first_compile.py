@@ -7,8 +7,8 @@ alone: a GShard layer specialises its graph on T, so a rank whose batch length c
 where the others run their cached graphs, and a compile-time all-gather there waits for ranks that never
 come (``tests/test_varying_shapes.py`` hung that way on 2 ranks).
 
-What. Every rank's first compile of a frame (one ``torch.compile`` call's ``options`` and the frame's code)
-happens at its first call, on every rank, in program order: there the ranks exchange their records through
+What. Every rank's first compile of a frame (one ``torch.compile`` call's ``options``, the frame's code and the
+model's parameters) happens at its first call, on every rank, in program order: there the ranks exchange their records through
 the process group's store (a TCP key-value store: no gloo collective, so none of the gloo/GIL deadlock of
 :mod:`.compile_time`), under keys named by the group, the frame's ordinal among first compiles, the topic and
 its use in the compile. Each rank keeps what was exchanged, and a recompile of the same frame (a new shape,
@@ -41,10 +41,12 @@ import contextvars
 import dataclasses
 import itertools
 import pickle
+import weakref
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 __all__ = ["AgreementError", "compile_scope", "exchange", "first_compile"]
@@ -72,8 +74,9 @@ class _Scope:
     uses: Counter = dataclasses.field(default_factory=Counter)
 
 
-#: (id of the options object, code) → its frame; the options objects are held so that their ids stay unique
-_FRAMES: dict[tuple[int, str], _Frame] = {}
+#: (id of the options object, code, ids of the parameters) → its frame, with weak references to the parameters
+#: (a freed model's ids may be reused); the options objects are held so that their ids stay unique
+_FRAMES: dict[tuple, tuple[_Frame, tuple]] = {}
 _HELD: dict[int, Any] = {}
 _SCOPE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("moe_first_compile", default=None)
 #: exchanges outside any scope (a pass run by hand): each its own key, negative ordinals
@@ -93,17 +96,25 @@ def _code() -> str:
 
 
 @contextlib.contextmanager
-def compile_scope(options: Any) -> Iterator[None]:
-    """Open the scope of one backend call: the frame is (``options``' object, the code being compiled). Outside
-    Dynamo (the backend called directly) every call is a first compile of its own."""
+def compile_scope(options: Any, example_inputs: Sequence[Any] = ()) -> Iterator[None]:
+    """Open the scope of one backend call. Its frame is the ``torch.compile`` call (its ``options`` object), the
+    code being compiled and the model (the parameters among ``example_inputs``: two models of one class compiled
+    with one options dict are two frames). Outside Dynamo every call is a first compile of its own."""
     code = _code()
-    key = (id(options), code)
-    frame = _FRAMES.get(key) if code != "<direct>" else None
-    first = frame is None
+    params = [t for t in example_inputs if isinstance(t, torch.nn.Parameter)]
+    key = (id(options), code, tuple(id(p) for p in params))
+    found = _FRAMES.get(key) if code != "<direct>" else None
+    if found is not None and any(ref() is not p for ref, p in zip(found[1], params)):
+        found = None   # those ids are another model's now
+    first = found is None
     if first:
         frame = _Frame(len(_FRAMES), code)
-        _FRAMES[(id(options), code if code != "<direct>" else f"<direct {len(_FRAMES)}>")] = frame
+        if code == "<direct>":
+            key = (*key, frame.ordinal)
+        _FRAMES[key] = (frame, tuple(weakref.ref(p) for p in params))
         _HELD[id(options)] = options
+    else:
+        frame = found[0]
     token = _SCOPE.set(_Scope(frame, first))
     try:
         yield

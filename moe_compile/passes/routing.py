@@ -186,6 +186,12 @@ def read_router(selection: Node) -> Router:
     if dim not in (-1, len(shape) - 1):
         raise NoMatch(f"top-k {selection.name} is not over the last dim of a [T, E] score tensor (scores "
                       f"{list(shape)}, dim {dim})")
+    moved = next((n for n in _ancestors([scores], stop=lambda n: n is gate or is_selection(n))
+                  if n is not gate and _moves_last_axis(n)), None)
+    if moved is not None:   # by the ops, not by the sizes: [E, T] scores with T == E look like [T, E] ones
+        raise NoMatch(f"top-k {selection.name} selects along an axis that is not the gate linear {gate.name}'s "
+                      f"expert axis ({moved.name} moves that axis: each expert choosing its tokens, expert-choice "
+                      "routing, is no token-choice router)")
     num_tokens, num_experts = math.prod(shape[:-1]), shape[-1]   # [B, S, E] scores: T = B·S tokens
     ids0 = getitem_user(selection, 1)
     if ids0 is None:
@@ -511,6 +517,25 @@ def _ancestors(ends: list[Node], stop) -> set[Node]:
             continue
         todo.extend(node.all_input_nodes)
     return seen
+
+
+_AXIS_MOVES = ("t", "T", "mT", "transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis")
+
+
+def _moves_last_axis(node: Node) -> bool:
+    """Whether ``node`` moves its input's last axis elsewhere (``t``, ``transpose(0, -1)``, ``permute``, ...)."""
+    name = node.args[1] if node.target is getattr and len(node.args) > 1 else getattr(node.target, "__name__",
+                                                                                       node.target)
+    shape = shape_of(node.args[0]) if node.args and isinstance(node.args[0], Node) else None
+    if name not in _AXIS_MOVES or shape is None or len(shape) < 2:
+        return False
+    last, args = len(shape) - 1, [a % len(shape) if isinstance(a, int) else a for a in node.args[1:]]
+    if name in ("t", "T", "mT"):
+        return True
+    if name == "permute":
+        dims = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
+        return bool(dims) and dims[-1] % len(shape) != last
+    return len(args) >= 2 and (args[0] == last) != (args[1] == last)
 
 
 def _is_group_selection(selection: Node, num_experts) -> bool:

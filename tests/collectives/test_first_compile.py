@@ -63,6 +63,24 @@ def test_other_options_or_code_are_another_frame(store):
     assert len(store) == 6 and len({key.split("/")[3] for key, _ in store}) == 2, store   # two ordinals
 
 
+def test_two_models_compiled_with_one_options_dict_are_two_frames(store):
+    """Users pass one options dict to every torch.compile: the models' parameters tell their frames apart, and a
+    model recompiled at a new shape is still its own frame."""
+    options, records = {"ep_group": "world"}, []
+
+    def backend(gm, inputs):
+        with compile_scope(options, inputs):
+            records.append(exchange(_Group(), "layers", {})[1])
+        return gm.forward
+
+    first, second = torch.nn.Linear(3, 3), torch.nn.Linear(3, 4)
+    torch.compile(first, backend=backend)(torch.zeros(2, 3))
+    torch.compile(first, backend=backend)(torch.zeros(5, 3))    # a recompile of the first model
+    torch.compile(second, backend=backend)(torch.zeros(2, 3))   # its guards fail: another model
+    assert records == [True, False, True], records
+    assert len({key.split("/")[3] for key, _ in store}) == 2, store
+
+
 def test_a_recompile_needing_an_agreement_the_first_did_not_make_raises(store):
     options, calls = {"ep_group": "world"}, []
 

@@ -5,6 +5,8 @@ or name at WARNING with its true reason.
   (``torch.stack([e.up.weight for e in experts])[ids]``) and applied by ``bmm``.
 - ``DenseMixtureMoE``: every expert on every token, its output weighted by a ``[T, E]`` gate scattered from the
   top-k (0 for the experts not chosen).
+- ``ExpertChoiceMoE``: expert-choice routing (Zhou et al. 2022): each expert takes its top-C tokens, a ``topk``
+  over the transposed ``[E, T]`` scores; with T == E those look like a token-choice router's ``[T, E]``.
 - ``GShardEinsumTop2MoE``: GShard's Algorithm 1 as its paper and fairscale write it end to end: two argmax picks,
   the drop in place (``mask *= locations < C``), the weights renormalised in place, ``[T, E, C]`` combine weights
   from one-hot locations, the ``einsum`` dispatch and combine, stacked ``[E, M, H]`` experts in an ``einsum``.
@@ -56,6 +58,18 @@ class DenseMixtureMoE(_Routed):
         gate = torch.zeros(x.shape[0], len(self.experts), dtype=x.dtype).scatter(1, ids, weights)
         outputs = torch.stack([expert(x) for expert in self.experts], 1)
         return (outputs * gate.unsqueeze(-1)).sum(1).reshape(shape)
+
+
+class ExpertChoiceMoE(_Routed):
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        num_experts = len(self.experts)
+        capacity = max(x.shape[0] * self.top_k // num_experts, 1)
+        scores = torch.softmax(self.gate(x), dim=-1)                  # [T, E]
+        weights, tokens = torch.topk(scores.t(), capacity, dim=-1)    # [E, C]: each expert picks its tokens
+        h = torch.stack([self.experts[e](x[tokens[e]]) for e in range(num_experts)]) * weights[..., None]
+        return torch.zeros_like(x).index_add(0, tokens.reshape(-1), h.reshape(-1, x.shape[-1])).reshape(shape)
 
 
 class GShardEinsumTop2MoE(nn.Module):

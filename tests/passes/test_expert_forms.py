@@ -276,3 +276,18 @@ def test_a_dense_mixture_is_named(caplog):
         compile_and_compare(DenseMixtureMoE(), torch.randn(2, 5, 16), options={"verify_regions": False})
     assert moe_compile.counters["regions_rewritten"] == 0
     assert "every token before the routing applies" in caplog.text and "dense mixture" in caplog.text
+
+
+def test_expert_choice_routing_is_not_read_as_a_token_choice_router(caplog):
+    """T == E tokens: the experts' top-C over transposed [E, T] scores has the shape of a token-choice top-k over
+    [T, E]; the axis the gate linear's experts are on decides, not the sizes, so it is left as written and named,
+    with the region check off as well."""
+    from tests.models.spellings import ExpertChoiceMoE
+
+    torch.manual_seed(0)
+    moe_compile.counters.clear()
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        compile_and_compare(ExpertChoiceMoE(), torch.randn(1, 4, 16), options={"verify_regions": False},
+                            rtol=1e-4, atol=1e-5)
+    assert moe_compile.counters["regions_rewritten"] == 0
+    assert "expert-choice routing, is no token-choice router" in caplog.text, caplog.text
