@@ -80,7 +80,6 @@ import time
 import torch
 import torch.fx
 from torch.fx import Graph, GraphModule, Node
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import ops  # noqa: F401  (registers torch.ops.moe.*)
 from ..capacity import RUNTIME_CAPACITY, capacity_from_factor  # noqa: F401  (capacity_from_factor: re-exported)
@@ -90,7 +89,7 @@ from ..debug import log
 from .checkpoint_bodies import traced_example
 from .agree import Agreement
 from .detect import RUNS_LOCALLY, find_moe_regions, rematch
-from .graph_utils import example_value, is_inplace, reachable, region_boundary, shape_of
+from .graph_utils import example_value, is_inplace, reachable, region_boundary, same_shape, shape_of
 from .fake_values import propagate
 from .manager import PassResult
 from .regions import ExpertLinear, MoERegion, NoMatch, Pick, Skip
@@ -283,7 +282,7 @@ def _build(sub: GraphModule, region: MoERegion, env: dict[Node, Node]) -> Node:
         if region.scaled_before:   # [T·k, M] → the sum of each token's k outputs
             combined = call("sum", call("reshape", combined, (-1, k, model_dim), method=True), 1, method=True)
         combined = call("to", combined, example_value(routed).dtype, method=True)
-        if not _same_shape(shape_of(routed), shape_of(rows)):
+        if not same_shape(shape_of(routed), shape_of(rows)):
             combined = call("reshape_as", combined, env[region.hidden], method=True)
     old = env[routed]
     # an accumulator's in-place writers (``final.index_add_(0, rows, y)``) keep writing into it, now unread
@@ -306,11 +305,6 @@ def _kept_weight(call, pick: Pick, env: dict[Node, Node]) -> Node:
     kept = call("sum", env[pick.kept], -1, method=True)
     return call(operator.mul, weight, call("to", kept, example_value(pick.gate_weights).dtype, method=True))
 
-
-def _same_shape(a: tuple | None, b: tuple | None) -> bool:
-    """``a == b`` dim by dim when provable without a guard (a guard would specialise dynamic shapes)."""
-    return a is not None and b is not None and len(a) == len(b) and all(
-        statically_known_true(x == y) for x, y in zip(a, b))
 
 
 def _canonical_weight(call, linear: ExpertLinear, env: dict[Node, Node], dtype: torch.dtype | None = None) -> Node:

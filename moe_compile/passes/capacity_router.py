@@ -43,10 +43,10 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from .graph_utils import dim_arg, getitem_user, is_argmax, is_call, reachable, shape_of, strip, users_through
+from .graph_utils import dim_arg, getitem_user, is_argmax, is_call, reachable, same_size, shape_of, strip, users_through
 from .argmax_picks import masked_picks, read_argmax_picks
 from .regions import NoMatch
-from .routing import _CASTS, NotARouter, Router, _gate_linear, _is_linear_like, _router_nodes, drops_by_score, same_size
+from .routing import _CASTS, NotARouter, Router, _gate_linear, _is_linear_like, _router_nodes, drops_by_score
 
 __all__ = ["CapacityMask", "capacity_mask", "pass_through_copy", "read_argmax_router"]
 

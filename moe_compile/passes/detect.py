@@ -49,14 +49,14 @@ from ..counters import counters
 from ..debug import log
 from ..graph_breaks import split_layers
 from .expert_weights import expert_mlp, is_parameter, routed_output
-from .graph_utils import (example_value, is_argmax, is_call, module_region, reachable, region_boundary, shape_of,
-                          strip)
+from .graph_utils import (example_value, is_argmax, is_call, module_region, reachable, region_boundary, same_shape,
+                          same_size, shape_of, strip)
 from .manager import PassResult
 from .checkpoint_bodies import checkpoint_bodies
 from .regions import MoERegion, NoMatch, Skip
 from .capacity_router import pass_through_copy, read_argmax_router
 from .routing import (
-    NotARouter, _is_linear_like, Router, expert_tokens, is_selection, read_router, router_part, same_size, scales_expert_input,
+    NotARouter, _is_linear_like, Router, expert_tokens, is_selection, read_router, router_part, scales_expert_input,
     selection_of,
 )
 from .state import moe_state
@@ -436,7 +436,7 @@ def _layer_output(inputs: list[Node], outputs: list[Node]) -> tuple[Node | None,
     hidden states as ``[T, M]`` rows (Llama 4's MoE returns ``[B·S, M]`` for ``[B, S, M]``). Hidden states are
     ``[.., M]`` rows: a 0-d output (fairscale's gate returns its ``l_aux``) is none, whatever 0-d input it
     shares its shape with (the gate's Gumbel sampler's scalar parameters)."""
-    for same in (_same_shape, _same_rows):
+    for same in (same_shape, _same_rows):
         for out in outputs:
             shape = shape_of(out)
             value = example_value(out)
@@ -444,7 +444,7 @@ def _layer_output(inputs: list[Node], outputs: list[Node]) -> tuple[Node | None,
                 continue
             for node in inputs:
                 if node.op != "get_attr" and not is_parameter(node) and same(shape_of(node), shape) and (
-                        same is _same_shape or strip(out, methods=_ROW_VIEWS) is not node):
+                        same is same_shape or strip(out, methods=_ROW_VIEWS) is not node):
                     return out, node
     return None, None
 
@@ -458,8 +458,3 @@ def _same_rows(a: tuple | None, b: tuple) -> bool:
     """``b`` is ``a`` flattened to 2-d rows: ``[B, S, M]`` and ``[B·S, M]``."""
     return (a is not None and len(a) == 3 and len(b) == 2 and same_size(b[1], a[2])
             and same_size(b[0], a[0] * a[1]))
-
-
-def _same_shape(a: tuple | None, b: tuple) -> bool:
-    """``a == b`` dim by dim, when provable without adding a guard (see :func:`.routing.same_size`)."""
-    return a is not None and len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))

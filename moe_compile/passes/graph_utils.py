@@ -4,12 +4,14 @@ A leaf of the passes package: it imports nothing from ``moe_compile``.
 """
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.fx
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 __all__ = [
     "between",
@@ -56,6 +58,24 @@ def example_value(node: object):
 def shape_of(node: object) -> tuple | None:
     v = example_value(node)
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def numel_of(node: object) -> int | torch.SymInt | None:
+    """The element count, symbolic under dynamic shapes (never ``int()``: that would guard on it)."""
+    shape = shape_of(node)
+    if shape is None:
+        return None
+    return math.prod(shape)
+
+
+def same_size(a: int | torch.SymInt | None, b: int | torch.SymInt) -> bool:
+    """``a == b`` when provable without adding a guard (a guard would specialise the graph's shapes)."""
+    return a is not None and statically_known_true(a == b)
+
+
+def same_shape(a: tuple | None, b: tuple | None) -> bool:
+    """Equal shapes, each size compared by :func:`same_size`."""
+    return a is not None and b is not None and len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
 
 
 def on_cuda(values: Iterable[object]) -> bool:

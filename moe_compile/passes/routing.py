@@ -72,14 +72,15 @@ import operator
 import torch
 import torch.nn.functional as F
 from torch.fx import Node
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .expert_weights import LINEAR, MATMUL, is_parameter
-from .graph_utils import example_value, getitem_user, is_call, is_inplace, reachable, shape_of, strip
+from .expert_ids import extend_ids, skip_fill
+from .graph_utils import (example_value, getitem_user, is_call, is_inplace, numel_of, reachable, same_shape, same_size,
+                          shape_of, strip)
 from .regions import NoMatch, Pick
 
 __all__ = [
-    "NotARouter", "Router", "expert_tokens", "is_selection", "is_table_lookup", "read_router", "router_part", "same_size",
+    "NotARouter", "Router", "expert_tokens", "is_selection", "is_table_lookup", "read_router", "router_part",
     "scales_expert_input", "selection_of",
 ]
 
@@ -196,8 +197,8 @@ def read_router(selection: Node) -> Router:
     ids0 = getitem_user(selection, 1)
     if ids0 is None:
         raise NoMatch(f"top-k {selection.name}: its values or indices are unused")
-    ids = _extend_ids(ids0, num_tokens, num_experts)
-    skip = max((_skip_fill(n, num_experts) for n in reachable([ids], forward=False, stop=is_selection)), default=0)
+    ids = extend_ids(ids0, num_tokens, num_experts)
+    skip = max((skip_fill(n, num_experts) for n in reachable([ids], forward=False, stop=is_selection)), default=0)
     ids_shape = shape_of(ids)
     top_k = 1 if len(ids_shape) == 1 else ids_shape[-1]
     if len(ids_shape) > 2 or not isinstance(top_k, (int, torch.SymInt)) or not same_size(ids_shape[0], num_tokens):
@@ -213,7 +214,7 @@ def read_router(selection: Node) -> Router:
     if dense:
         form += ", values scattered into dense [T, E] scores"
     if skip:   # the last `skip` classes are skip experts: their choices became expert 0 with weight 0
-        if not any(_skip_fill(n, num_experts) == skip for n in chain):
+        if not any(skip_fill(n, num_experts) == skip for n in chain):
             raise NoMatch(f"the expert ids of {selection.name} map {skip} skip expert(s) (ids from "
                           f"{num_experts - skip}) to 0, but its gate weights are not zeroed there")
         num_experts -= skip
@@ -235,7 +236,7 @@ def _read_hash_router(lookup: Node) -> Router:
     A lookup whose ids gather no gate-linear ``[T, E]`` scores is no router (an integer table read for
     anything else)."""
     num_tokens, top_k = shape_of(lookup)
-    ids = _extend_ids(lookup, num_tokens)
+    ids = extend_ids(lookup, num_tokens)
     id_nodes = reachable([ids], forward=False, stop=is_selection) | {lookup}
     gathers = [u for n in id_nodes for u in n.users
                if _gather_index(u) is n and example_value(u).is_floating_point()]
@@ -275,7 +276,7 @@ def expert_tokens(router: Router, expert_input: Node) -> Node:
     shape = shape_of(router.tokens)
     node = router.tokens
     while is_call(node, operator.mul, operator.imul, torch.mul, method=("mul", "mul_")):
-        same = [strip(a, methods=_CASTS) for a in node.args if isinstance(a, Node) and _same_shape(shape_of(a), shape)]
+        same = [strip(a, methods=_CASTS) for a in node.args if isinstance(a, Node) and same_shape(shape_of(a), shape)]
         if len(same) == 1 and _computed_from(node, same[0]):
             break   # a norm (``x * rsqrt(mean(x²))``) or a gate of x itself, not noise: x is not the tokens
         candidates += same
@@ -572,62 +573,6 @@ def _describe(selection: Node, selections: tuple[Node, ...], picks: list[Node], 
     return ", ".join(kinds)
 
 
-# --------------------------------------------------------------------------- expert ids
-
-
-def _extend_ids(ids: Node, num_tokens, num_classes=None) -> Node:
-    """Follow the selection's indices through integer reshapes to ``[T, k]``, ``cat`` along the last dim
-    (one pick per ``max``, concatenated) and a skip expert's ``masked_fill`` (:func:`_skip_fill`) to the ids
-    the experts are indexed by."""
-    while True:
-        nxt = [u for u in ids.users if _ids_step(u, ids, num_tokens) or _skip_fill(u, num_classes, ids)]
-        if len(nxt) != 1:
-            return ids
-        ids = nxt[0]
-
-
-def _skip_fill(node: Node, num_classes, ids: Node | None = None) -> int:
-    """``x.masked_fill(ids == E - 1, c)``: Zaya's skip expert, the router's last class (``E - 1`` of its
-    ``E`` scores), that computes nothing: its choices' ids become a real expert (``c`` in ``[0, E - 1)``) and
-    their weights 0. ``x.masked_fill(ids >= E - Z, c)``: the last Z classes so (LongCat-Flash's
-    zero-computation experts, whose tokens the model adds back itself). Returns Z (0: no such fill).
-    ``ids``: only when ``node`` fills them (else: any ``x``, the weights with ``c = 0``)."""
-    if num_classes is None or not is_call(node, torch.masked_fill, method=("masked_fill",)) or len(node.args) != 3:
-        return 0
-    source, mask, fill = node.args
-    if ids is not None and source is not ids:
-        return 0
-    if is_call(mask, operator.eq, torch.eq, method=("eq",)) and len(mask.args) == 2:
-        chosen, cls = mask.args
-        if not isinstance(cls, int) or not same_size(num_classes - 1, cls):
-            return 0
-        count = 1
-    elif is_call(mask, operator.ge, torch.ge, method=("ge",)) and len(mask.args) == 2:
-        chosen, cls = mask.args
-        if not isinstance(cls, int) or cls < 1 or not statically_known_true(num_classes - cls >= 1):
-            return 0
-        count = num_classes - cls
-    else:
-        return 0
-    value = example_value(source)
-    if not isinstance(chosen, Node) or example_value(chosen) is None or example_value(chosen).is_floating_point():
-        return 0
-    if value.is_floating_point():
-        return count if fill == 0 else 0
-    return count if isinstance(fill, int) and 0 <= fill < cls and source is chosen else 0
-
-
-def _ids_step(user: Node, ids: Node, num_tokens) -> bool:
-    shape = shape_of(user)
-    value = example_value(user)
-    if shape is None or len(shape) != 2 or value.is_floating_point() or not same_size(shape[0], num_tokens):
-        return False
-    if is_call(user, torch.cat, torch.concat, method=()):
-        dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0)
-        return dim in (-1, 1)
-    return is_call(user, method=("unsqueeze", "view", "reshape", "long", "int", "to")) and user.args[0] is ids
-
-
 # --------------------------------------------------------------------------- gate weights
 
 
@@ -669,7 +614,7 @@ def _gate_weights(selection: Node, ids: Node, id_nodes: set[Node], numel, dense_
         dense = _dense_scores(end, getitem_user(selection, 1), dense_numel) if how == "values" else None
         if dense is not None:
             return dense[-1], chain + dense, True
-        if same_size(_numel(end), numel) and example_value(end).is_floating_point():
+        if same_size(numel_of(end), numel) and example_value(end).is_floating_point():
             if all(e is not end for e, _, _ in ends):
                 ends.append((end, how, chain))
         else:
@@ -694,13 +639,13 @@ def _dense_scores(values: Node, selected: Node | None, dense_numel) -> list[Node
         return None
     scatter = scatters[0]
     if not (is_call(scatter.args[0], *_CONSTANT_FILLS, method=("new_full", "new_zeros"))
-            and same_size(_numel(scatter), dense_numel)):
+            and same_size(numel_of(scatter), dense_numel)):
         return None
     chain = [scatter]
     while len(chain[-1].users) == 1:
         user = next(iter(chain[-1].users))
         value = example_value(user)
-        if not (isinstance(value, torch.Tensor) and value.is_floating_point() and same_size(_numel(user), dense_numel)):
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point() and same_size(numel_of(user), dense_numel)):
             break
         if is_call(user, *_SOFTMAX, method=("softmax",)):
             dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim")
@@ -720,9 +665,9 @@ def _weights_chain(start: Node, ids: Node, num_classes=None) -> list[Node]:
     while True:
         node = chain[-1]
         nxt = [u for u in node.users if _weights_step(u, node, chain, ids)
-               or (_skip_fill(u, num_classes) and u.args[0] is node
+               or (skip_fill(u, num_classes) and u.args[0] is node
                    and u.args[1].args[0] in reachable([ids], forward=False, stop=is_selection))]
-        fills = [u for u in nxt if _skip_fill(u, num_classes)]
+        fills = [u for u in nxt if skip_fill(u, num_classes)]
         if len(nxt) > 1 and len(fills) == 1:   # the weights also read otherwise (LongCat-Flash: the zero-
             nxt = fills                        # computation experts' tokens scaled by them): the experts' are filled
         if len(nxt) != 1:
@@ -738,7 +683,7 @@ def _weights_step(user: Node, node: Node, chain: list[Node], ids: Node) -> bool:
     if _is_autograd_function(user):      # its output is a tuple: the weights are its item 0
         out = getitem_user(user, 0)
         value = example_value(out)
-        if not (isinstance(value, torch.Tensor) and same_size(_numel(out), _numel(node))):
+        if not (isinstance(value, torch.Tensor) and same_size(numel_of(out), numel_of(node))):
             return False
         return _reads_ids_only_through(user, chain, ids) is False
     if user.target is operator.getitem and _is_autograd_function(node):
@@ -759,10 +704,10 @@ def _weights_step(user: Node, node: Node, chain: list[Node], ids: Node) -> bool:
         dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim")
         if dim not in (-1, len(shape_of(node)) - 1):
             return False
-        if not same_size(_numel(user), _numel(node)):
+        if not same_size(numel_of(user), numel_of(node)):
             return False
     elif is_call(user, *_ELEMENTWISE, method=_ELEMENTWISE_METHODS):
-        if not same_size(_numel(user), _numel(node)):
+        if not same_size(numel_of(user), numel_of(node)):
             return False
     else:
         return False
@@ -797,7 +742,7 @@ def _per_expert_scale(node: Node, ids: Node, weights: Node) -> bool:
     return (_on_parameter(table) and isinstance(value, torch.Tensor) and value.is_floating_point()
             and shape is not None and len(shape) == 1
             and index in reachable([ids], forward=False, stop=is_selection)
-            and _same_shape(shape_of(node), shape_of(weights)))
+            and same_shape(shape_of(node), shape_of(weights)))
 
 
 def _is_autograd_function(node: Node) -> bool:
@@ -808,7 +753,7 @@ def _is_autograd_function(node: Node) -> bool:
 
 def _why_stopped(start: Node, end: Node, chain: list[Node], numel) -> str:
     users = ", ".join(f"{u.name} ({_op_name(u)})" for u in end.users) or "nothing"
-    return (f"from {start.name} the routing math stops at {end.name} ({_numel(end)} elements, T·k = {numel}); "
+    return (f"from {start.name} the routing math stops at {end.name} ({numel_of(end)} elements, T·k = {numel}); "
             f"it is read by {users}, not routing-only math on the weights")
 
 
@@ -825,23 +770,3 @@ def _gather_index(node: Node) -> Node | None:
     else:
         return None
     return index if isinstance(index, Node) else None
-
-
-# --------------------------------------------------------------------------- small helpers
-
-
-def _numel(node: Node) -> int | torch.SymInt | None:
-    """The element count, symbolic under dynamic shapes (never ``int()``: that would guard on it)."""
-    shape = shape_of(node)
-    if shape is None:
-        return None
-    return math.prod(shape)
-
-
-def same_size(a: int | torch.SymInt | None, b: int | torch.SymInt) -> bool:
-    """``a == b`` when provable without adding a guard (a guard would specialise the graph's shapes)."""
-    return a is not None and statically_known_true(a == b)
-
-
-def _same_shape(a: tuple | None, b: tuple | None) -> bool:
-    return a is not None and b is not None and len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
