@@ -51,6 +51,7 @@ __all__ = ["LINEAR", "MATMUL", "expert_mlp", "is_parameter", "routed_output"]
 LINEAR = (torch._C._nn.linear, F.linear)
 MATMUL = (torch.matmul, operator.matmul)
 _EINSUM = (torch.einsum, torch.functional.einsum)
+_ADD = (operator.add, torch.add)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +169,6 @@ def _compute_dtype(linears: list[_Linear]) -> torch.dtype | None:
     return None if stored == {dtype} else dtype
 
 
-
 #: reductions over a row's features (a norm's statistics), as functions and as methods
 _ROW_REDUCTIONS = (torch.mean, torch.sum, torch.var, torch.std, torch.norm, torch.linalg.vector_norm, torch.amax,
                    torch.logsumexp)
@@ -232,9 +232,6 @@ def _mixing_op_between(starts: list[Node], end: Node, members: set[Node]) -> Nod
 
 def _op_name(node: Node) -> str:
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-
-
-_ADD = (operator.add, torch.add)
 
 
 def _linear_of(node: object, by_node: dict[Node, _Linear]) -> tuple[_Linear, tuple[int, int] | None, int]:

@@ -235,13 +235,14 @@ def _cast_function(gm: GraphModule, node: Node) -> bool:
     ``view_as``), saving nothing, and its backward returns its gradient as it is. Autograd's engine casts a
     gradient to its input's dtype (``validate_outputs``), as ``to``'s own backward does: the same function and
     the same gradient. False for anything else (a forward that computes, a backward that scales)."""
-    getattr_ = lambda n: gm.get_submodule(n.target) if isinstance(n, Node) and n.op == "get_attr" else None  # noqa: E731
-    fwd, bwd = (getattr_(a) for a in node.args[:2])
+    fwd, bwd = (gm.get_submodule(a.target) if isinstance(a, Node) and a.op == "get_attr" else None
+                for a in node.args[:2])
     inputs = node.args[2:]
     if fwd is None or bwd is None or len(inputs) != 1 or not isinstance(inputs[0], Node):
         return False
-    if node.kwargs.get("saved_for_backward_idx") or node.kwargs.get("non_differentiable_idx") or any(u.target is not operator.getitem or u.args[1] != 0
-                                                        for u in node.users):
+    if node.kwargs.get("saved_for_backward_idx") or node.kwargs.get("non_differentiable_idx"):
+        return False
+    if any(u.target is not operator.getitem or u.args[1] != 0 for u in node.users):
         return False
     dtype = _forward_cast(fwd.graph)
     if dtype is None or not _returns_gradient(bwd.graph):
@@ -282,10 +283,9 @@ def _forward_cast(graph) -> torch.dtype | None:
             and len(result[0]) == 1):
         return None
     value, path = result[0][0], set()
-    while isinstance(value, Node) and value.op == "call_method" and value is not placeholders[0]:
-        if value.target == "view_as" and value.args[1:] == (value.args[0],) and not value.kwargs:
-            pass
-        elif cast_dtype(value) is None:
+    while isinstance(value, Node) and value.op == "call_method":
+        same_view = value.target == "view_as" and value.args[1:] == (value.args[0],) and not value.kwargs
+        if not same_view and cast_dtype(value) is None:
             return None
         path.add(value)
         value = value.args[0]
