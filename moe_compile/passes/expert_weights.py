@@ -14,9 +14,14 @@ gathered by the expert ids), in any of the forms models write::
 
     → ExpertLinear(weights=(W1,) or (w1_0, .., w1_{E-1}), transposed, rows)
 
+A bias added to a linear's output is read as ``[E, out]`` per expert: ``b``, ``b[ids]``, or ``b`` repeated
+row-wise by the token counts of a grouped GEMM (torchtitan's gpt-oss, :func:`_repeated_by_counts`). The
+activation between the linears is :mod:`.expert_activation`'s to read.
+
 Not an expert MLP, named in the layer's WARNING: an output row normalised before the gate weights weigh
 it (MuseSpark's post-expert norm), a matmul or an attention between the linears (JetMoe's mixture of
-attention heads).
+attention heads), a term added to the experts' output rows that is not read as a bias (a bias scaled in
+an ``autograd.Function``, :func:`_term_added_after`).
 
 A fused ``gate_up`` projection split by ``chunk(2, -1)`` gives ``w1`` and ``w3``
 as row slices of one weight. Per-expert weights are found by parameter name
@@ -36,7 +41,8 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..shard_record import expert_shard
-from .graph_utils import depends_on, example_value, is_call, is_inplace, reachable, shape_of, strip
+from .graph_utils import depends_on, dim_arg, example_value, is_call, is_inplace, reachable, shape_of, strip
+from .expert_activation import VIEWS as _VIEWS, read_activation
 from .regions import ExpertLinear, ExpertMLP, NoMatch
 
 __all__ = ["LINEAR", "MATMUL", "expert_mlp", "is_parameter", "routed_output"]
@@ -45,6 +51,7 @@ __all__ = ["LINEAR", "MATMUL", "expert_mlp", "is_parameter", "routed_output"]
 LINEAR = (torch._C._nn.linear, F.linear)
 MATMUL = (torch.matmul, operator.matmul)
 _EINSUM = (torch.einsum, torch.functional.einsum)
+_ADD = (operator.add, torch.add)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +121,14 @@ def expert_mlp(region: list[Node], num_experts: int, topk: Node,
             "post-expert norm, as MuseSpark's post_expert_norm); moe.experts computes down(act(up(x))) with no "
             "post-expert norm, so the layer is not rewritten"
         )
+    added = _term_added_after(down, gate_weights, set(region)) if gate_weights is not None else None
+    if added is not None:
+        raise NoMatch(
+            f"its experts' output rows get {added.name} = {_op_name(added)} of a tensor that is not read as the "
+            f"down projection's per-expert bias (added to {down.node.name}'s output before the gate weights weigh "
+            "it: a bias scaled, or computed in an autograd.Function that is not a cast both ways, as torchtitan's "
+            "ScaleBiasForward under tensor parallelism); moe.experts would leave it out, so the layer is not rewritten"
+        )
     between = _mixing_op_between([lin.output for lin in template if lin is not down], down.input, set(region))
     if between is not None:
         raise NoMatch(
@@ -122,33 +137,21 @@ def expert_mlp(region: list[Node], num_experts: int, topk: Node,
             "mixture of attention heads: the experts are query and output projections around an attention); not "
             "an expert MLP, so the layer is not rewritten"
         )
-    h = _identity_dropout_input(strip(down.input, methods=_VIEWS))
-    act_args: tuple[float, ...] = ()
-    special = next(((name, found) for name, match in _GATED_FORMS if (found := match(h)) is not None), None)
-    if special is not None:
-        activation, (gate_in, up_in, act_args) = special
-        gated = True
-        up1_out, up3_out = strip(gate_in, methods=_VIEWS), up_in
-    else:
-        gated = is_call(h, operator.mul, torch.mul, method=("mul",))
-        act_side, up3_out = (h.args[0], h.args[1]) if gated else (h, None)
-        if gated and _activation_or_none(strip(act_side)) is None and _activation_or_none(strip(up3_out)) is not None:
-            act_side, up3_out = up3_out, act_side  # up * act(gate)
-        activation, act_in = _activation(strip(act_side))
-        up1_out = strip(act_in, methods=_VIEWS)
-    up1, rows1, step1 = _linear_of(up1_out, by_node)
+    act = read_activation(down.input)
+    gated = act.up is not None
+    up1, rows1, step1 = _linear_of(act.gate, by_node)
     w3 = None
     if gated:
-        up3, rows3, step3 = _linear_of(strip(up3_out, methods=_VIEWS), by_node)
+        up3, rows3, step3 = _linear_of(act.up, by_node)
         w3 = _expert_linear(up3, rows3, step3, num_experts, among, among_biases)
     elif len(template) != 2:
         raise NoMatch("expert MLP has 3 linears but no gating product")
     experts = ExpertMLP(
-        activation=activation,
+        activation=act.name,
         w1=_expert_linear(up1, rows1, step1, num_experts, among, among_biases),
         w2=_expert_linear(down, None, 1, num_experts, among, among_biases),
         w3=w3,
-        activation_args=act_args,
+        activation_args=act.args,
         compute_dtype=_compute_dtype(template),
     )
     return experts, up1.input
@@ -165,8 +168,6 @@ def _compute_dtype(linears: list[_Linear]) -> torch.dtype | None:
     (dtype,) = computed
     return None if stored == {dtype} else dtype
 
-
-_VIEWS = ("to", "float", "contiguous", "unsqueeze", "squeeze", "view", "reshape")
 
 #: reductions over a row's features (a norm's statistics), as functions and as methods
 _ROW_REDUCTIONS = (torch.mean, torch.sum, torch.var, torch.std, torch.norm, torch.linalg.vector_norm, torch.amax,
@@ -195,6 +196,26 @@ def _row_reduction_after(down_output: Node, gate_weights: Node, members: set[Nod
     return None
 
 
+def _term_added_after(down: _Linear, gate_weights: Node, members: set[Node]) -> Node | None:
+    """An add / sub that adds a floating-point tensor, not computed from the down projection's output, to it
+    before the gate weights weigh it (a bias the reader did not read as one, a residual): ``moe.experts``
+    computes no such term. None when the rows reach their weighting through other ops only (casts, the
+    un-permutation, a zero-filled scatter) and the bias read as the down projection's."""
+    weighted = reachable([gate_weights], stop=lambda n: n not in members)
+    before = reachable(list(down.output.users), stop=lambda n: n in weighted or n not in members) - weighted
+    from_down = before | {down.output, down.node}
+    counts = _grouped_counts(down.node)
+    for node in sorted(before):
+        if not is_call(node, *_ADD, operator.sub, torch.sub, operator.iadd, method=("add", "sub", "add_", "sub_")):
+            continue
+        others = [a for a in node.args[:2] if isinstance(a, Node) and a not in from_down]
+        if down.bias is not None and others and all(_bias_source(a, counts) is down.bias for a in others):
+            continue   # the bias added in place (``out.add_(b)``): the down projection's, read
+        if any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in map(example_value, others)):
+            return node
+    return None
+
+
 #: ops that combine rows with other tensors: between an expert MLP's linears there is none (an attention is)
 _MIXING = (*LINEAR, *MATMUL, torch.bmm, *_EINSUM, F.scaled_dot_product_attention, torch.baddbmm)
 
@@ -211,172 +232,6 @@ def _mixing_op_between(starts: list[Node], end: Node, members: set[Node]) -> Nod
 
 def _op_name(node: Node) -> str:
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-
-
-def _identity_dropout_input(h: object) -> object:
-    """What an expert MLP's dropout between its activation and its down projection reads, when that dropout
-    is the identity (``p = 0``, or not training: Switch Transformer's ``DenseActDense`` with
-    ``dropout_rate = 0``); ``h`` itself otherwise (a dropout that draws random numbers is no expert activation:
-    the layer is not matched)."""
-    if not is_call(h, F.dropout, torch.dropout, method=()):
-        return h
-    p = h.kwargs.get("p", h.args[1] if len(h.args) > 1 else 0.5)
-    training = h.kwargs.get("training", h.args[2] if len(h.args) > 2 else True)
-    return strip(h.args[0], methods=_VIEWS) if p == 0 or training is False else h
-
-
-_CLAMP = (torch.clamp, torch.clip)
-_ADD = (operator.add, torch.add)
-_MUL = (operator.mul, torch.mul)
-
-
-def _constant(node: object) -> float | None:
-    return float(node) if isinstance(node, (int, float)) and not isinstance(node, bool) else None
-
-
-def _clamp_bounds(node: object) -> tuple[Node, float | None, float | None] | None:
-    """(input, min, max) of ``x.clamp(min, max)`` / ``torch.clamp``; None for anything else."""
-    if not is_call(node, *_CLAMP, method=("clamp", "clip")):
-        return None
-    args = list(node.args[1:]) + [None, None]
-    low = node.kwargs.get("min", args[0])
-    high = node.kwargs.get("max", args[1])
-    if (low is not None and _constant(low) is None) or (high is not None and _constant(high) is None):
-        return None
-    return node.args[0], _constant(low), _constant(high)
-
-
-def _swiglu_oai(h: object) -> tuple[Node, Node, tuple[float, float]] | None:
-    """gpt-oss's gate ``(clamp(u, -l, l) + 1) * (g' * sigmoid(g' * α))``, ``g' = clamp(g, max=l)``:
-    (g, u, (α, l)), or None when ``h`` is not that form."""
-    if not is_call(h, *_MUL, method=("mul",)) or len(h.args) != 2:
-        return None
-    for up_side, glu in (h.args, h.args[::-1]):
-        if not is_call(up_side, *_ADD, method=("add",)) or _constant(up_side.args[1]) != 1.0:
-            continue
-        up = _clamp_bounds(up_side.args[0])
-        if up is None or not is_call(glu, *_MUL, method=("mul",)):
-            continue
-        for gate, sig in (glu.args, glu.args[::-1]):
-            if not is_call(sig, torch.sigmoid, F.sigmoid, method=("sigmoid",)):
-                continue
-            scaled = sig.args[0]
-            if not is_call(scaled, *_MUL, method=("mul",)) or gate not in scaled.args:
-                continue
-            alpha = _constant(scaled.args[1] if scaled.args[0] is gate else scaled.args[0])
-            bounds = _clamp_bounds(gate)
-            if alpha is None or bounds is None:
-                continue
-            gate_in, gate_low, limit = bounds
-            up_in, up_low, up_high = up
-            if gate_low is not None or limit is None or (up_low, up_high) != (-limit, limit):
-                continue
-            return gate_in, up_in, (alpha, limit)
-    return None
-
-
-def _swiglu_clamped(h: object) -> tuple[Node, Node, tuple[float]] | None:
-    """GLM-5-Next's / HY-V4's ``silu(clamp(g, max=l)) * clamp(u, -l, l)``: (g, u, (l,)), or None."""
-    if not is_call(h, *_MUL, method=("mul",)) or len(h.args) != 2:
-        return None
-    for act, up_side in (h.args, h.args[::-1]):
-        if not is_call(act, F.silu, method=()):
-            continue
-        gate, up = _clamp_bounds(strip(act.args[0])), _clamp_bounds(up_side)
-        if gate is None or up is None:
-            continue
-        gate_in, gate_low, limit = gate
-        up_in, up_low, up_high = up
-        if gate_low is None and limit is not None and (up_low, up_high) == (-limit, limit):
-            return gate_in, up_in, (limit,)
-    return None
-
-
-def _swiglu_limited(h: object) -> tuple[Node, Node, tuple[float]] | None:
-    """Step-3.7's ``clamp(silu(g), max=l) * clamp(u, -l, l)``: (g, u, (l,)), or None."""
-    if not is_call(h, *_MUL, method=("mul",)) or len(h.args) != 2:
-        return None
-    for act_side, up_side in (h.args, h.args[::-1]):
-        act, up = _clamp_bounds(act_side), _clamp_bounds(up_side)
-        if act is None or up is None:
-            continue
-        found = _activation_or_none(strip(act[0]))
-        limit = act[2]
-        if found is not None and found[0] == "silu" and act[1] is None and limit is not None and (
-                up[1], up[2]) == (-limit, limit):
-            return found[1], up[0], (limit,)
-    return None
-
-
-def _softcap(node: object) -> tuple[Node, float] | None:
-    """(x, c) of ``tanh(x / c) * c``, or None."""
-    if not is_call(node, *_MUL, method=("mul",)) or len(node.args) != 2:
-        return None
-    for tanh, cap in (node.args, node.args[::-1]):
-        if is_call(tanh, torch.tanh, method=("tanh",)) and _constant(cap) is not None:
-            inner = tanh.args[0]
-            if is_call(inner, operator.truediv, torch.div, method=("div",)) and _constant(inner.args[1]) == _constant(cap):
-                return inner.args[0], _constant(cap)
-    return None
-
-
-def _swiglu_softcap(h: object) -> tuple[Node, Node, tuple[float, float]] | None:
-    """Inkling 2's ``softcap(g, c_g) * sigmoid(g) * softcap(u, c_u)`` (``softcap(x, c) = tanh(x / c) * c``,
-    in float32): (g, u, (c_g, c_u)), or None."""
-    h = strip(h, methods=_VIEWS)
-    if not is_call(h, *_MUL, method=("mul",)) or len(h.args) != 2:
-        return None
-    for glu, up_side in (h.args, h.args[::-1]):
-        up = _softcap(up_side)
-        if up is None or not is_call(glu, *_MUL, method=("mul",)) or len(glu.args) != 2:
-            continue
-        for capped, sig in (glu.args, glu.args[::-1]):
-            gate = _softcap(capped)
-            if gate is not None and is_call(sig, torch.sigmoid, F.sigmoid, method=("sigmoid",)) and (
-                    strip(sig.args[0], methods=_VIEWS) is strip(gate[0], methods=_VIEWS)):
-                return gate[0], up[0], (gate[1], up[1])
-    return None
-
-
-#: gated activations read whole, before ``act(g) * u``: (name of ``moe_compile.ops.experts.GATED``, matcher)
-_GATED_FORMS = (("swiglu_oai", _swiglu_oai), ("swiglu_clamped", _swiglu_clamped), ("swiglu_softcap", _swiglu_softcap),
-                ("swiglu_limited", _swiglu_limited))
-
-
-def _activation_or_none(node: object) -> tuple[str, Node] | None:
-    """(name, input) of an expert activation of ``moe_compile.ops.experts.ACTIVATIONS``, or None."""
-    if not isinstance(node, Node):
-        return None
-    if is_call(node, torch.square, method=("square",)) or (
-        is_call(node, operator.pow, torch.pow, method=("pow",)) and node.args[1] == 2
-    ):
-        inner = strip(node.args[0])
-        if is_call(inner, F.relu, torch.relu, method=("relu",)):
-            return "relu2", inner.args[0]
-        return None
-    if is_call(node, F.relu, torch.relu, method=("relu",)):
-        return "relu", node.args[0]
-    if is_call(node, F.silu, method=()):
-        return "silu", node.args[0]
-    if is_call(node, torch.sigmoid, F.sigmoid, method=("sigmoid",)):
-        return "sigmoid", node.args[0]
-    if is_call(node, F.gelu, method=()):
-        approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
-        return ("gelu_tanh" if approximate == "tanh" else "gelu"), node.args[0]
-    return None
-
-
-def _activation(node: object) -> tuple[str, Node]:
-    found = _activation_or_none(node)
-    if found is not None:
-        return found
-    if not isinstance(node, Node):
-        raise NoMatch("expert activation is not a graph node")
-    raise NoMatch(
-        f"expert activation {getattr(node.target, '__name__', node.target)} ({node.name}) is not one of relu, "
-        "relu2, gelu, gelu_tanh, silu, sigmoid, or the clamped (gpt-oss, GLM-5-Next) or soft-capped (Inkling 2) "
-        "SwiGLU"
-    )
 
 
 def _linear_of(node: object, by_node: dict[Node, _Linear]) -> tuple[_Linear, tuple[int, int] | None, int]:
@@ -659,11 +514,15 @@ def _same(shape: tuple | None, expected: tuple) -> bool:
 _BIAS_VIEWS = ("to", "contiguous", "float", "unsqueeze", "view", "reshape", "type_as", "expand", "expand_as")
 
 
-def _bias_source(node: object) -> Node | None:
-    """The parameter of a bias expression: ``b``, ``b[ids]``, ``b[:, None]``, ``b.unsqueeze(1)``, casts."""
+def _bias_source(node: object, counts: Node | None = None) -> Node | None:
+    """The parameter of a bias expression: ``b``, ``b[ids]``, ``b[:, None]``, ``b.unsqueeze(1)``, casts; with
+    ``counts`` (a grouped GEMM's rows per expert), ``b`` repeated by them (:func:`_repeated_by_counts`)."""
     while isinstance(node, Node):
         if node.op in ("placeholder", "get_attr"):
             return node if is_parameter(node) else None
+        if counts is not None and is_call(node, torch.repeat_interleave, method=("repeat_interleave",)):
+            node = _repeated_by_counts(node, counts)
+            continue
         if node.op == "call_function" and node.target is operator.getitem:
             index = node.args[1]
             parts = index if isinstance(index, tuple) else (index,)
@@ -675,6 +534,48 @@ def _bias_source(node: object) -> Node | None:
         else:
             return None
     return None
+
+
+def _repeated_by_counts(node: Node, counts: Node) -> Node | None:
+    """What a per-expert bias ``b [E, out]`` repeated row-wise by the grouped GEMM's ``counts`` repeats: ``b``
+    itself, row ``r`` of expert ``e``'s rows getting ``b[e]``, as the GEMM's ``offs = cumsum(counts)`` groups
+    them. torchtitan's gpt-oss pads both with a zero row for the rows past the last offset::
+
+        b' = cat([b, b.new_zeros(1, out)]); counts' = cat([counts, tail])
+        h = _grouped_mm(x, W, offs=cumsum(counts)) + b'.repeat_interleave(counts', dim=0, output_size=R)
+                                                   → h = x Wᵀ + b[expert of the row]: b1 = b
+
+    None for anything else (other repeats, another dim, a padding row that is not zeros)."""
+    repeats = node.kwargs.get("repeats", node.args[1] if len(node.args) > 1 else None)
+    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
+    if dim != 0 or not isinstance(repeats, Node) or not isinstance(node.args[0], Node):
+        return None
+    rows, repeats = node.args[0], strip(repeats, methods=_VIEWS)
+    if repeats is counts:
+        return rows
+    padded = [_cat_parts(n) for n in (rows, repeats)]
+    if any(parts is None or len(parts) != 2 for parts in padded):
+        return None
+    (bias, pad), (repeated, _tail) = padded
+    zeros = is_call(pad, torch.zeros, torch.zeros_like, method=("new_zeros", "zero_"))
+    return bias if zeros and strip(repeated, methods=_VIEWS) is counts else None
+
+
+def _cat_parts(node: Node) -> list | None:
+    """The tensors ``cat(parts, dim=0)`` concatenates, else None."""
+    if not is_call(node, torch.cat, torch.concat) or not isinstance(node.args[0], (list, tuple)):
+        return None
+    return list(node.args[0]) if node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0) == 0 else None
+
+
+def _grouped_counts(node: Node) -> Node | None:
+    """``counts`` of a ``_grouped_mm(x, W, offs=cumsum(counts))``: its rows per expert, else None."""
+    if "grouped_mm" not in str(getattr(node.target, "__name__", node.target)):
+        return None
+    offsets = strip(node.kwargs.get("offs", node.args[2] if len(node.args) > 2 else None), methods=_VIEWS)
+    if not is_call(offsets, torch.cumsum, method=("cumsum",)) or dim_arg(offsets, 0) != 0:
+        return None
+    return strip(offsets.args[0], methods=_VIEWS)
 
 
 def _bias_add(node: Node, num_experts: int | None, out_features) -> tuple[Node, Node | None]:
@@ -691,7 +592,7 @@ def _bias_add(node: Node, num_experts: int | None, out_features) -> tuple[Node, 
             if not (inplace or is_call(user, *_ADD, method=("add",))) or len(user.args) != 2 or user.kwargs:
                 continue
             other = user.args[1] if user.args[0] is value else None if inplace else user.args[0]
-            bias = _bias_source(other)
+            bias = _bias_source(other, _grouped_counts(node))
             if bias is not None and _same(shape_of(bias), expected):
                 return (value if inplace else user), bias
     return node, None

@@ -20,8 +20,11 @@ ROWS = [
     ("torchtitan 0.3.0", "DeepSeek-V3 `debugmodel` (sigmoid router with expert bias, shared experts), fp32 train, "
      "bf16 eval", "every MoE layer rewritten, equal; an expert-bias update between steps routes alike",
      "fp32 `shard_experts`: equal", "test_torchtitan*.py"),
-    ("torchtitan 0.3.0", "GPT-OSS `debugmodel`, bf16", "left as written, WARNING: its clamped SwiGLU as `addcmul` and "
-     "biases repeated by the counts are not read; equal to eager", "not expert-parallel", "test_torchtitan.py"),
+    ("torchtitan 0.3.0", "GPT-OSS `debugmodel` (clamped SwiGLU as `addcmul`, per-expert biases repeated by the token "
+     "counts), bf16 train (with fp32 parameters its eager forward fails)",
+     "every MoE layer rewritten; forward, gradients and `tokens_per_expert_E` equal to eager, region check on and off; "
+     "its down bias scaled in the forward (tensor parallelism) left as written, WARNING naming the term",
+     "bf16 replicated and `shard_experts`: outputs, counters and summed gradients equal", "test_torchtitan*.py"),
 ]
 
 

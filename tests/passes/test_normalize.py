@@ -190,3 +190,97 @@ def test_a_k_hot_scatter_is_left_as_written():
     gm, _ = _dynamo_graph(fn, torch.randn(6, 4))
     Normalize()(gm)
     assert any(n.target == "scatter_" for n in gm.graph.nodes)
+
+
+def test_addcmul_of_bf16_becomes_its_float32_add_of_a_product_with_the_same_values():
+    """torchtitan's gpt-oss SwiGLU ends in ``addcmul(glu, glu, up)``: written as ``(g + g * up') .to(bf16)`` with
+    ``g = glu.to(float32)`` (one cast of the operand read twice), bit for bit the kernel's values."""
+    def fn(glu, up, other):
+        return torch.addcmul(glu, glu, up), other.addcmul(glu, up), up.topk(1).values
+
+    gen = torch.Generator().manual_seed(0)
+    args = [(torch.randn(64, 257, generator=gen) * 4).to(dtype) for dtype in (torch.bfloat16,) * 2 + (torch.float16,)]
+    args[2] = args[2].bfloat16()
+    gm, inputs = _dynamo_graph(fn, *args)
+    expected = gm(*inputs)
+    moe_compile.counters.clear()
+    assert Normalize()(gm).modified
+    gm.recompile()
+    assert moe_compile.counters["normalize:addcmul"] == 2
+    assert not any(n.target in (torch.addcmul, "addcmul") for n in gm.graph.nodes)
+    to_float = [n for n in gm.graph.nodes if n.target == "to" and n.args[1] == torch.float32]
+    assert len(to_float) == 5, gm.code   # glu once, up; other, glu, up
+    for got, want in zip(gm(*inputs), expected):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_addcmul_in_float32_or_scaled_is_left_as_written():
+    """In float32 the CPU kernel fuses the multiply-add (one rounding where ``a + b * c`` has two), and a
+    ``value`` other than 1 rounds ``value * b`` first: neither has an exact add-of-a-product spelling."""
+    def fn(a, b, c):
+        return torch.addcmul(a, a, b), torch.addcmul(c, c, c, value=0.5), a.topk(1).values
+
+    a, b = torch.randn(8, 4), torch.randn(8, 4)
+    gm, _ = _dynamo_graph(fn, a, b, torch.randn(8, 4).bfloat16())
+    Normalize()(gm)
+    assert sum(n.target is torch.addcmul for n in gm.graph.nodes) == 2
+
+
+class _Cast(torch.autograd.Function):
+    """torchtitan's ``ScaleBiasForward`` at tensor-parallel degree 1: a cast forward, the gradient as is."""
+
+    @staticmethod
+    def forward(ctx, bias, dtype):
+        return bias.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _Halve(torch.autograd.Function):
+    """The same at degree 2: the forward divides, the backward does not."""
+
+    @staticmethod
+    def forward(ctx, bias, dtype):
+        return (bias / 2).to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_autograd_function_that_casts_both_ways_becomes_the_cast(dtype):
+    """To bf16 from fp32: ``x.to(bf16)`` (autograd casts the gradient back, as ``to``'s backward does); to bf16
+    from bf16: ``x`` itself. Values and the input's gradient as with the function."""
+    def fn(x):
+        return _Cast.apply(x, torch.bfloat16) * 3, x.topk(1).values
+
+    x = torch.randn(4, 6).to(dtype)
+    gm, _ = _dynamo_graph(fn, x.clone().requires_grad_())   # no gradient wanted: Dynamo inlines the forward
+    leaf = x.clone().requires_grad_()
+    expected = gm(leaf)[0]
+    (want,) = torch.autograd.grad(expected.float().pow(2).sum(), leaf)
+    moe_compile.counters.clear()
+    assert Normalize()(gm).modified
+    gm.recompile()
+    assert moe_compile.counters["normalize:cast_function"] == 1
+    assert not any(n.target is torch.ops.higher_order.autograd_function_apply for n in gm.graph.nodes)
+    assert not any(n.op == "get_attr" for n in gm.graph.nodes) and not list(gm.children())
+    leaf = x.clone().requires_grad_()
+    out = gm(leaf)[0]
+    (grad,) = torch.autograd.grad(out.float().pow(2).sum(), leaf)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert grad.dtype == want.dtype == dtype
+    torch.testing.assert_close(grad, want, rtol=0, atol=0)
+
+
+def test_autograd_function_that_computes_is_left_as_written():
+    def fn(x):
+        return _Halve.apply(x, torch.bfloat16), x.topk(1).values
+
+    gm, _ = _dynamo_graph(fn, torch.randn(4, 6, requires_grad=True))
+    Normalize()(gm)
+    assert any(n.target is torch.ops.higher_order.autograd_function_apply for n in gm.graph.nodes)
