@@ -127,6 +127,6 @@ def _is_rng_state(node) -> bool:
 def _is_opaque(node) -> bool:
     if not isinstance(node, Node):
         return False
-    from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+    from ..torch_compat import is_opaque_node
 
     return is_opaque_node(node)
