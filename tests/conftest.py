@@ -74,3 +74,37 @@ def aot_graphs(monkeypatch):
     stage2 = moe_compile.backend.stage2_passes
     monkeypatch.setattr(moe_compile.backend, "stage2_passes", lambda cfg, *rest: [*stage2(cfg, *rest), Record()])
     return graphs
+
+
+# --------------------------------------------------------------------------- tables shown at the end of the run
+
+#: tables a test hands to the run's summary (``report_table``), in this process
+_TABLES = pytest.StashKey[list]()
+
+
+@pytest.fixture
+def report_table(request):
+    """``report_table(title, text)``: show ``text`` in the terminal summary of the run. A print from a test is
+    lost under pytest-xdist (the workers' output is not the terminal's); the tables travel to the controller
+    with the worker's output (``pytest_testnodedown``) and are written after the results."""
+    def report(title: str, text: str) -> None:
+        request.config.stash.setdefault(_TABLES, []).append(f"{title}\n{text}")
+    return report
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)   # an xdist worker: hand them on
+    if workeroutput is not None:
+        workeroutput["moe_compile_tables"] = session.config.stash.get(_TABLES, [])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    node.config.stash.setdefault(_TABLES, []).extend(getattr(node, "workeroutput", {}).get("moe_compile_tables", []))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    for table in config.stash.get(_TABLES, []):
+        title, _, text = table.partition("\n")
+        terminalreporter.write_sep("-", title)
+        terminalreporter.write_line(text)
