@@ -409,18 +409,33 @@ def _unheld_issue_inputs(code: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("compressor", ["none", "int8"])
-def test_inductor_holds_the_buffer_each_issue_reads_in_a_layer(fake_group, compressor):
+def test_inductor_holds_the_buffer_each_issue_reads_in_a_layer(fake_group, monkeypatch, compressor):
     """A GShard layer in 2 chunks under Inductor (forward and backward): the buffer every issue program reads
-    is the one its hold keeps, and none is freed or reused before its join.
+    is the one its hold keeps, none is freed or reused before its join, and the generated code runs on
+    checked streams (every op, Inductor's kernels' writes by rule 5) without a race.
 
     The backward's chunks reach the all-to-all through a view across an unbacked size, which Inductor
     cannot express on the stored buffer and copies once per extern reader: with the view outside the
     program, the issue read one copy and the hold kept another (the issue's copy free from the issue on).
     """
+    import torch._inductor.compile_fx as compile_fx
     from torch._inductor.utils import run_and_get_code
 
     fake_group(2)
-    with use_streams(CheckedStreams()):
+    checked, inner = CheckedStreams(), compile_fx.compile_fx_inner
+
+    def tracked_inner(*args, **kwargs):   # Inductor's compiled graphs run under checked.tracking()
+        compiled = inner(*args, **kwargs)
+
+        def run(inputs):
+            with checked.tracking():
+                return compiled(inputs)
+
+        run._boxed_call = True
+        return run
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", tracked_inner)
+    with use_streams(checked):
         compiled = torch.compile(_model(), backend="moe", fullgraph=True,
                                  options={"inner": "inductor", **_options(compressor, 2)})
 
@@ -432,6 +447,8 @@ def test_inductor_holds_the_buffer_each_issue_reads_in_a_layer(fake_group, compr
     for code in codes:
         assert _unheld_issue_inputs(code) == []
         assert _released_before_join(code) == []
+    assert {s for op, s in checked.log if "all_to_all" in op} == {"comm"}
+    assert ("_c10d_functional.wait_tensor.default", "compute") in checked.log
 
 
 # --------------------------------------------------------------------------- the checker catches broken programs
