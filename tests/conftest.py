@@ -14,6 +14,30 @@ import torch._logging._internal  # noqa: E402
 # (which gives it its own handler).
 torch._logging._internal.trace_log.propagate = True
 
+
+def _interpreter_index_of_one_element_arrays():
+    """Triton 3.6's interpreter reads a scalar kernel argument used as an index (``range(0, M, BLOCK_M)``) as
+    ``int(np.array([M]))``, which numpy 2.4 refuses ("only 0-dimensional arrays can be converted"); Triton 3.7
+    reads ``int(data.squeeze())``. The same here, for a machine with the older Triton (a device machine's)."""
+    import inspect
+
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or "squeeze" in inspect.getsource(patch_tensor):
+        return
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+_interpreter_index_of_one_element_arrays()
+
 # pytest-xdist (pyproject's addopts: `-n auto --dist loadfile`) runs the files on one worker process per core:
 # most of the suite is compiling, one Python thread each. Each worker's ops then get its share of the cores,
 # not all of them.
