@@ -53,7 +53,10 @@ def test_a_step_past_its_own_budget_is_stopped_and_the_next_ones_run(tmp_path):
     done = _run("--dry-run", "--budget-cuda-tests", "0.01", "--out", str(tmp_path))
     assert done.returncode == 1
     rows = {r["step"]: r for r in _report(tmp_path)["results"]}
-    assert [rows[s]["status"] for s in STEPS] == ["ok", "timed out", "ok", "ok"]
+    assert rows["cuda_tests"]["status"] == "timed out", rows
+    # the steps after it ran (whether each finishes within its own budget depends on the machine's load: the
+    # dry run of every step to "ok" is test_dry_run_wires_every_step's)
+    assert all(rows[s]["status"] != "skipped" and rows[s]["seconds"] > 0 for s in ("chunked_ep", "mixtral_step")), rows
     assert rows["cuda_tests"]["error"].startswith("stopped after 0.0 s (its 0 s budget)")
     assert rows["cuda_tests"]["budget_s"] == 0.01
     assert "| cuda_tests | timed out |" in (tmp_path / "gpu_check.md").read_text()
