@@ -123,7 +123,12 @@ def fully_shard(module: torch.nn.Module, *, mesh: DeviceMesh | None = None, expe
         raise ConfigError("moe_compile.fully_shard: per-expert (nn.ModuleList) sharded expert weights on a 2-D "
                           "EP × FSDP mesh are not supported (each is one rank's only); stack the experts' weights "
                           "([E, ...] parameters) or use a 1-D EP mesh")
-    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    except ImportError:
+        raise ConfigError(f"moe_compile.fully_shard: a 2-D EP × FSDP mesh needs fully_shard's per-parameter meshes "
+                          f"(ShardPlacementResult), which torch {torch.__version__} does not have; use a 1-D EP "
+                          f"mesh, or the torch of pyproject.toml") from None
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
     from torch.distributed.tensor import Shard
 

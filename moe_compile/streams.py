@@ -239,7 +239,15 @@ class CheckedStreams(Streams):
        the end of :meth:`tracking` and after each ``moe.on_stream`` call;
     4. a collective issued on S reads its input after everything queued on S so far and
        writes its output on a stream of its own; ``wait_tensor`` on S' makes S' wait for it
-       (NCCL's semantics).
+       (NCCL's semantics);
+    5. memory a side stream reads but did not allocate keeps its bytes until the compute
+       stream has waited for that read: on a GPU the read happens at any time before then.
+       Rules 1-2 see the writes that go through the dispatcher; this one also sees the
+       writes they cannot, Inductor's generated kernels writing into a buffer it reuses
+       (``buf7 = buf3; del buf3  # reuse``). The checker keeps each such tensor and a copy
+       of its bytes from the read until the compute stream's wait (so the host allocator
+       cannot hand its memory out meanwhile either), and compares them then, and at the
+       end of :meth:`tracking` (only there: outside it the compute stream's waits are unseen).
 
     ``log`` lists ``(op, stream name)`` for every op that ran while tracked.
     """
@@ -254,6 +262,8 @@ class CheckedStreams(Streams):
         self._collectives: dict[int, LogicalStream] = {}   # issued, not yet waited: output key -> its stream
         self._collective_names: set[str] = set()          # their memory is the process group's business
         self._depth = 0
+        self._pending: dict[tuple[int, str], _PendingRead] = {}   # rule 5: (key, reading stream) -> the read
+        self._tracking = 0   # rule 5 needs the compute stream's waits seen: only inside tracking()
         self.log: list[tuple[str, str]] = []
 
     # -- the Streams interface
@@ -279,6 +289,7 @@ class CheckedStreams(Streams):
 
     def wait(self, waiter: LogicalStream, producer: LogicalStream) -> None:
         waiter.merge(producer)
+        self._settle_reads()
 
     def record(self, tensor: torch.Tensor, stream: LogicalStream) -> None:
         key = _key(tensor)
@@ -308,6 +319,8 @@ class CheckedStreams(Streams):
                     f"for that write: wait({stream.name}, {writer}) is missing"
                 )
             memory.reads[stream.name] = stream.now()
+            if self._tracking and stream is not self.compute and memory.allocated_on != stream.name:
+                self._pend(tensor, key, stream, memory.label, label)
 
     def on_write(self, tensors: Iterable[torch.Tensor], stream: LogicalStream, label: str, *,
                  fresh: bool, allocated_on: str | None = None) -> None:
@@ -327,6 +340,8 @@ class CheckedStreams(Streams):
                         f"wait({stream.name}, {reader}) is missing"
                     )
             memory.written = (stream.name, stream.now())
+            if (key, stream.name) in self._pending:   # the reading stream's own write: its bytes from now on
+                self._pend(tensor, key, stream, memory.label, label, check=False)
 
     def verify(self) -> None:
         """Raise if a tensor was used on a stream it was not ``record``-ed for (rule 3)."""
@@ -341,18 +356,22 @@ class CheckedStreams(Streams):
     @contextlib.contextmanager
     def tracking(self) -> Iterator[CheckedStreams]:
         """Watch every op run inside (as work on :meth:`current`'s stream); the outermost one
-        :meth:`verify`-s on exit and then forgets the allocations it saw (memory freed and handed
+        checks the side-stream reads still pending (rule 5), :meth:`verify`-s on exit and then forgets the allocations it saw (memory freed and handed
         out again outside, e.g. between the forward and the backward graph, is not watched)."""
         self._depth += 1
+        self._tracking += 1
         try:
             with _Checker(self):
                 yield self
             if self._depth == 1:
+                self._settle_reads(everything=True)   # rule 5 for the reads never waited for
                 self.verify()
         finally:
             self._depth -= 1
+            self._tracking -= 1
             if self._depth == 0:
                 self._memory.clear()
+                self._pending.clear()
 
     # -- internals
 
@@ -376,6 +395,23 @@ class CheckedStreams(Streams):
                 f"used without record(): the caching allocator could hand it out while they still read it"
             )
 
+    def _pend(self, tensor: torch.Tensor, key: int, stream: LogicalStream, what: str, label: str, *,
+              check: bool = True) -> None:
+        """Rule 5: keep ``tensor`` and its bytes until the compute stream has waited for this read."""
+        previous = self._pending.get((key, stream.name))
+        if previous is not None and check:
+            previous.check()
+        with _no_dispatch_modes():
+            self._pending[(key, stream.name)] = _PendingRead(tensor, _bits(tensor).clone(), stream.name,
+                                                             stream.now(), what, label)
+
+    def _settle_reads(self, everything: bool = False) -> None:
+        """Compare the bytes of every pending read the compute stream has now waited for (all: ``everything``)."""
+        for key, read in list(self._pending.items()):
+            if everything or self.compute.saw(read.stream, read.time):
+                del self._pending[key]
+                read.check()
+
     def _collective(self, func, args, kwargs, out, stream: LogicalStream) -> None:
         label = str(func)
         self.on_read(_tensors((args, kwargs)), stream, label)
@@ -392,6 +428,45 @@ class CheckedStreams(Streams):
         link = self._collectives.pop(_key(tensor), None) if _key(tensor) is not None else None
         if link is not None:
             stream.merge(link)
+            self._settle_reads()
+
+
+@dataclasses.dataclass
+class _PendingRead:
+    """Rule 5: a side stream's read of memory it did not allocate, not yet waited for by the compute stream."""
+
+    tensor: torch.Tensor   # kept: its memory is not freed (and handed out again) while the read is pending
+    bits: torch.Tensor     # its bytes at the read
+    stream: str
+    time: int
+    what: str              # the memory's label
+    reader: str            # the op that read it
+
+    def check(self) -> None:
+        with _no_dispatch_modes():
+            same = torch.equal(_bits(self.tensor), self.bits)
+        if not same:
+            raise StreamRaceError(
+                f"{self.what}, read by {self.reader} on stream {self.stream!r}, was overwritten before the compute "
+                f"stream waited for that read (a kernel the dispatcher does not see, e.g. Inductor reusing the "
+                f"buffer): its memory must stay untouched until the side stream's join"
+            )
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s elements as integers of the same width (NaNs compare by their bits)."""
+    tensor = tensor.detach()
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    return tensor.view(width) if tensor.dtype != torch.bool else tensor.view(torch.uint8)
+
+
+def _no_dispatch_modes() -> contextlib.AbstractContextManager:
+    """The checker's own copies and comparisons, unseen by any dispatch mode (its own included)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
 
 
 class _Checker(TorchDispatchMode):

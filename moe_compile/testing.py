@@ -40,8 +40,10 @@ class SpawnError(RuntimeError):
     """A spawned rank raised, or the run timed out."""
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; their return values, by rank.
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0,
+          backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks of ``backend`` (gloo; "nccl" on CUDA
+    devices, one per rank); their return values, by rank.
 
     ``fn`` and ``args`` must be picklable (a module-level function); return values too.
     """
@@ -51,7 +53,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
     results: queue_lib.Queue = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     procs = [
-        ctx.Process(target=_worker, args=(fn, rank, world_size, init_method, timeout, args, results), daemon=True)
+        ctx.Process(target=_worker, args=(fn, rank, world_size, init_method, timeout, args, results, backend),
+                    daemon=True)
         for rank in range(world_size)
     ]
     for p in procs:
@@ -113,12 +116,14 @@ def _context():
     return mp.get_context("forkserver" if environ == _server_environ else "spawn")
 
 
-def _worker(fn, rank, world_size, init_method, timeout, args, results) -> None:
+def _worker(fn, rank, world_size, init_method, timeout, args, results, backend="gloo") -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo", init_method=init_method, rank=rank, world_size=world_size,
+            backend, init_method=init_method, rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
         )
         value = fn(rank, world_size, *args)

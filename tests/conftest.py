@@ -14,6 +14,30 @@ import torch._logging._internal  # noqa: E402
 # (which gives it its own handler).
 torch._logging._internal.trace_log.propagate = True
 
+
+def _interpreter_index_of_one_element_arrays():
+    """Triton 3.6's interpreter reads a scalar kernel argument used as an index (``range(0, M, BLOCK_M)``) as
+    ``int(np.array([M]))``, which numpy 2.4 refuses ("only 0-dimensional arrays can be converted"); Triton 3.7
+    reads ``int(data.squeeze())``. The same here, for a machine with the older Triton (a device machine's)."""
+    import inspect
+
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or "squeeze" in inspect.getsource(patch_tensor):
+        return
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+_interpreter_index_of_one_element_arrays()
+
 # pytest-xdist (pyproject's addopts: `-n auto --dist loadfile`) runs the files on one worker process per core:
 # most of the suite is compiling, one Python thread each. Each worker's ops then get its share of the cores,
 # not all of them.
@@ -74,3 +98,37 @@ def aot_graphs(monkeypatch):
     stage2 = moe_compile.backend.stage2_passes
     monkeypatch.setattr(moe_compile.backend, "stage2_passes", lambda cfg, *rest: [*stage2(cfg, *rest), Record()])
     return graphs
+
+
+# --------------------------------------------------------------------------- tables shown at the end of the run
+
+#: tables a test hands to the run's summary (``report_table``), in this process
+_TABLES = pytest.StashKey[list]()
+
+
+@pytest.fixture
+def report_table(request):
+    """``report_table(title, text)``: show ``text`` in the terminal summary of the run. A print from a test is
+    lost under pytest-xdist (the workers' output is not the terminal's); the tables travel to the controller
+    with the worker's output (``pytest_testnodedown``) and are written after the results."""
+    def report(title: str, text: str) -> None:
+        request.config.stash.setdefault(_TABLES, []).append(f"{title}\n{text}")
+    return report
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)   # an xdist worker: hand them on
+    if workeroutput is not None:
+        workeroutput["moe_compile_tables"] = session.config.stash.get(_TABLES, [])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    node.config.stash.setdefault(_TABLES, []).extend(getattr(node, "workeroutput", {}).get("moe_compile_tables", []))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    for table in config.stash.get(_TABLES, []):
+        title, _, text = table.partition("\n")
+        terminalreporter.write_sep("-", title)
+        terminalreporter.write_line(text)

@@ -40,3 +40,14 @@ def test_the_inductor_partitioner_pickles():
         pytest.skip("this torch has no custom_partitioner_fn")
     again = pickle.loads(pickle.dumps(partitioner))
     assert type(again) is type(partitioner) and again.uuid() == partitioner.uuid()
+
+
+def test_no_partitioner_where_inductor_has_no_such_setting(monkeypatch):
+    """An older torch may ship the partitioner class without the config field: ``config.patch`` of an unknown
+    field raises, so the backend then uses Inductor's own partition."""
+    import torch._inductor.config as inductor_config
+
+    from moe_compile.passes.saved_order import inductor_partitioner
+
+    monkeypatch.delattr(inductor_config, "custom_partitioner_fn", raising=False)
+    assert inductor_partitioner() is None

@@ -50,7 +50,7 @@ import operator
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+from ..torch_compat import optimization_hint
 
 from .. import ops  # noqa: F401  (registers torch.ops.moe.*)
 from ..collectives import all_to_all_registry

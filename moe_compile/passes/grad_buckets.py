@@ -54,7 +54,7 @@ from collections.abc import Sequence
 
 import torch
 from torch.fx import Graph, GraphModule, Node
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+from ..torch_compat import optimization_hint
 
 from .fake_values import propagate
 

@@ -74,7 +74,7 @@ import dataclasses
 
 import torch
 from torch.fx import GraphModule
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+from ..torch_compat import optimization_hint
 
 from ..config import MoECompileConfig
 from ..debug import log

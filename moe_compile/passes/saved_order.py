@@ -53,8 +53,11 @@ def inductor_partitioner():
     this function cannot be pickled (it logged "Can't pickle local object" at every compile)."""
     global InOrderPartitioner
     try:
+        import torch._inductor.config as inductor_config
         from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
     except ImportError:
+        return None
+    if not hasattr(inductor_config, "custom_partitioner_fn"):   # the class without the setting: patch() would raise
         return None
     if InOrderPartitioner is None:
         class InOrderPartitioner(CustomPartitionerFn):  # noqa: F811 - the module-level name, set once
@@ -124,6 +127,6 @@ def _is_rng_state(node) -> bool:
 def _is_opaque(node) -> bool:
     if not isinstance(node, Node):
         return False
-    from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+    from ..torch_compat import is_opaque_node
 
     return is_opaque_node(node)

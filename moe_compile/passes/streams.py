@@ -26,6 +26,14 @@ After::
     moe.hold_until_join(d, [rows])             # rows stays allocated up to here
     e  = view(d, ...)
 
+An issue program reads its inputs as stored: the views between a stored tensor and the
+issue (``view``, ``slice``, ``permute``, a ``getitem`` of ``split``) run inside the program
+(``view`` as ``reshape``), and ``rows`` above is the tensor they view. Inductor gives a
+stored tensor one buffer that every reader shares; a view it cannot express on that
+buffer's strides (a reshape across an unbacked size: ``8·max(1, u)``) it copies once *per
+extern reader*, so ``moe.hold_until_join`` would hold a copy of its own while the issue's
+copy, dead after the issue, was free for the next kernel to reuse.
+
 Each group is ONE opaque op, so the inner compiler cannot move another kernel
 into a stream bracket. ``program`` names a sub-GraphModule (the group's original
 nodes, unchanged) in a process-level registry, content-addressed, so equal
@@ -55,7 +63,8 @@ on the rewritten graph.
 
 Groups, per exchange of every chain (:func:`.schedule.find_chains`):
 
-- issue: the ``moe.compress`` feeding the all-to-all (when there is one) and the issue;
+- issue: the ``moe.compress`` feeding the all-to-all (when there is one) and the issue, and
+  (copied in) the views its input is read through;
 - receive: the ``wait_tensor`` and the ``moe.decompress`` reading it, when the
   decompress is the wait's only user. A bare wait (no compressor, or a decompress
   fused into ``decode_int8_triton`` by ``lower``) stays on the compute stream,
@@ -97,6 +106,9 @@ COMM = "comm"
 _COMPRESS = torch.ops.moe.compress.default
 _DECOMPRESS = torch.ops.moe.decompress.default
 _SYM_SIZE = torch.ops.aten.sym_size.int
+#: views run inside an issue program as reshape: a view when the real strides allow it, else a copy on the
+#: side stream (torch's meta strides can disagree with a kernel's: passes/safe_views.py)
+_AS_RESHAPE = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
 
 #: name -> sub-GraphModule run by ``moe.on_stream``
 _PROGRAMS: dict[str, GraphModule] = {}
@@ -249,18 +261,55 @@ def _unexpected(issue: Node) -> str | None:
     return None
 
 
+def _is_view(node: Node) -> bool:
+    """``node`` is a view of its first argument (an aten view op, or an item of a view op's list)."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return isinstance(node.args[0], Node) and _is_view(node.args[0])
+    return isinstance(node.target, torch._ops.OpOverload) and (
+        node.target.is_view or node.target in _AS_RESHAPE) and isinstance(node.args[0], Node)
+
+
+def _views_read(group: Group) -> list[Node]:
+    """The views between stored tensors and an issue group (graph order); none for a receive group."""
+    if group.role != "issue":
+        return []
+    members, views = set(group.nodes), set()
+    stack = [i for n in group.nodes for i in n.all_input_nodes if i not in members]
+    while stack:
+        node = stack.pop()
+        if node not in views and _is_view(node) and all(_is_size(i) for i in node.all_input_nodes[1:]):
+            views.add(node)
+            stack.extend(node.all_input_nodes)
+    return [n for n in group.nodes[0].graph.nodes if n in views]
+
+
+def _is_size(node: Node) -> bool:
+    value = example_value(node)
+    return isinstance(value, (torch.SymInt, int)) and not isinstance(value, bool)
+
+
 def _rewrite(graph: Graph, group: Group, stream: str) -> tuple[Node, Node]:
-    """Replace ``group`` by ``moe.on_stream`` + ``getitem`` at the group's first node; (call, getitem)."""
+    """Replace ``group`` by ``moe.on_stream`` + ``getitem`` at the group's first node; (call, getitem).
+
+    An issue group's views are copied into its program (the originals erased once nothing else reads
+    them), so the call reads the stored tensors they view.
+    """
+    views = _views_read(group)
     members = set(group.nodes)
-    external = list(dict.fromkeys(i for n in group.nodes for i in n.all_input_nodes if i not in members))
+    inside = [*views, *group.nodes]
+    external = list(dict.fromkeys(i for n in inside for i in n.all_input_nodes if i not in members | set(views)))
     tensors = [n for n in external if isinstance(example_value(n), Tensor)]
     sizes = [n for n in external if n not in tensors]
     sub = Graph()
     env = {n: sub.placeholder(n.name) for n in (*tensors, *sizes)}
     for n, placeholder in env.items():
         placeholder.meta["val"] = example_value(n)
-    for n in group.nodes:
+    for n in inside:
         env[n] = sub.node_copy(n, lambda x: env[x])
+        if n.target in _AS_RESHAPE:
+            env[n].target = torch.ops.aten.reshape.default
     sub.output([env[group.output]])
     name = _register(GraphModule(torch.nn.Module(), sub), group.role, stream, group.join)
 
@@ -277,6 +326,9 @@ def _rewrite(graph: Graph, group: Group, stream: str) -> tuple[Node, Node]:
     group.output.replace_all_uses_with(out, delete_user_cb=lambda user: user not in members)
     for n in reversed(group.nodes):
         graph.erase_node(n)
+    for n in reversed(views):
+        if not n.users:
+            graph.erase_node(n)
     return call, out
 
 

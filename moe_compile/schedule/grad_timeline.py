@@ -99,7 +99,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+from ..torch_compat import optimization_hint
 
 __all__ = ["TIMELINE_META", "Calibration", "Exchange", "Timeline", "calibrate", "compute_seconds", "estimate",
            "is_compute", "mm_macs", "place_buckets", "tensor_bytes", "timeline_issue_points"]

@@ -160,7 +160,10 @@ def test_rewritten_graphs_keep_the_schedule_order(fake_group, aot_graphs, compre
             targets = _program_targets(node)
             assert node.args[3] == "comm"
             if node.args[2].startswith("issue_"):
-                assert targets == ([COMPRESS] if compressed else []) + [torch.ops._c10d_functional.all_to_all_single.default]
+                views = [t for t in targets if t is torch.ops.aten.reshape.default or t.is_view]
+                assert targets[:len(views)] == views, "first the views the input is read through"
+                assert targets[len(views):] == ([COMPRESS] if compressed else []) + [
+                    torch.ops._c10d_functional.all_to_all_single.default]
                 assert node.args[4] is False
             else:
                 assert targets == [WAIT, DECOMPRESS] and node.args[4] is True
@@ -279,6 +282,61 @@ def test_issue_inputs_are_held_until_their_join(fake_group, compressor):
         check_held(gm)
 
 
+def _two_chunks(compressor: str):
+    """Two chunks' exchange chains issued back to back (ScheMoE's I1^1 I1^2 R1^1 I2^1 R1^2 I2^2 R2^1 R2^2)."""
+    import torch.distributed as dist
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from moe_compile.passes.provenance import BUILT
+
+    group = dist.group.WORLD.group_name
+
+    def issue(rows):
+        payload = rows if compressor == "none" else torch.ops.moe.compress(rows, compressor)
+        return torch.ops._c10d_functional.all_to_all_single(payload, [4, 4], [4, 4], group)
+
+    def receive(sent):
+        waited = torch.ops._c10d_functional.wait_tensor(sent)
+        return waited if compressor == "none" else torch.ops.moe.decompress(waited, compressor, M, torch.float32)
+
+    def step(x, z):
+        first, second = issue(x * 2), issue(z * 2)
+        return (receive(issue(receive(first) * 3)) + receive(issue(receive(second) * 3)),)
+
+    example = (torch.randn(8, M), torch.randn(8, M))
+    gm = make_fx(step, tracing_mode="fake")(*example)
+    for node in gm.graph.nodes:
+        node.meta[BUILT] = True
+    return gm, example
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["held", "hold-removed"])
+@pytest.mark.parametrize("compressor", ["int8", "none"])
+def test_inductor_reusing_an_issue_input_is_a_race_the_hold_prevents(fake_group, monkeypatch, compressor, held):
+    """Inductor's generated code, run on checked streams: without ``moe.hold_until_join`` the second chunk's
+    rows are computed into the first chunk's buffer (``buf3 = buf0; del buf0  # reuse``) while the side
+    stream may still read it, and the checker sees the overwrite (rule 5); with the hold it cannot happen."""
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.utils import run_and_get_code
+
+    fake_group(2)
+    if not held:
+        monkeypatch.setattr(streams_pass, "_hold", lambda graph, joined, held: None)
+        monkeypatch.setattr(streams_pass, "check_held", lambda gm: None)
+    gm, example = _two_chunks(compressor)
+    checked = CheckedStreams()
+    with use_streams(checked):
+        StreamsPass()(gm)
+        gm.recompile()
+        compiled, (code,) = run_and_get_code(lambda: compile_fx_inner(gm, list(example)))
+        assert code.count("'issue_") == 4 and code.count("hold_until_join.default(") == (4 if held else 0)
+        with pytest.raises(StreamRaceError, match="overwritten before the compute stream waited") if not held \
+                else contextlib.nullcontext(), checked.tracking():
+            compiled(list(example))
+    if not held:
+        assert "# reuse" in code and _released_before_join(code)
+
+
 def _released_before_join(code: str) -> list[str]:
     """Issue-program inputs the generated code deletes or reuses before the exchange's join point."""
     import re
@@ -320,6 +378,77 @@ def test_inductor_code_releases_no_issue_input_before_its_join(fake_group, compr
         _, (code,) = run_and_get_code(lambda: compile_fx_inner(gm, list(example))(list(example)))
     assert code.count("'issue_") == 2 and "hold_until_join" in code
     assert _released_before_join(code) == []
+
+
+def _unheld_issue_inputs(code: str) -> list[str]:
+    """The buffers an issue program reads in the generated code that its exchange's hold does not hold."""
+    import re
+
+    lines = code.splitlines()
+    unheld = []
+    for i, line in enumerate(lines):
+        issue = re.search(r"(buf\d+) = torch\.ops\.moe\.on_stream\.default\(\[([^\]]*)\], .*'issue_\w+', '\w+', False\)",
+                          line)
+        if not issue:
+            continue
+        call = issue.group(1)
+        inputs = set(re.findall(r"\b(?!reinterpret_tensor\b)[A-Za-z_]\w*", issue.group(2)))
+        (out,) = [re.match(r"\s*(buf\d+) = ", ln).group(1) for ln in lines[i:] if f"= {call}[0]" in ln]
+        join = next(j for j in range(i, len(lines)) if re.search(
+            rf"on_stream\.default\(\[{out}\b.*True\)|wait_tensor\.default\({out}\)", lines[j]))
+        if "wait_tensor" in lines[join]:                 # a bare wait: the waited tensor is the join point
+            joined = out
+        else:                                            # the receive program's output
+            receive = re.match(r"\s*(buf\d+) = ", lines[join]).group(1)
+            joined = next(re.match(r"\s*(buf\d+) = ", ln).group(1) for ln in lines[join:] if f"= {receive}[0]" in ln)
+        hold = next((ln for ln in lines[join:] if f"hold_until_join.default({joined}, [" in ln), "")
+        held = set(re.findall(r"\b(?!reinterpret_tensor\b)[A-Za-z_]\w*", hold.partition("[")[2]))
+        unheld += [f"{name} (read by {call}, held: {sorted(held)})" for name in sorted(inputs - held)]
+    return unheld
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compressor", ["none", "int8"])
+def test_inductor_holds_the_buffer_each_issue_reads_in_a_layer(fake_group, monkeypatch, compressor):
+    """A GShard layer in 2 chunks under Inductor (forward and backward): the buffer every issue program reads
+    is the one its hold keeps, none is freed or reused before its join, and the generated code runs on
+    checked streams (every op, Inductor's kernels' writes by rule 5) without a race.
+
+    The backward's chunks reach the all-to-all through a view across an unbacked size, which Inductor
+    cannot express on the stored buffer and copies once per extern reader: with the view outside the
+    program, the issue read one copy and the hold kept another (the issue's copy free from the issue on).
+    """
+    import torch._inductor.compile_fx as compile_fx
+    from torch._inductor.utils import run_and_get_code
+
+    fake_group(2)
+    checked, inner = CheckedStreams(), compile_fx.compile_fx_inner
+
+    def tracked_inner(*args, **kwargs):   # Inductor's compiled graphs run under checked.tracking()
+        compiled = inner(*args, **kwargs)
+
+        def run(inputs):
+            with checked.tracking():
+                return compiled(inputs)
+
+        run._boxed_call = True
+        return run
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", tracked_inner)
+    with use_streams(checked):
+        compiled = torch.compile(_model(), backend="moe", fullgraph=True,
+                                 options={"inner": "inductor", **_options(compressor, 2)})
+
+        def step():
+            compiled(torch.randn(12, 8, requires_grad=True)).float().pow(2).sum().backward()
+
+        _, codes = run_and_get_code(step)
+    assert len(codes) == 2 and all(code.count("'issue_") == 4 for code in codes)
+    for code in codes:
+        assert _unheld_issue_inputs(code) == []
+        assert _released_before_join(code) == []
+    assert {s for op, s in checked.log if "all_to_all" in op} == {"comm"}
+    assert ("_c10d_functional.wait_tensor.default", "compute") in checked.log
 
 
 # --------------------------------------------------------------------------- the checker catches broken programs
@@ -390,6 +519,32 @@ def test_checker_rules_on_plain_tensors():
         checked.wait(side, checked.compute)
         with checked.use(side):
             x * 2
+
+
+def test_checker_sees_writes_the_dispatcher_does_not():
+    """Rule 5: memory a side stream read keeps its bytes until the compute stream waited for the read, whoever
+    writes it (here a write no dispatch mode sees, as an Inductor kernel's)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def side_reads_then_compute_writes(wait_first: bool):
+        checked = CheckedStreams()
+        side = checked.side("comm")
+        with checked.tracking():
+            x = torch.randn(4) + 1
+            checked.wait(side, checked.compute)
+            with checked.use(side):
+                x * 2
+            checked.record(x, side)
+            if wait_first:
+                checked.wait(checked.compute, side)
+            with _disable_current_modes():
+                x.fill_(7.0)                            # unseen by the checker's dispatch mode
+            checked.wait(checked.compute, side)
+
+    side_reads_then_compute_writes(wait_first=True)
+    with pytest.raises(StreamRaceError, match=r"aten.add.Tensor, read by aten.mul.Tensor on stream 'comm', was "
+                                              r"overwritten before the compute stream waited for that read"):
+        side_reads_then_compute_writes(wait_first=False)
 
 
 # --------------------------------------------------------------------------- 2 gloo ranks: numerics

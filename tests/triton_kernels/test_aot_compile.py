@@ -9,7 +9,6 @@ spills, access widths and roofline times is printed with the results.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 
 import pytest
@@ -38,11 +37,16 @@ PAYLOAD_LOADS = ("int8_decompress", "fp8_decompress", "zfp_decompress", "decode_
 def statics(request):
     if MISSING:
         pytest.skip(f"no ahead-of-time compilation for CUDA here: {MISSING}")
-    found = compile_cases(realistic_cases(), tuple(TARGETS.values()))
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-        print("\nTriton kernels compiled ahead of time (T=16384, E=64, f=1.25):\n" + format_table(found))
-    return found
+    return compile_cases(realistic_cases(), tuple(TARGETS.values()))
+
+
+def test_the_table_is_shown_with_the_results(statics, report_table):
+    """Registers, spills, access widths and roofline times of every compilation, in the run's summary."""
+    import triton
+
+    table = format_table(statics)
+    assert len(table.splitlines()) == 1 + len(statics)
+    report_table(f"Triton {triton.__version__} kernels compiled ahead of time (T=16384, E=64, f=1.25)", table)
 
 
 def _kernels_of_the_package() -> set[str]:
