@@ -128,10 +128,14 @@ def first_compile() -> bool:
     return scope is None or scope.first
 
 
-def exchange(group, topic: str, mine: Any) -> tuple[list[tuple[int, Any]], bool]:
+def exchange(group, topic: str, mine: Any, wait: bool = True) -> tuple[list[tuple[int, Any]], bool]:
     """``(everyone, fresh)``: every rank's ``mine`` for this ``topic`` (its k-th use in this compile), as
     ``[(global rank, record), ...]`` in the group's order, and whether it was exchanged now (the frame's first
-    compile) rather than read back from it. ``group`` None: this process alone."""
+    compile) rather than read back from it. ``group`` None: this process alone.
+
+    ``wait=False`` (this rank has nothing to decide, e.g. no MoE layer in its graph): ``mine`` is put in the
+    store for the ranks that do wait, and only this rank's record is returned (and kept for the recompiles).
+    A frame that one rank alone compiles (a branch only its data takes) then costs that rank nothing."""
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if group is None:
         return [(rank, mine)], True
@@ -148,7 +152,7 @@ def exchange(group, topic: str, mine: Any) -> tuple[list[tuple[int, Any]], bool]
             "graph's MoE structure changed between compiles); the other ranks may not be compiling now, so it "
             "cannot be made here. Compile the same graph at every shape (mark the token dimension dynamic)")
     everyone = _through_store(group, f"moe_compile/first_compile/{group.group_name}/{scope.frame.ordinal}/"
-                                     f"{topic}/{use[2]}", (rank, scope.frame.code, mine))
+                                     f"{topic}/{use[2]}", (rank, scope.frame.code, mine), wait)
     codes = {code for _, code, _ in everyone}
     if len(codes) > 1:
         raise AgreementError(
@@ -161,8 +165,9 @@ def exchange(group, topic: str, mine: Any) -> tuple[list[tuple[int, Any]], bool]
     return records, True
 
 
-def _through_store(group, key: str, mine: Any) -> list:
-    """Every rank's ``mine`` under ``key``, through the default store (keys ``key/<rank>``)."""
+def _through_store(group, key: str, mine: Any, wait: bool = True) -> list:
+    """Every rank's ``mine`` under ``key``, through the default store (keys ``key/<rank>``); ``wait=False``:
+    this rank's alone, once it is in the store."""
     from torch.distributed.distributed_c10d import _get_default_store
 
     ranks = dist.get_process_group_ranks(group)
@@ -170,6 +175,8 @@ def _through_store(group, key: str, mine: Any) -> list:
         return [mine] * len(ranks)
     store = _get_default_store()
     store.set(f"{key}/{dist.get_rank()}", pickle.dumps(mine))
+    if not wait:
+        return [mine]
     keys = [f"{key}/{r}" for r in ranks]
     try:
         store.wait(keys)

@@ -92,7 +92,7 @@ class Agreement:
         state = moe_state(gm)
         mine = {} if late else {s.name: s.reason for s in state.skips}
         mine.update(own)
-        everyone, fresh = self.gather(mine, "late" if late else "layers")
+        everyone, fresh = self.gather(mine, "late" if late else "layers", wait=bool(mine))
         names = list(dict.fromkeys(name for _, verdicts in everyone for name in verdicts))
         refused: dict[str, str] = {}
         for name in names:
@@ -125,7 +125,7 @@ class Agreement:
         whose own decisions differed."""
         state = moe_state(gm)
         mine = {plan.name: tuple(getattr(plan, f) for f in PLAN_DECISIONS) for plan in state.layers}
-        everyone, _ = self.gather(mine, "plans")
+        everyone, _ = self.gather(mine, "plans", wait=bool(mine))
         source, first = everyone[0]
         if any(set(e) != set(first) for _, e in [*everyone, (None, mine)]):
             raise AgreementError(
@@ -144,11 +144,12 @@ class Agreement:
                 source, source, {name: dict(zip(PLAN_DECISIONS, d)) for name, d in first.items()})
         return differed
 
-    def gather(self, mine: dict, topic: str) -> tuple[list[tuple[int, dict]], bool]:
+    def gather(self, mine, topic: str, wait: bool = True) -> tuple[list[tuple[int, object]], bool]:
         """``(everyone, fresh)``: (global rank, its ``mine``) of every rank, in the group's order (this process
         alone: its own), exchanged at this frame's first compile and read back at its recompiles (``fresh``
-        False): :func:`~moe_compile.collectives.first_compile.exchange`."""
-        return exchange(self.group, topic, mine)
+        False): :func:`~moe_compile.collectives.first_compile.exchange` (``wait=False``: this rank has no layer
+        to decide on; the ranks that have one read its record, it reads none)."""
+        return exchange(self.group, topic, mine, wait)
 
 
 def _check_recompile(mine: Mapping[str, str | None], refused: Mapping[str, str], agreed: list[str], late: bool) -> None:

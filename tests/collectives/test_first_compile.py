@@ -22,10 +22,10 @@ def store(monkeypatch):
     """The store's exchanges: (key, what this rank sent); rank 1 sends ``{"other": True}`` with the same code."""
     sent: list[tuple[str, tuple]] = []
 
-    def through_store(group, key, mine):
+    def through_store(group, key, mine, wait=True):
         sent.append((key, mine))
         rank, code, _ = mine
-        return [mine, (1 - rank, code, {"other": True})]
+        return [mine, (1 - rank, code, {"other": True})] if wait else [mine]
 
     monkeypatch.setattr(first_compile, "_through_store", through_store)
     return sent
@@ -99,7 +99,7 @@ def test_a_recompile_needing_an_agreement_the_first_did_not_make_raises(store):
 
 def test_ranks_out_of_step_at_a_first_compile_raise(monkeypatch):
     monkeypatch.setattr(first_compile, "_through_store",
-                        lambda group, key, mine: [mine, (1, "other.py:1:forward", {})])
+                        lambda group, key, mine, wait=True: [mine, (1, "other.py:1:forward", {})])
     with compile_scope({}), pytest.raises(AgreementError, match="first compiles are out of step"):
         exchange(_Group(), "layers", {})
 
@@ -108,3 +108,21 @@ def test_without_a_group_nothing_is_exchanged(store):
     with compile_scope({}):
         assert exchange(None, "layers", {"a": None}) == ([(0, {"a": None})], True)
     assert not store
+
+
+def test_a_rank_with_nothing_to_decide_puts_its_record_and_does_not_wait(store):
+    """No MoE layer in this rank's graph: its record goes to the store for the ranks that wait, and it reads
+    none (a frame only this rank compiles then cannot make it wait); a recompile reads back its own record."""
+    options = {"ep_group": "world"}
+    seen = []
+
+    def backend(gm, inputs):
+        with compile_scope(options, inputs):
+            seen.append(exchange(_Group(), "layers", {}, wait=False))
+        return gm.forward
+
+    fn = torch.compile(lambda x: x * 3, backend=backend)
+    fn(torch.zeros(3))
+    fn(torch.zeros(4))
+    assert len(store) == 1 and store[0][1][2] == {}, store
+    assert seen == [([(0, {})], True), ([(0, {})], False)], seen
