@@ -18,18 +18,29 @@ stored (:mod:`moe_compile.ops.peer_mlp_lists`, :mod:`moe_compile.ops.peer_mlp_ga
     gw1_3 = aten.select(g[1], 0, 3)                     gw1_3 = g[grad_index(0, 3, 8)]
 
     w1, w3 = aten.slice(W13, 1, 0, H), aten.slice(W13, 1, H, 2H)         (or 0::2 / 1::2)
-    y, h1, h3 = moe.peer_mlp(x, w1, w2, w3, ...)        y, h1, h3 = moe.peer_mlp_gate_up(x, W13, w2, ..., step)
+    b1, b3 = aten.slice(B13, 1, 0, H), aten.slice(B13, 1, H, 2H)         (or none)
+    y, h1, h3 = moe.peer_mlp(x, w1, w2, w3, act,        y, h1, h3 = moe.peer_mlp_gate_up(x, W13, w2, B13, b2,
+                             b1, b2, b3, ...)                                            act, ..., step)
     g = moe.peer_mlp_grads(gy, x, h1, h3, w1, w2, w3,   g = moe.peer_mlp_grads_gate_up(gy, x, h1, h3, W13, w2,
-                           ...)                                                       ..., step, needs)
+                           ...)                                                       ..., step, transposed, needs)
     gW13 = slice_backward(g[1], ...) + slice_backward(g[3], ...)        gW13 = g[1]
+    gB13 = slice_backward(g[4], ...) + slice_backward(g[6], ...)        gB13 = g[3]
+
+GPT-OSS stores ``W13ᵀ [E, M, 2H]``: there ``W13`` is ``transpose(W13ᵀ, 1, 2)`` (one per slice in the joint graph)
+and each gate / up gradient reaches the ``add`` through a ``transpose`` too; the op reads the first transpose and
+its gradient is written in the stored layout (``gW13ᵀ = transpose(g[1], 1, 2)``, contiguous). Measured before
+this rewrite on ``benchmarks/model_step.py``'s two-block GPT-OSS (M = H = 512, E = 8, fp32, one thread): the
+stride-2 weight slices cost 64 ``[512, 512]`` copies per step (60 ms of a 2.4 s profiled step) and the
+assembled gradients two ``[8, 512, 1024]`` copies, fills and adds more.
 
 Measured on a two-block decoder with ``ModuleList`` SwiGLU experts (M = H = 512, E = 8, 2048 tokens, fp32,
 one thread): the saved stacks were 50 MB of the step's 341 MB peak (``benchmarks/model_step.py``).
 
 Only where it is exact and whole: stacked weights a ``stack`` along dim 0 of 2-D contiguous tensors of one
 shape and dtype, no gradient stored transposed, every use of a stacked gradient a ``select(·, 0, e)`` with a
-constant ``e``; sliced ones the gate and up rows of one contiguous fp32 / fp64 ``[E, 2H, M]`` tensor, no
-biases, the two gradients read only by their ``slice_backward`` into one ``add``. A stack or slice read by
+constant ``e``; sliced ones the gate and up rows of one fp32 / fp64 ``[E, 2H, M]`` tensor (contiguous, or the
+transpose of a contiguous ``[E, M, 2H]``), biases none or the same rows of one ``[E, 2H]``, the two gradients of
+each read only by their ``slice_backward`` (and ``transpose``) into one ``add``. A stack or slice read by
 anything else stays for that reader; anything else is left as it is. The nodes it builds carry the meta of
 those they replace (``seq_nr``, ``from_node``: :mod:`.provenance` carries them to stage 2) and a ``val`` from
 the ops' fake implementations.
