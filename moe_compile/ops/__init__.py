@@ -10,7 +10,8 @@ Importing this package registers:
 - ``torch.ops.moe.experts``   batched expert MLP over ``[E, C, M]``; ``experts_peers`` the same on an
   expert-parallel rank's received buffer ``[P, El, R, M]``, its matmuls ``moe.peer_bmm``; on the CPU
   one ``moe.peer_mlp`` (the MLP per block, its activation in cache) and ``peer_mlp_grads`` (every
-  gradient per block; in bf16 / fp16 ``peer_mlp_backward``, the weight gradients apart); ``peer_mlp_lists`` /
+  gradient per block; in bf16 / fp16 one GEMM per expert for each weight gradient, or with several peers
+  ``peer_mlp_backward``, the weight gradients apart); ``peer_mlp_lists`` /
   ``peer_mlp_grads_lists`` the same on the experts' own weights (no stacked copy), ``peer_mlp_gate_up`` /
   ``peer_mlp_grads_gate_up`` on one stored gate-and-up matrix (one GEMM where the model has one);
 - ``torch.ops.moe.chunk_rows`` / ``cat_rows`` / ``split_rows``: the buffer split along

@@ -20,14 +20,19 @@ gradients from its ``grad_h1`` / ``grad_h3`` while they are in cache: they live 
 block, reused block after block, where a separate weight-gradient node would read a ``[P, El, R, H]``
 ``grad_h1`` written to memory (21 MB at the shapes above, fresh pages every step) and read back. Each weight
 gradient is written in its weight's layout (a model that stores ``W1ᵀ`` gets ``Σ xᵀ grad_h1``: no transposing
-copy of the gradient). In bf16 / fp16 the per-block partial sums would each round, so there the backward is
-``moe::peer_mlp_backward`` (the input gradient and ``grad_h1`` / ``grad_h3``) and the weight gradients are
-``moe.peer_bmm_weight_grad`` nodes (one GEMM over every peer's rows, one rounding), which the schedule runs
-while the input gradient's all-to-all is in flight (``passes/schedule.py``: the chain's side work). In fp32
-that overlap is given up for the cache: measured on 2 gloo ranks (``benchmarks/ep_step.py``, 2-core machine),
-the sharded EP step with the overlap and with ``schedule="sequential"`` (none) differ by 1 % (339.4 / 342.2 ms),
-within the run's noise, while the fused backward alone is 3 % faster than the split one (157.6 / 162.7 ms at
-P = 1, the shapes above) and allocates 21 MB less.
+copy of the gradient). In bf16 / fp16 each per-block partial sum would round, so there an expert's blocks are
+written side by side into one scratch and each weight gradient is one GEMM over all of the expert's routed rows
+(one rounding, as ``_grouped_mm``'s per-expert GEMM; :func:`grad_blocks`), when there is one peer. With several
+peers in bf16 / fp16 the backward is ``moe::peer_mlp_backward`` (the input gradient and ``grad_h1`` /
+``grad_h3``) and the weight gradients are ``moe.peer_bmm_weight_grad`` nodes, which the schedule runs while the
+input gradient's all-to-all is in flight (``passes/schedule.py``: the chain's side work). With one peer there is
+no exchange to fill, and the split form cost memory and padding GEMMs: on torchtitan's Qwen3-MoE debug model
+(E = 64, 2048 tokens, top-8: a capacity of 384 rows where the mean load is 256) it allocated three 38 MB
+``[1, 64, 384, 768]`` bf16 tensors per layer per step and multiplied the padding rows in its weight GEMMs. In
+fp32 the overlap is given up for the cache at every P: measured on 2 gloo ranks (``benchmarks/ep_step.py``,
+2-core machine), the sharded EP step with the overlap and with ``schedule="sequential"`` (none) differ by 1 %
+(339.4 / 342.2 ms), within the run's noise, while the fused backward alone is 3 % faster than the split one
+(157.6 / 162.7 ms at P = 1, the shapes above) and allocates 21 MB less.
 
 What is saved for the backward: ``x`` and ``h1`` (and ``h3``); for an ungated ReLU ``h1`` holds ``relu(h1)``
 instead, which is all its backward needs (the mask ``h > 0`` and ``h`` itself for ``grad_W2``), so no
@@ -54,7 +59,7 @@ from torch import Tensor
 from .expert_vjp import _glu, autograd_inside_op
 from .peer_bmm import filled_counts, peer_bmm_weight_grad
 
-__all__ = ["fuses_weight_grads", "peer_mlp", "peer_mlp_backward", "peer_mlp_grads"]
+__all__ = ["fuses_weight_grads", "peer_mlp", "peer_mlp_backward", "peer_mlp_grads", "sums_per_block"]
 
 #: an ``[El, A, B]`` tensor of every local expert's matrix, or (the ``_lists`` ops, :mod:`.peer_mlp_lists`) the
 #: experts' own ``[A, B]`` tensors: ``w[e]`` is expert ``e``'s either way
@@ -215,12 +220,12 @@ def _peer_mlp_backward_fake(grad_y, h1, h3, w1, w2, w3, activation, act_args, fi
 
 
 def fuses_weight_grads(grad_y: Tensor) -> bool:
-    """Does ``peer_mlp``'s backward compute the weight gradients inside its per-block loop
-    (:func:`peer_mlp_grads`)? In fp32 / fp64: a block's weight-gradient GEMMs then read its ``grad_h1`` while
-    it is in cache, and no ``[P, El, R, H]`` ``grad_h1`` / ``grad_h3`` / ``h`` is allocated. In bf16 / fp16
-    the per-peer partial sums would each round, where ``peer_bmm_weight_grad`` multiplies every peer's rows in
-    one GEMM: there the backward is :func:`peer_mlp_backward` and the weight gradients are their own nodes."""
-    return grad_y.dtype in (torch.float32, torch.float64)
+    """Does ``peer_mlp``'s backward compute the weight gradients inside its loop (:func:`peer_mlp_grads`: no
+    ``[P, El, R, H]`` ``grad_h1`` / ``grad_h3`` / ``h`` allocated, no weight GEMM over padding rows)? In fp32 /
+    fp64 always; in bf16 / fp16 with one peer (no exchange whose flight the weight GEMMs could fill). With
+    several peers in bf16 / fp16 the backward is :func:`peer_mlp_backward` and the weight gradients are
+    ``peer_bmm_weight_grad`` nodes, which the schedule runs while the input gradient's all-to-all is in flight."""
+    return sums_per_block(grad_y) or grad_y.shape[0] == 1
 
 
 def _accumulate_(out: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
@@ -254,51 +259,93 @@ def grad_blocks(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w1: Weights, 
                 activation: str, act_args: Sequence[float], filled: Tensor | None, transposed: Sequence[bool],
                 needs: Sequence[bool]) -> tuple:
     """``moe.peer_mlp_grads``' computation, on stacked weights or on lists of them (then each weight gradient is
-    a list of the experts' own)."""
+    a list of the experts' own).
+
+    Expert by expert: each of its blocks' ``grad_h1`` / ``grad_h3`` / ``h`` is written into a scratch. In fp32 /
+    fp64 (:func:`sums_per_block`) the scratch is one ``[R, H]`` block and each block's weight GEMMs accumulate into
+    the gradient while it is in cache; in bf16 / fp16 the expert's blocks lie side by side in a ``[P·R, H]``
+    scratch and each weight gradient is one GEMM over all of them (its routed rows only), so the sum rounds once,
+    as ``_grouped_mm``'s per-expert GEMM rounds it."""
     P, El, R, M = grad_y.shape
     H = dims(w1)[1]
     gated, keep_output = w3 is not None, _saves_output(activation, w3)
+    per_block = sums_per_block(grad_y)
     grad_x, stored, biases = _empty_grads(grad_y, w1, w2, w3, transposed, needs)
-    gh1_block, gh3_block = grad_y.new_empty(R, H), grad_y.new_empty(R, H) if gated else None
-    h_block = None if keep_output else grad_y.new_empty(R, H)
+    span = R if per_block else P * R
+    gh1_scratch, gh3_scratch = grad_y.new_empty(span, H), grad_y.new_empty(span, H) if gated else None
+    h_scratch = None if keep_output else grad_y.new_empty(span, H)
     counts = filled_counts(grad_y, filled)
+    weight_grads = any(grad is not None for grad in stored) or any(needs[4:7])
     for e in range(El):
-        first = True
+        first, parts, offset = True, [], 0
         for p in range(P):
             n = R if counts is None else counts[p][e]
             if needs[0] and n < R:
                 grad_x[p, e, n:].zero_()
             if not n:
                 continue
-            g, rows, a = grad_y[p, e, :n], x[p, e, :n], h1[p, e, :n]
-            gh1, gh3 = gh1_block[:n], gh3_block[:n] if gated else None
+            rows = slice(0, n) if per_block else slice(offset, offset + n)
+            g, a = grad_y[p, e, :n], h1[p, e, :n]
+            gh1, gh3 = gh1_scratch[rows], gh3_scratch[rows] if gated else None
             torch.mm(g, w2[e], out=gh1)                               # grad_h = grad_y W2
             if keep_output:
                 h = a
                 torch.ops.aten.threshold_backward.grad_input(gh1, a, 0, grad_input=gh1)
             else:
-                h = h_block[:n]
+                h = h_scratch[rows]
                 _activation_vjp_(gh1, gh3, h, a, h3[p, e, :n] if gated else None, activation, act_args)
             if needs[0]:
                 out = grad_x[p, e, :n]
                 torch.mm(gh1, w1[e], out=out)
                 if gated:
                     out.addmm_(gh3, w3[e])
-            for grad, t, (left, right) in zip(stored, transposed, ((gh1, rows), (g, h), (gh3, rows))):
-                if grad is not None:                                   # grad_W = leftᵀ right, or its transpose
-                    _accumulate_(grad[e], *((right, left) if t else (left, right)), first)
-            for bias, rows_grad, need in zip(biases, (gh1, g, gh3), needs[4:7]):
-                if need:
-                    if first:
-                        torch.sum(rows_grad, 0, out=bias[e])
-                    else:
-                        bias[e].add_(rows_grad.sum(0))
+            if per_block:
+                _weight_grads_(stored, biases, transposed, needs, e, first, gh1, gh3, g, h, x[p, e, :n])
+                first = False
+            else:
+                parts.append((p, n))
+                offset += n
+        if parts and weight_grads:                                     # bf16 / fp16: one GEMM over every block
+            rows = slice(0, offset)
+            _weight_grads_(stored, biases, transposed, needs, e, True, gh1_scratch[rows],
+                           gh3_scratch[rows] if gated else None, _expert_rows(grad_y, e, parts),
+                           _expert_rows(h1, e, parts) if keep_output else h_scratch[rows], _expert_rows(x, e, parts))
             first = False
         if first:                                                      # no routed row reached expert e
             for t in (*(grad for grad in stored if grad is not None), *(b for b, need in zip(biases, needs[4:7])
                                                                           if need)):
                 t[e].zero_()
     return grad_x, *_as_read(grad_y, stored, transposed), *biases
+
+
+def sums_per_block(grad_y: Tensor) -> bool:
+    """Does ``peer_mlp_grads`` accumulate the weight gradients block by block (fp32 / fp64), or sum each
+    expert's blocks in one GEMM (bf16 / fp16, where each partial sum would round)?"""
+    return grad_y.dtype in (torch.float32, torch.float64)
+
+
+def _expert_rows(t: Tensor, e: int, parts: list[tuple[int, int]]) -> Tensor:
+    """Expert ``e``'s routed rows of ``t [P, El, R, D]``, peer after peer (``parts``: ``(p, n)``): the block
+    itself when one peer's, else a copy of the routed rows only."""
+    if len(parts) == 1:
+        p, n = parts[0]
+        return t[p, e, :n]
+    return torch.cat([t[p, e, :n] for p, n in parts])
+
+
+def _weight_grads_(stored: list, biases: list, transposed: Sequence[bool], needs: Sequence[bool], e: int,
+                   first: bool, gh1: Tensor, gh3: Tensor | None, g: Tensor, h: Tensor, rows: Tensor) -> None:
+    """Write (``first``) or add expert ``e``'s weight and bias gradients from these rows:
+    ``grad_W1 = gh1ᵀ rows``, ``grad_W2 = gᵀ h``, ``grad_W3 = gh3ᵀ rows``, ``grad_b = Σ`` of the same rows."""
+    for grad, t, (left, right) in zip(stored, transposed, ((gh1, rows), (g, h), (gh3, rows))):
+        if grad is not None:                                           # grad_W = leftᵀ right, or its transpose
+            _accumulate_(grad[e], *((right, left) if t else (left, right)), first)
+    for bias, rows_grad, need in zip(biases, (gh1, g, gh3), needs[4:7]):
+        if need:
+            if first:
+                torch.sum(rows_grad, 0, out=bias[e])
+            else:
+                bias[e].add_(rows_grad.sum(0))
 
 
 def _empty_grads(grad_y: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, transposed: Sequence[bool],

@@ -2,21 +2,27 @@
 projections are one stored matrix.
 
 transformers' fused experts (Mixtral, Qwen3-MoE, DeepSeek-V3 ... in ``grouped_mm`` form) store
-``gate_up_proj [E, 2H, M]``; canonicalize reads it as two row slices, ``w1 = W13[:, :H]`` and
-``w3 = W13[:, H:]`` (or, interleaved, ``W13[:, 0::2]`` and ``W13[:, 1::2]``). ``moe.peer_mlp`` then runs two
-``[n, M] x [M, H]`` GEMMs per block where the model runs one ``[n, M] x [M, 2H]``, its backward four where one
-``[n, 2H]`` operand does, and AOTAutograd assembles ``W13``'s gradient from the two slices' by two
-``slice_backward`` (each a zero-filled ``[E, 2H, M]``) and an ``add``. These ops take ``W13`` whole::
+``gate_up_proj [E, 2H, M]``, GPT-OSS stores it transposed, ``[E, M, 2H]``, with a bias ``[E, 2H]``; canonicalize
+reads it as two row slices, ``w1 = W13[:, :H]`` and ``w3 = W13[:, H:]`` (or, interleaved, ``W13[:, 0::2]`` and
+``W13[:, 1::2]``; the bias alike). ``moe.peer_mlp`` then runs two ``[n, M] x [M, H]`` GEMMs per block where the
+model runs one ``[n, M] x [M, 2H]`` (on GPT-OSS's interleaved transposed slices, each GEMM first copies its
+stride-2 operand: 64 ``[512, 512]`` copies per step of ``benchmarks/model_step.py``'s two-block model), its
+backward four where one ``[n, 2H]`` operand does, and AOTAutograd assembles ``W13``'s gradient (and the bias's)
+from the two slices' by two ``slice_backward`` (each a zero-filled ``[E, 2H, M]``) and an ``add``. These ops take
+``W13`` (and ``b13``) whole::
 
     forward, per block                      backward, per block (fp32)
-    h13 = x W13ᵀ          (one GEMM)        grad_h = grad_y W2; grad_h1, grad_h3 = act'(...) into one
+    h13 = x W13ᵀ + b13    (one GEMM)        grad_h = grad_y W2; grad_h1, grad_h3 = act'(...) into one
     h1, h3 = h13's gate and up columns      [n, 2H] block gh13 (its gate and up columns)
-    y = act(h1, h3) W2ᵀ                     grad_x = gh13 W13, grad_W13 += gh13ᵀ x, grad_W2 += grad_yᵀ h
+    y = act(h1, h3) W2ᵀ + b2                grad_x = gh13 W13, grad_W13 += gh13ᵀ x, grad_W2 += grad_yᵀ h,
+                                            grad_b13 += Σ gh13, grad_b2 += Σ grad_y
 
-``step`` 1: gate rows ``[0, H)``, up rows ``[H, 2H)``; ``step`` 2: interleaved (gate even rows, up odd). Every
-value is the split ops' up to fp32 summation order (the GEMM over ``2H`` columns is the model's own).
-:mod:`moe_compile.passes.weight_lists` puts them in place of the split ops on the joint graph, only without
-biases, in fp32 / fp64 (the fused backward's dtypes). They have no autograd formula of their own.
+``step`` 1: gate rows ``[0, H)``, up rows ``[H, 2H)``; ``step`` 2: interleaved (gate even rows, up odd). A weight
+read as a transposed view (``transposed``: GPT-OSS's ``W13ᵀ`` and ``W2ᵀ``) gets its gradient in its stored layout
+(``Σ xᵀ gh13``), returned as the view the op reads. Every value is the split ops' up to fp32 summation order (the
+GEMM over ``2H`` columns is the model's own; the bias is added after it, as there).
+:mod:`moe_compile.passes.weight_lists` puts them in place of the split ops on the joint graph, in fp32 / fp64
+(the dtypes whose backward accumulates block by block). They have no autograd formula of their own.
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .peer_bmm import filled_counts
-from .peer_mlp import _accumulate_, _activation_vjp_, _blocks, _glu
+from .peer_mlp import _accumulate_, _activation_vjp_, _add_bias_, _as_read, _blocks, _glu, _stored_grad
 
 __all__ = ["peer_mlp_gate_up", "peer_mlp_grads_gate_up"]
 
@@ -46,9 +52,10 @@ def _check(x: Tensor, w13: Tensor, w2: Tensor, step: int) -> None:
 
 
 @torch.library.custom_op("moe::peer_mlp_gate_up", mutates_args=())
-def peer_mlp_gate_up(x: Tensor, w13: Tensor, w2: Tensor, activation: str, act_args: Sequence[float],
-                     filled: Tensor | None, step: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``(y, h1, h3)`` of ``moe.peer_mlp(x, w1, w2, w3, ...)`` with ``w1`` / ``w3`` the gate / up rows of ``w13``."""
+def peer_mlp_gate_up(x: Tensor, w13: Tensor, w2: Tensor, b13: Tensor | None, b2: Tensor | None, activation: str,
+                     act_args: Sequence[float], filled: Tensor | None, step: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, h1, h3)`` of ``moe.peer_mlp(x, w1, w2, w3, activation, b1, b2, b3, ...)`` with ``w1`` / ``w3`` the
+    gate / up rows of ``w13`` and ``b1`` / ``b3`` those of ``b13``."""
     _check(x, w13, w2, step)
     R, H = x.shape[2], w2.shape[2]
     y, h1, h3 = _outputs(x, w2)
@@ -62,15 +69,18 @@ def peer_mlp_gate_up(x: Tensor, w13: Tensor, w2: Tensor, activation: str, act_ar
             continue
         h13 = scratch[:n]
         torch.mm(x[p, e, :n], w13[e].t(), out=h13)
+        _add_bias_(h13, b13, e)
         a, c = h1[p, e, :n], h3[p, e, :n]
         a.copy_(h13[:, gate])
         c.copy_(h13[:, up])
-        torch.mm(_glu(a, c, activation, act_args), w2[e].t(), out=y[p, e, :n])
+        out = y[p, e, :n]
+        torch.mm(_glu(a, c, activation, act_args), w2[e].t(), out=out)
+        _add_bias_(out, b2, e)
     return y, h1, h3
 
 
 @peer_mlp_gate_up.register_fake
-def _peer_mlp_gate_up_fake(x, w13, w2, activation, act_args, filled, step):
+def _peer_mlp_gate_up_fake(x, w13, w2, b13, b2, activation, act_args, filled, step):
     _check(x, w13, w2, step)
     return _outputs(x, w2)
 
@@ -85,15 +95,17 @@ def _outputs(x: Tensor, w2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 @torch.library.custom_op("moe::peer_mlp_grads_gate_up", mutates_args=())
 def peer_mlp_grads_gate_up(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w13: Tensor, w2: Tensor,
                            activation: str, act_args: Sequence[float], filled: Tensor | None, step: int,
-                           needs: Sequence[bool]) -> tuple[Tensor, Tensor, Tensor]:
-    """``(grad_x, grad_w13, grad_w2)`` of :func:`peer_mlp_gate_up`, one block at a time; those not in ``needs``
-    (x, w13, w2) empty. An expert no row reached gets zero gradients; the input gradient's padding is zero."""
+                           transposed: Sequence[bool], needs: Sequence[bool]) -> tuple[Tensor, Tensor, Tensor,
+                                                                                        Tensor, Tensor]:
+    """``(grad_x, grad_w13, grad_w2, grad_b13, grad_b2)`` of :func:`peer_mlp_gate_up`, one block at a time; those
+    not in ``needs`` (x, w13, w2, b13, b2) empty; ``transposed`` (w13, w2): written in the stored layout of a
+    weight read as a transposed view. An expert no row reached gets zero gradients; the input gradient's padding
+    is zero."""
     _check(x, w13, w2, step)
     P, El, R, M = grad_y.shape
     H = w2.shape[2]
     gate, up = _columns(2 * H, step)
-    grad_x, grad_w13, grad_w2 = _peer_mlp_grads_gate_up_fake(grad_y, x, h1, h3, w13, w2, activation, act_args,
-                                                             filled, step, needs)
+    grad_x, stored, biases = _empty_grads(grad_y, w13, w2, transposed, needs)
     gh13_block, h_block = grad_y.new_empty(R, 2 * H), grad_y.new_empty(R, H)
     counts = filled_counts(grad_y, filled)
     for e in range(El):
@@ -111,22 +123,36 @@ def peer_mlp_grads_gate_up(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w1
             _activation_vjp_(gh1, gh3, h, h1[p, e, :n], h3[p, e, :n], activation, act_args)
             if needs[0]:
                 torch.mm(gh13, w13[e], out=grad_x[p, e, :n])              # grad_x = [gh1 gh3] W13
-            if needs[1]:
-                _accumulate_(grad_w13[e], gh13, rows, first)              # grad_W13 += [gh1 gh3]ᵀ x
-            if needs[2]:
-                _accumulate_(grad_w2[e], g, h, first)                     # grad_W2 += grad_yᵀ h
+            for grad, t, (left, right) in zip(stored, transposed, ((gh13, rows), (g, h))):
+                if grad is not None:                                      # grad_W = leftᵀ right, or its transpose
+                    _accumulate_(grad[e], *((right, left) if t else (left, right)), first)
+            for bias, rows_grad in zip(biases, (gh13, g)):
+                if bias is not None:
+                    if first:
+                        torch.sum(rows_grad, 0, out=bias[e])
+                    else:
+                        bias[e].add_(rows_grad.sum(0))
             first = False
         if first:                                                         # no routed row reached expert e
-            for grad, need in ((grad_w13, needs[1]), (grad_w2, needs[2])):
-                if need:
+            for grad in (*stored, *biases):
+                if grad is not None:
                     grad[e].zero_()
-    return grad_x, grad_w13, grad_w2
+    return grad_x, *_as_read(grad_y, stored, transposed), *(grad_y.new_empty(0) if b is None else b for b in biases)
+
+
+def _empty_grads(grad_y: Tensor, w13: Tensor, w2: Tensor, transposed: Sequence[bool],
+                 needs: Sequence[bool]) -> tuple[Tensor, list[Tensor | None], list[Tensor | None]]:
+    """The outputs, unwritten: ``grad_x`` (empty if not needed), the weight gradients in their stored layouts and
+    the bias gradients ``[El, 2H]`` / ``[El, M]`` (None where not needed)."""
+    El, H = w2.shape[0], w2.shape[2]
+    grad_x = grad_y.new_empty(grad_y.shape) if needs[0] else grad_y.new_empty(0)
+    stored = [_stored_grad(w, t, need) for w, t, need in zip((w13, w2), transposed, needs[1:3])]
+    biases = [grad_y.new_empty(El, d) if need else None for d, need in zip((2 * H, w2.shape[1]), needs[3:5])]
+    return grad_x, stored, biases
 
 
 @peer_mlp_grads_gate_up.register_fake
-def _peer_mlp_grads_gate_up_fake(grad_y, x, h1, h3, w13, w2, activation, act_args, filled, step, needs):
+def _peer_mlp_grads_gate_up_fake(grad_y, x, h1, h3, w13, w2, activation, act_args, filled, step, transposed, needs):
     _check(x, w13, w2, step)
-    grad_x = grad_y.new_empty(grad_y.shape) if needs[0] else grad_y.new_empty(0)
-    grad_w13 = torch.empty_like(w13, memory_format=torch.contiguous_format) if needs[1] else grad_y.new_empty(0)
-    grad_w2 = torch.empty_like(w2, memory_format=torch.contiguous_format) if needs[2] else grad_y.new_empty(0)
-    return grad_x, grad_w13, grad_w2
+    grad_x, stored, biases = _empty_grads(grad_y, w13, w2, transposed, needs)
+    return grad_x, *_as_read(grad_y, stored, transposed), *(grad_y.new_empty(0) if b is None else b for b in biases)

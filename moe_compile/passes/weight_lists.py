@@ -18,24 +18,36 @@ stored (:mod:`moe_compile.ops.peer_mlp_lists`, :mod:`moe_compile.ops.peer_mlp_ga
     gw1_3 = aten.select(g[1], 0, 3)                     gw1_3 = g[grad_index(0, 3, 8)]
 
     w1, w3 = aten.slice(W13, 1, 0, H), aten.slice(W13, 1, H, 2H)         (or 0::2 / 1::2)
-    y, h1, h3 = moe.peer_mlp(x, w1, w2, w3, ...)        y, h1, h3 = moe.peer_mlp_gate_up(x, W13, w2, ..., step)
+    b1, b3 = aten.slice(B13, 1, 0, H), aten.slice(B13, 1, H, 2H)         (or none)
+    y, h1, h3 = moe.peer_mlp(x, w1, w2, w3, act,        y, h1, h3 = moe.peer_mlp_gate_up(x, W13, w2, B13, b2,
+                             b1, b2, b3, ...)                                            act, ..., step)
     g = moe.peer_mlp_grads(gy, x, h1, h3, w1, w2, w3,   g = moe.peer_mlp_grads_gate_up(gy, x, h1, h3, W13, w2,
-                           ...)                                                       ..., step, needs)
+                           ...)                                                       ..., step, transposed, needs)
     gW13 = slice_backward(g[1], ...) + slice_backward(g[3], ...)        gW13 = g[1]
+    gB13 = slice_backward(g[4], ...) + slice_backward(g[6], ...)        gB13 = g[3]
+
+GPT-OSS stores ``W13ᵀ [E, M, 2H]``: there ``W13`` is ``transpose(W13ᵀ, 1, 2)`` (one per slice in the joint graph)
+and each gate / up gradient reaches the ``add`` through a ``transpose`` too; the op reads the first transpose and
+its gradient is written in the stored layout (``gW13ᵀ = transpose(g[1], 1, 2)``, contiguous). Measured before
+this rewrite on ``benchmarks/model_step.py``'s two-block GPT-OSS (M = H = 512, E = 8, fp32, one thread): the
+stride-2 weight slices cost 64 ``[512, 512]`` copies per step (60 ms of a 2.4 s profiled step) and the
+assembled gradients two ``[8, 512, 1024]`` copies, fills and adds more.
 
 Measured on a two-block decoder with ``ModuleList`` SwiGLU experts (M = H = 512, E = 8, 2048 tokens, fp32,
 one thread): the saved stacks were 50 MB of the step's 341 MB peak (``benchmarks/model_step.py``).
 
 Only where it is exact and whole: stacked weights a ``stack`` along dim 0 of 2-D contiguous tensors of one
 shape and dtype, no gradient stored transposed, every use of a stacked gradient a ``select(·, 0, e)`` with a
-constant ``e``; sliced ones the gate and up rows of one contiguous fp32 / fp64 ``[E, 2H, M]`` tensor, no
-biases, the two gradients read only by their ``slice_backward`` into one ``add``. A stack or slice read by
+constant ``e``; sliced ones the gate and up rows of one fp32 / fp64 ``[E, 2H, M]`` tensor (contiguous, or the
+transpose of a contiguous ``[E, M, 2H]``), biases none or the same rows of one ``[E, 2H]``, the two gradients of
+each read only by their ``slice_backward`` (and ``transpose``) into one ``add``. A stack or slice read by
 anything else stays for that reader; anything else is left as it is. The nodes it builds carry the meta of
 those they replace (``seq_nr``, ``from_node``: :mod:`.provenance` carries them to stage 2) and a ``val`` from
 the ops' fake implementations.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -61,46 +73,120 @@ def _slice_args(node) -> tuple | None:
     return base, dim, start or 0, end, step
 
 
-def _gate_up(w1, w3) -> tuple[Node, int] | None:
-    """``(W13, step)`` when ``w1`` / ``w3`` are the gate / up rows of one ``[E, 2H, M]`` contiguous fp32 / fp64
-    tensor: ``W13[:, :H]`` / ``W13[:, H:]`` (step 1) or ``W13[:, 0::2]`` / ``W13[:, 1::2]`` (step 2)."""
-    a, c = _slice_args(w1), _slice_args(w3)
-    if a is None or c is None or a[0] is not c[0] or a[1] != 1 or c[1] != 1:
+_TRANSPOSE = torch.ops.aten.transpose.int
+
+
+def _stored_transposed(node) -> Node | None:
+    """``W`` when ``node`` is ``transpose(W, 1, 2)`` of a contiguous 3-D ``W`` (GPT-OSS's ``[E, M, 2H]``)."""
+    if not (isinstance(node, Node) and node.target is _TRANSPOSE and sorted(node.args[1:3]) == [1, 2]):
         return None
-    val = a[0].meta.get("val")
-    if not (isinstance(val, torch.Tensor) and val.dim() == 3 and val.is_contiguous() and val.shape[1] % 2 == 0
-            and val.dtype in (torch.float32, torch.float64)):
-        return None
-    rows = val.shape[1]
+    val = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
+    return node.args[0] if isinstance(val, torch.Tensor) and val.dim() == 3 and val.is_contiguous() else None
+
+
+def _halves(a: tuple, c: tuple, rows: int) -> int | None:
+    """The step (1: halves, 2: interleaved) when slices ``a`` / ``c`` (``_slice_args``) take the gate and the up
+    rows of ``rows``, else None."""
     half = rows // 2
     reaches = lambda end: end is None or end >= rows   # noqa: E731
     if a[2:] == (0, half, 1) and c[2] == half and reaches(c[3]) and c[4] == 1:
-        return a[0], 1
+        return 1
     if a[2] == 0 and c[2] == 1 and a[4] == c[4] == 2 and reaches(a[3]) and reaches(c[3]):
-        return a[0], 2
+        return 2
     return None
 
 
-def _gate_up_grad(grads: Node, w13: Node, step: int) -> Node | None:
-    """The ``add`` of the two ``slice_backward`` that assemble ``w13``'s gradient from ``grads``' gate (1) and
-    up (3) gradients, when nothing else reads them; None otherwise."""
-    parts = {}
+@dataclasses.dataclass(frozen=True)
+class GateUp:
+    """The gate and up projections read as two slices of one stored matrix (and bias)."""
+    w13: Node                 #: the ``[E, 2H, M]`` the slices read (GPT-OSS: ``transpose(W13ᵀ, 1, 2)``)
+    step: int                 #: 1: gate rows ``[0, H)``, up ``[H, 2H)``; 2: interleaved
+    transposed: bool          #: ``w13`` is the transposed view of a contiguous ``[E, M, 2H]``
+    b13: Node | None          #: the ``[E, 2H]`` bias the gate and up biases slice, or None (no biases)
+
+
+def _gate_up(w1, w3, b1, b3) -> GateUp | None:
+    """The stored matrix when ``w1`` / ``w3`` are the gate / up rows of one fp32 / fp64 ``[E, 2H, M]`` tensor,
+    contiguous or the transposed view of a contiguous ``[E, M, 2H]``: ``W13[:, :H]`` / ``W13[:, H:]`` (step 1) or
+    ``W13[:, 0::2]`` / ``W13[:, 1::2]`` (step 2); and ``b1`` / ``b3`` both None or the same rows of one
+    ``[E, 2H]`` bias."""
+    a, c = _slice_args(w1), _slice_args(w3)
+    if a is None or c is None or a[1] != 1 or c[1] != 1:
+        return None
+    if a[0] is c[0]:
+        base, stored = a[0], None
+    else:   # two transposes of one stored W13ᵀ
+        stored = _stored_transposed(a[0])
+        if stored is None or _stored_transposed(c[0]) is not stored:
+            return None
+        base = a[0]
+    val = base.meta.get("val")
+    if not (isinstance(val, torch.Tensor) and val.dim() == 3 and val.shape[1] % 2 == 0
+            and val.dtype in (torch.float32, torch.float64)):
+        return None
+    transposed = not val.is_contiguous()
+    if transposed and (stored is None and _stored_transposed(base) is None):
+        return None
+    step = _halves(a, c, val.shape[1])
+    if step is None:
+        return None
+    if b1 is None and b3 is None:
+        return GateUp(base, step, transposed, None)
+    ba, bc = _slice_args(b1), _slice_args(b3)
+    if ba is None or bc is None or ba[0] is not bc[0] or ba[1] != 1 or bc[1] != 1:
+        return None
+    bval = ba[0].meta.get("val")
+    if not (isinstance(bval, torch.Tensor) and bval.dim() == 2 and bval.is_contiguous()
+            and bval.shape[1] == val.shape[1] and _halves(ba, bc, bval.shape[1]) == step):
+        return None
+    return GateUp(base, step, transposed, ba[0])
+
+
+def _assembled(grads: Node, gate: int, up: int, step: int) -> tuple[Node, list[Node]] | None:
+    """The ``add`` that assembles one stored tensor's gradient from ``grads``' gate (``gate``) and up (``up``)
+    gradients, each through its ``slice_backward`` into the rows of ``step`` (and a ``transpose`` for a stored
+    ``W13ᵀ``), when nothing else reads them; with the nodes to erase once the add is replaced (the add's operands
+    first). None otherwise."""
+    parts, chains = {}, []
     for user in grads.users:
         position = user.args[1]
-        if position in (1, 3):
-            if len(user.users) != 1:
+        if position not in (gate, up):
+            continue
+        chain, node = [user], user
+        while True:
+            if len(node.users) != 1:
                 return None
-            back = next(iter(user.users))
-            if back.target is not _SLICE_BACKWARD or back.args[0] is not user or len(back.users) != 1:
+            nxt = next(iter(node.users))
+            if nxt.target is _ADD:
+                break
+            if not (nxt.args[0] is node and (nxt.target is _SLICE_BACKWARD and len(chain) == 1
+                                             or nxt.target is _TRANSPOSE and len(chain) == 2)):
                 return None
-            parts[position] = back
-    if set(parts) != {1, 3}:
+            chain.append(nxt)
+            node = nxt
+        if len(chain) < 2 or chain[1].target is not _SLICE_BACKWARD:
+            return None
+        parts[position] = node
+        chains.append((position, chain))
+    if set(parts) != {gate, up}:
         return None
-    add = next(iter(parts[1].users))
-    if add is not next(iter(parts[3].users)) or add.target is not _ADD or set(add.args[:2]) != set(parts.values()) \
-            or len(add.args) > 2 or add.kwargs:
+    add = next(iter(parts[gate].users))
+    if add is not next(iter(parts[up].users)) or set(add.args[:2]) != set(parts.values()) \
+            or len(add.args) > 2 or add.kwargs or len(chains[0][1]) != len(chains[1][1]):
         return None
-    return add
+    rows = {position: _backward_rows(chain[1]) for position, chain in chains}
+    if rows[gate] is None or rows[up] is None or _halves(rows[gate], rows[up], rows[gate][0]) != step:
+        return None
+    return add, [n for _, chain in chains for n in reversed(chain)]
+
+
+def _backward_rows(node: Node) -> tuple | None:
+    """``(rows, dim, start, end, step)`` of a ``slice_backward(grad, sizes, dim, start, end, step)`` along dim 1
+    (the shape of ``_slice_args``, ``rows`` in the base's place), else None."""
+    _, sizes, dim, start, end, step = node.args
+    if dim != 1:
+        return None
+    return sizes[1], dim, start, end, step
 
 
 def _listed(node) -> list[Node] | None:
@@ -167,36 +253,49 @@ def _fuse_gate_up(graph, node: Node, dead: set[Node]) -> bool:
     """``peer_mlp`` / ``peer_mlp_grads`` on the gate and up rows of one tensor → the ``_gate_up`` ops."""
     if node.target is torch.ops.moe.peer_mlp.default:
         x, w1, w2, w3, activation, b1, b2, b3, act_args, filled = node.args
-        found = _gate_up(w1, w3) if w3 is not None and (b1, b2, b3) == (None, None, None) else None
+        found = _gate_up(w1, w3, b1, b3) if w3 is not None else None
         if found is None:
             return False
-        new = _new(graph, torch.ops.moe.peer_mlp_gate_up.default, (x, found[0], w2, activation, act_args, filled,
-                                                                    found[1]), node)
-        dead.update((w1, w3))
+        new = _new(graph, torch.ops.moe.peer_mlp_gate_up.default, (x, found.w13, w2, found.b13, b2, activation,
+                                                                    act_args, filled, found.step), node)
+        dead.update(n for n in (w1, w3, b1, b3, w1.args[0], w3.args[0]) if n is not None)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         return True
     grad_y, x, h1, h3, w1, w2, w3, activation, act_args, filled, transposed, needs = node.args
-    found = _gate_up(w1, w3) if w3 is not None and not any(transposed) and not any(needs[4:]) else None
-    if found is None or needs[1] != needs[3]:
+    # the biases are not read here: their gradients' slice_backward must take the weights' gate and up rows
+    found = _gate_up(w1, w3, None, None) if w3 is not None and not transposed[0] and not transposed[2] else None
+    if found is None or needs[1] != needs[3] or needs[4] != needs[6]:
         return False
-    add = _gate_up_grad(node, *found) if needs[1] else None
-    if needs[1] and add is None:
+    weight = _assembled(node, 1, 3, found.step) if needs[1] else None
+    bias = _assembled(node, 4, 6, found.step) if needs[4] else None
+    if (needs[1] and weight is None) or (needs[4] and bias is None) or weight and \
+            (weight[1][0].target is _TRANSPOSE) != found.transposed:
         return False
     new = _new(graph, torch.ops.moe.peer_mlp_grads_gate_up.default,
-               (grad_y, x, h1, h3, found[0], w2, activation, act_args, filled, found[1],
-                [needs[0], needs[1], needs[2]]), node)
-    dead.update((w1, w3))
+               (grad_y, x, h1, h3, found.w13, w2, activation, act_args, filled, found.step,
+                [found.transposed, transposed[1]], [needs[0], needs[1], needs[2], needs[4], needs[5]]), node)
+    dead.update(n for n in (w1, w3) if n is not None)
     for user in list(node.users):
-        if user.args[1] in (0, 2):   # grad_x, grad_w2: the same positions
-            _take(graph, user, new, user.args[1])
-    if add is not None:
-        backs = list(add.args[:2])
-        _take(graph, add, new, 1)
-        for back in backs:
-            item = back.args[0]
-            graph.erase_node(back)
-            graph.erase_node(item)
+        position = user.args[1]
+        if position in (0, 2, 5):   # grad_x, grad_w2, grad_b2
+            _take(graph, user, new, {0: 0, 2: 2, 5: 4}[position])
+    for assembled, index in ((weight, 1), (bias, 3)):
+        if assembled is None:
+            continue
+        add, chain = assembled
+        if index == 1 and found.transposed:   # the stored W13ᵀ's gradient: the op's [E, 2H, M] view transposed
+            with graph.inserting_before(add):
+                item = graph.call_function(operator.getitem, (new, index))
+                view = graph.call_function(_TRANSPOSE, (item, 1, 2))
+            item.meta["val"] = new.meta["val"][index] if "val" in new.meta else None
+            view.meta.update(add.meta)
+            add.replace_all_uses_with(view)
+            graph.erase_node(add)
+        else:
+            _take(graph, add, new, index)
+        for n in chain:
+            graph.erase_node(n)
     for user in list(node.users):
         if not user.users:
             graph.erase_node(user)
@@ -254,7 +353,7 @@ def read_weights_in_place(joint: GraphModule) -> int:
             rewritten += 1
     if rewritten:
         for node in reversed(list(graph.nodes)):
-            if node in dead and not node.users:
+            if node in dead and not node.users and node.op == "call_function":
                 graph.erase_node(node)
         graph.lint()
         joint.recompile()

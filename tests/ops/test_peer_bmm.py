@@ -202,3 +202,20 @@ def test_experts_peers_with_filled_equals_experts_where_combine_reads(gated):
     params = [t for t in (x, w1, w2, w3, b1, b2) if t is not None]
     for a, b in zip(torch.autograd.grad(y, params, grad), torch.autograd.grad(ref, params, grad)):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_weight_grad_with_filled_is_one_gemm_over_the_routed_rows(dtype):
+    """bf16 / fp16 with ``filled``: per expert one GEMM over its routed rows of every peer (bitwise ``mm`` of
+    those rows, concatenated); garbage (NaN) in the padding reaches nothing; an expert nothing reached gets 0."""
+    gen = torch.Generator().manual_seed(8)
+    filled = torch.tensor([[3, 0], [0, 0], [ROWS, 0]])
+    x = torch.randn(PEERS, LOCAL, ROWS, MODEL_DIM, generator=gen).to(dtype)
+    g = torch.randn(PEERS, LOCAL, ROWS, HIDDEN_DIM, generator=gen).to(dtype)
+    pad = torch.arange(ROWS).view(1, 1, -1, 1) >= filled.view(PEERS, LOCAL, 1, 1)
+    got = torch.ops.moe.peer_bmm_weight_grad(x.masked_fill(pad, float("nan")), g.masked_fill(pad, float("nan")),
+                                             filled)
+    expected = torch.cat([x[0, 0, :3], x[2, 0]]).t() @ torch.cat([g[0, 0, :3], g[2, 0]])
+    assert torch.equal(got[0], expected)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    torch.testing.assert_close(got, torch.ops.moe.peer_bmm_weight_grad(x.masked_fill(pad, 0), g.masked_fill(pad, 0)))

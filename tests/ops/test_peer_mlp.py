@@ -238,3 +238,36 @@ def test_closed_form_activation_vjp_is_autograds(activation, gated):
     assert torch.equal(gh1, grads[0])
     if gated:
         assert torch.equal(gh3, grads[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation, gated", [("relu", False), ("silu", True), ("swiglu_oai", True)])
+def test_the_reduced_precision_backward_sums_each_expert_once(activation, gated, dtype):
+    """In bf16 / fp16 ``peer_mlp_grads`` sums an expert's routed rows of every peer in one GEMM (one rounding):
+    its weight and bias gradients equal the fp64 sums rounded once, and every gradient the split backward's
+    (``peer_mlp_backward`` + ``peer_bmm_weight_grad`` over all rows); autograd of ``peer_mlp`` calls it."""
+    gen = torch.Generator().manual_seed(10)
+    x, w1, w2, w3, *_ = (t.detach() if t is not None else None for t in _inputs(gen, gated, False))
+    act_args = ACT_ARGS.get(activation, [])
+    x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
+    w3 = w3.to(dtype) if gated else None
+    _, h1, h3 = torch.ops.moe.peer_mlp(x, w1, w2, w3, activation, None, None, None, act_args, FILLED)
+    grad_y = (torch.randn(PEERS, LOCAL, ROWS, MODEL_DIM, generator=gen, dtype=torch.float64) * _kept(FILLED)).to(dtype)
+    needs = [True, True, True, gated, True, True, gated]
+    got = torch.ops.moe.peer_mlp_grads(grad_y, x, h1, h3, w1, w2, w3, activation, act_args, FILLED,
+                                       [False, False, False], needs)
+    grad_x, weights, biases = _split_grads(grad_y, x, h1, h3, w1, w2, w3, activation, act_args, FILLED)
+    torch.testing.assert_close(got[0], grad_x)
+    for a, b in zip(got[1:4], weights):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(got[4:7], biases):
+        torch.testing.assert_close(a, b)
+    # grad_W2 = Σ over every peer's routed rows of grad_yᵀ h, rounded once: the fp64 sum of the same bf16 rows
+    h = h1 if activation == "relu" and not gated else None
+    if h is not None:
+        exact = torch.einsum("perm,perh->emh", grad_y.double(), h.double()).to(dtype)
+        assert torch.equal(got[2], exact)
+    leaves = [t.requires_grad_() for t in (x, w1, w2, *((w3,) if gated else ()))]
+    y, _, _ = torch.ops.moe.peer_mlp(*leaves[:3], w3, activation, None, None, None, act_args, FILLED)
+    for a, b in zip(torch.autograd.grad(y, leaves, grad_y), got[:4]):
+        torch.testing.assert_close(a, b)

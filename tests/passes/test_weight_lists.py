@@ -143,3 +143,49 @@ def test_gate_up_rows_with_another_reader_keep_the_backward():
     gm.recompile()
     assert read_weights_in_place(gm) == 1   # the forward only
     assert torch.ops.moe.peer_mlp_grads.default in {n.target for n in gm.graph.nodes}
+
+
+def _stored_transposed_joint(step: int):
+    """GPT-OSS's experts on the joint graph: ``gate_up_proj [E, M, 2H]`` read as two row slices of its transpose
+    (each slice through a transpose of its own, as AOTAutograd traces them), a gate-and-up bias ``[E, 2H]`` sliced
+    the same way, ``down_proj [E, H, M]`` read transposed and a bias ``[E, M]``; the gradients assembled by
+    ``slice_backward`` (and ``transpose``) + ``add``."""
+    def f(x, grad_y, filled, w13t, b13, w2t, b2):
+        rows = w13t.shape[2]
+        (g0, g1, stride), (u0, u1) = ((0, rows // 2, 1), (rows // 2, rows)) if step == 1 else ((0, rows, 2), (1, rows))
+        w1 = torch.ops.aten.slice(w13t.transpose(1, 2), 1, g0, g1, stride)
+        w3 = torch.ops.aten.slice(w13t.transpose(1, 2), 1, u0, u1, stride)
+        b1, b3 = torch.ops.aten.slice(b13, 1, g0, g1, stride), torch.ops.aten.slice(b13, 1, u0, u1, stride)
+        w2 = w2t.transpose(1, 2)
+        y, h1, h3 = torch.ops.moe.peer_mlp(x, w1, w2, w3, "swiglu_oai", b1, b2, b3, [1.702, 7.0], filled)
+        grads = torch.ops.moe.peer_mlp_grads(grad_y, x, h1, h3, w1, w2, w3, "swiglu_oai", [1.702, 7.0], filled,
+                                             [False, True, False], [True] * 7)
+        shape = [w13t.shape[0], rows, w13t.shape[1]]
+        gate = torch.ops.aten.slice_backward(grads[1], shape, 1, g0, g1, stride).transpose(1, 2)
+        up = torch.ops.aten.slice_backward(grads[3], shape, 1, u0, u1, stride).transpose(1, 2)
+        bias_gate = torch.ops.aten.slice_backward(grads[4], list(b13.shape), 1, g0, g1, stride)
+        bias_up = torch.ops.aten.slice_backward(grads[6], list(b13.shape), 1, u0, u1, stride)
+        return [y, grads[0], gate + up, grads[2].transpose(1, 2), bias_up + bias_gate, grads[5]]
+
+    torch.manual_seed(0)
+    inputs = [torch.randn(1, E, R, M), torch.randn(1, E, R, M), FILLED, torch.randn(E, M, 2 * H),
+              torch.randn(E, 2 * H), torch.randn(E, H, M), torch.randn(E, M)]
+    return make_fx(f, tracing_mode="fake")(*inputs), inputs
+
+
+@pytest.mark.parametrize("step", [1, 2], ids=["split", "interleaved"])
+def test_gate_up_stored_transposed_with_biases_read_whole(step):
+    """GPT-OSS's layout (``W13ᵀ`` stored, biases): one GEMM over the stored matrix per block, no stride-2 weight
+    slice, the weight and bias gradients written whole in their stored layouts; every value equals the sliced
+    ops' (up to the order of the 2H-column sums)."""
+    gm, inputs = _stored_transposed_joint(step)
+    expected = gm(*inputs)
+    assert read_weights_in_place(gm) == 2
+    targets = [n.target for n in gm.graph.nodes]
+    assert torch.ops.moe.peer_mlp_gate_up.default in targets
+    assert torch.ops.moe.peer_mlp_grads_gate_up.default in targets
+    assert torch.ops.aten.slice_backward.default not in targets and torch.ops.aten.slice.Tensor not in targets
+    got = gm(*inputs)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert got[2].is_contiguous() and got[2].shape == inputs[3].shape   # W13ᵀ's gradient in its stored layout
