@@ -86,7 +86,10 @@ def _stored_transposed(node) -> Node | None:
 
 def _halves(a: tuple, c: tuple, rows: int) -> int | None:
     """The step (1: halves, 2: interleaved) when slices ``a`` / ``c`` (``_slice_args``) take the gate and the up
-    rows of ``rows``, else None."""
+    rows of ``rows``, else None. Static sizes only: a symbolic one (a sharded or dynamic weight: a graph node,
+    or a SymInt whose comparison would add a guard) is left as written."""
+    if type(rows) is not int or not all(type(v) in (int, type(None)) for v in (*a[2:], *c[2:])):
+        return None
     half = rows // 2
     reaches = lambda end: end is None or end >= rows   # noqa: E731
     if a[2:] == (0, half, 1) and c[2] == half and reaches(c[3]) and c[4] == 1:
@@ -121,8 +124,8 @@ def _gate_up(w1, w3, b1, b3) -> GateUp | None:
             return None
         base = a[0]
     val = base.meta.get("val")
-    if not (isinstance(val, torch.Tensor) and val.dim() == 3 and val.shape[1] % 2 == 0
-            and val.dtype in (torch.float32, torch.float64)):
+    if not (isinstance(val, torch.Tensor) and val.dim() == 3 and all(type(n) is int for n in val.shape)
+            and val.shape[1] % 2 == 0 and val.dtype in (torch.float32, torch.float64)):   # static sizes: _halves
         return None
     transposed = not val.is_contiguous()
     if transposed and (stored is None and _stored_transposed(base) is None):
