@@ -80,6 +80,20 @@ class _Warnings(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+def _step_equals_eager(compiled, eager, rank: int, step: int, tokens: int, what: str) -> None:
+    """One training step of both on this rank's ``tokens``-token batch: output and input gradient equal."""
+    x = torch.randn(1, tokens, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+    x_c, x_e = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch.manual_seed(step)   # the same draws (GShard top-2's Gumbel noise) in both
+    out_c = compiled(x_c)
+    torch.manual_seed(step)
+    out_e = eager(x_e)
+    torch.testing.assert_close(out_c, out_e, **TOL, msg=lambda m: f"{what} output: {m}")
+    out_c.square().sum().backward()
+    out_e.square().sum().backward()
+    torch.testing.assert_close(x_c.grad, x_e.grad, **TOL, msg=lambda m: f"{what} input grad: {m}")
+
+
 def _run(rank: int, world_size: int, refuse_on: int | None, steps=None, options=None) -> dict:
     import moe_compile
     from moe_compile.passes import canonicalize
@@ -101,16 +115,8 @@ def _run(rank: int, world_size: int, refuse_on: int | None, steps=None, options=
                              options=options or {"ep_group": "world", "agree_layers": True})
     exchanged = []
     for step, tokens in enumerate(steps or STEPS[world_size]):
-        x = torch.randn(1, tokens[rank], 8, generator=torch.Generator().manual_seed(10 * step + rank))
-        x_c, x_e = x.clone().requires_grad_(), x.clone().requires_grad_()
         moe_compile.counters.clear()
-        out_c = compiled(x_c)
-        out_e = eager(x_e)
-        what = f"rank {rank} step {step} (T = {tokens[rank]})"
-        torch.testing.assert_close(out_c, out_e, **TOL, msg=lambda m: f"{what} output: {m}")
-        out_c.square().sum().backward()
-        out_e.square().sum().backward()
-        torch.testing.assert_close(x_c.grad, x_e.grad, **TOL, msg=lambda m: f"{what} input grad: {m}")
+        _step_equals_eager(compiled, eager, rank, step, tokens[rank], f"rank {rank} step {step} (T = {tokens[rank]})")
         exchanged.append(moe_compile.counters["regions_expert_parallel"])
     # the router is data parallel: its gradient is the same as eager's on this rank's batches
     torch.testing.assert_close(model.first.router.weight.grad, eager.first.router.weight.grad, **TOL)
@@ -222,18 +228,9 @@ def _run_patterns(rank: int, world_size: int) -> dict:
         compiled = torch.compile(layer, backend="moe", fullgraph=True, options={"ep_group": "world"})
         compiles = []
         for step, tokens in enumerate(PATTERN_STEPS[world_size]):
-            x = torch.randn(1, tokens[rank], 8, generator=torch.Generator().manual_seed(10 * step + rank))
-            x_c, x_e = x.clone().requires_grad_(), x.clone().requires_grad_()
             moe_compile.counters.clear()
-            torch.manual_seed(step)   # the same draws (GShard top-2's Gumbel noise) in both
-            out_c = compiled(x_c)
-            torch.manual_seed(step)
-            out_e = eager(x_e)
-            what = f"{name}: rank {rank} step {step} (T = {tokens[rank]})"
-            torch.testing.assert_close(out_c, out_e, **TOL, msg=lambda m: f"{what} output: {m}")
-            out_c.square().sum().backward()
-            out_e.square().sum().backward()
-            torch.testing.assert_close(x_c.grad, x_e.grad, **TOL, msg=lambda m: f"{what} input grad: {m}")
+            _step_equals_eager(compiled, eager, rank, step, tokens[rank],
+                               f"{name}: rank {rank} step {step} (T = {tokens[rank]})")
             if moe_compile.counters["graphs"]:
                 compiles.append((step, moe_compile.counters["regions_expert_parallel"]))
         decisions[name] = compiles
