@@ -30,6 +30,7 @@ from .graph_breaks import report_graph_breaks
 from .passes import pipeline
 from .passes.checkpoint_bodies import checkpoint_bodies, mark_sharded_operands, mark_traced_operands
 from .passes.safe_views import reshape_unsafe_views
+from .passes.tiled_grads import stack_tiled_grads
 from .passes.saved_order import inductor_partitioner, partition
 from .passes.weight_lists import read_weights_in_place
 from .passes.grad_sync import plan_grad_sync
@@ -263,6 +264,8 @@ def _compile(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.GraphM
         reshaped = reshape_unsafe_views(graph, backward=prefix == "bw_") if graph_is_built(graph) else 0
         if reshaped:
             counters["views_reshaped"] += reshaped
+        # a sum of zero-padded gradient pieces that tile a tensor: one stack / cat (passes/tiled_grads.py)
+        counters["tiled_grads_joined"] += stack_tiled_grads(graph)
         with _timed("seconds:inner"):
             run = name_collective_faults(graph)  # names the MoE layer of a failed collective
             # moe_compile.measure_tasks(): per-task timing while a measurement is active, else `run` itself

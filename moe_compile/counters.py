@@ -3,7 +3,9 @@
 Keys: ``graphs`` (graphs compiled), ``regions_found``, ``regions_rewritten``,
 ``regions_skipped``, ``pattern:<name>`` per matched pattern, ``regions_verified_again`` (canonicalize's
 check answered from an earlier identical one), ``views_reshaped`` (the eager inner compiler's
-``aten.view`` nodes turned into ``reshape``, ``passes/safe_views.py``), ``normalize:<rule>`` per spelling
+``aten.view`` nodes turned into ``reshape``, ``passes/safe_views.py``), ``tiled_grads_joined`` (the eager
+inner compiler's sums of zero-padded gradient pieces joined by one ``stack`` / ``cat``,
+``passes/tiled_grads.py``), ``normalize:<rule>`` per spelling
 normalised (``cast``, ``no_op_cast``, ``linear_arguments``, ``one_hot``, ``addcmul``, ``cast_function``,
 ``passes/normalize.py``); wall seconds (floats,
 summed over graphs): ``seconds:pass:<name>`` per pass (stage-2 names prefixed
