@@ -22,6 +22,10 @@ k = 1, so it is exactly the canonical dispatch with a fixed capacity::
             argument for: the layer is dispatched dropless and each token's weight multiplied by its row of
             ``kept`` (1 kept, 0 dropped), so a dropped token adds 0 and gets no gradient, as in eager.
 
+Mesh TensorFlow and T5X spell the same mask with positions that are -1 where a token is not routed,
+``pos = cumsum(hot) * hot - 1`` tested by ``(pos < C) & (pos >= 0)``, and the weight as ``(probs * kept).sum(-1)``:
+the same mask and weight (:func:`_mesh_tf_mask`, :func:`_weights`).
+
 Older transformers versions (and Switch's Mesh-TensorFlow code) let a dropped token pass through the
 layer scaled by its router probability instead (the experts' outputs written into a copy of the tokens,
 :func:`pass_through_copy`); such a layer computes something else than the canonical form: :mod:`.detect`
@@ -86,6 +90,12 @@ def capacity_mask(ids: Node, num_experts) -> CapacityMask | None:
             if shape is None or len(shape) not in (2, 3) or dim not in (len(shape) - 2, -2):
                 raise NoMatch(f"the expert one-hot {hot.name} is cumsummed ({cumsum.name}) over dim {dim} of "
                               f"{list(shape or ())}, not over the tokens of [T, E] or [B, S, E]")
+            mesh = _mesh_tf_mask(cumsum, hot)
+            if mesh is not None:
+                kept, capacity = mesh
+                if capacity < 1:
+                    raise NoMatch(f"the expert capacity of {kept.name} is {capacity}: every token dropped")
+                return CapacityMask(kept, capacity, len(shape) == 3 and not same_size(shape[0], 1))
             for compare in _users(cumsum):
                 if compare.args[0] is not cumsum and strip(compare.args[0], methods=_CASTS) is not cumsum:
                     continue
@@ -107,6 +117,46 @@ def capacity_mask(ids: Node, num_experts) -> CapacityMask | None:
                         return CapacityMask(kept, capacity, per_sequence)
                 raise NoMatch(f"the capacity test {compare.name} does not mask the expert one-hot {hot.name} "
                               "(`one_hot * (positions <= C)`)")
+    return None
+
+
+def _is(node: Node, *targets, method=()) -> bool:
+    return isinstance(node, Node) and is_call(node, *targets, method=method)
+
+
+def _mesh_tf_mask(cumsum: Node, hot: Node) -> tuple[Node, int] | None:
+    """Mesh TensorFlow's (and T5X's) spelling of the same mask, ``(kept, C)``, or None::
+
+        pos  = cumsum(hot, 0) * hot - 1               # a token's position in its expert, -1 where not routed
+        keep = (pos < C) & (pos >= 0)
+        kept = hot * keep
+
+    ``pos >= 0`` holds exactly where ``hot`` is 1 and ``pos < C`` where ``cumsum <= C`` or ``hot`` is 0, so
+    ``kept = hot * (cumsum(hot) <= C)``: the mask above. Only the mask is read here; the positions' other
+    readers (their one-hot of ``C`` slots) are the dispatch the rest of the layer spells."""
+    for scaled in _users(cumsum):
+        if not _is(scaled, operator.mul, torch.mul, method=("mul",)) or \
+                {strip(a, methods=_CASTS) for a in scaled.args if isinstance(a, Node)} != {cumsum, hot}:
+            continue
+        for pos in _users(scaled):
+            if not (_is(pos, operator.sub, torch.sub, method=("sub",)) and pos.args[0] is scaled
+                    and _constant(pos, 1) == 1 and not pos.kwargs):
+                continue
+            below = {_constant(u, 1): u for u in _users(pos) if _is(u, operator.lt, torch.lt, method=("lt",))
+                     and u.args[0] is pos}
+            nonneg = [u for u in _users(pos) if _is(u, operator.ge, torch.ge, method=("ge",)) and u.args[0] is pos
+                      and _constant(u, 1) == 0]
+            for limit, lt in below.items():
+                if not isinstance(limit, int):
+                    continue
+                for keep in lt.users:
+                    if not (_is(keep, operator.and_, torch.logical_and, method=("logical_and",))
+                            and set(keep.args) & set(nonneg) and lt in keep.args):
+                        continue
+                    for kept in _users(keep):
+                        others = {strip(a, methods=_CASTS) for a in kept.args if isinstance(a, Node)} - {keep}
+                        if _is(kept, operator.mul, torch.mul, operator.and_, method=("mul",)) and others == {hot}:
+                            return kept, limit
     return None
 
 
@@ -151,9 +201,28 @@ def pass_through_copy(region: list[Node], tokens: Node) -> Node | None:
     return None
 
 
+def _is_expert_hot(mask: object, argmax: Node) -> bool:
+    """``one_hot(argmax)``, or it times a capacity test (``hot * keep``: a dropped token's row all 0)."""
+    mask = strip(mask, methods=_CASTS)
+    if _is(mask, *_ONE_HOT, method=("one_hot",)):
+        return strip(mask.args[0], methods=_CASTS) is argmax
+    if _is(mask, operator.mul, torch.mul, method=("mul",)):
+        return any(_is_expert_hot(a, argmax) and _is(strip(a, methods=_CASTS), *_ONE_HOT, method=("one_hot",))
+                   for a in mask.args)
+    return False
+
+
 def _weights(argmax: Node, scores: Node) -> Node | None:
-    """The chosen expert's score: ``max(scores, dim).values`` or ``scores.gather(dim, ids.unsqueeze(dim))``."""
+    """The chosen expert's score: ``max(scores, dim).values``, ``scores.gather(dim, ids.unsqueeze(dim))`` or
+    ``(scores * hot).sum(dim)`` with ``hot`` the one-hot of the ids (Mesh TensorFlow; masked by the capacity,
+    the score of a token the capacity drops is 0, and so is the dispatch of its row)."""
     for user in scores.users:
+        if is_call(user, operator.mul, torch.mul, method=("mul",)) and len(user.args) == 2 and \
+                any(_is_expert_hot(a, argmax) for a in user.args if a is not scores):
+            for total in user.users:
+                if is_call(total, torch.sum, method=("sum",)) and dim_arg(total) in (-1, len(shape_of(scores)) - 1) \
+                        and not total.kwargs.get("keepdim", len(total.args) > 2 and total.args[2]):
+                    return total
         if is_call(user, torch.max, method=("max",)) and dim_arg(user) == dim_arg(argmax):
             values = getitem_user(user, 0)
             if values is not None:

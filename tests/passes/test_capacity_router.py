@@ -20,9 +20,9 @@ from tests.models.routers import ArgmaxMoE, SwitchCapacityMoE
 OPTIONS = {"inner": "eager"}
 
 
-def _compare(model, x, tmp_path=None):
+def _compare(model, x, tmp_path=None, **options):
     eager = copy.deepcopy(model)
-    options = dict(OPTIONS, **({"debug_dir": str(tmp_path)} if tmp_path is not None else {}))
+    options = dict(OPTIONS, **options, **({"debug_dir": str(tmp_path)} if tmp_path is not None else {}))
     compiled = torch.compile(model, backend="moe", fullgraph=True, options=options)
     x_c, x_e = x.clone().requires_grad_(), x.clone().requires_grad_()
     out_c, out_e = compiled(x_c), eager(x_e)
@@ -96,6 +96,29 @@ def test_switch_capacity_one_sequence_is_a_fixed_capacity_dispatch(caplog):
     assert _dropped(model, x) > 0
     _compare(model, x)
     assert any("capacity=2, routing: top-1 by argmax, capacity 2)" in m for m in _found(caplog)), _found(caplog)
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
+@pytest.mark.parametrize("tokens", [12, 3, 1])
+def test_mesh_tensorflow_switch_positions_are_a_fixed_capacity_dispatch(verify, tokens, caplog, tmp_path):
+    """Mesh TensorFlow's spelling (tests/models/spellings.py): positions ``cumsum(hot) * hot - 1``, kept where
+    ``(pos < C) & (pos >= 0)``, the weight a masked sum, a ``[T, E, C]`` einsum dispatch. Read as Switch's
+    capacity dispatch and equal to eager with the region check off too, on batches that drop tokens (12: C = 3)
+    and where the capacity is one slot (3 and 1 tokens: C = 1)."""
+    from tests.models.spellings import MeshTFSwitchMoE
+
+    caplog.set_level(logging.INFO, logger="moe_compile")
+    torch.manual_seed(3)
+    model = MeshTFSwitchMoE(16, 24, num_experts=4)
+    x = torch.randn(tokens, 16)
+    if tokens == 12:
+        x[6:] = x[0]    # 7 equal tokens, one expert: 4 of them past its capacity
+    capacity = max(tokens // 4, 1)
+    _compare(model, x, tmp_path, verify_regions=verify)
+    assert moe_compile.counters["regions_rewritten"] == 1
+    assert any(f"routing: top-1 by argmax, capacity {capacity})" in m for m in _found(caplog)), _found(caplog)
+    assert _dispatch_capacity(tmp_path) == str(capacity)
+    assert not _warnings(caplog)
 
 
 class _PassThroughSwitch(nn.Module):
