@@ -20,6 +20,9 @@ torch's ``fully_shard`` over all 4 ranks (FSDP's data-parallel average). Checked
   (2 steps: the second depends on the loaded AdamW moments and on the gradients' scaling at the new shape);
   and at (2, 2) again through torchtitan's ``ParallelDims`` layout (one world mesh unflattened into
   ``(efsdp, ep)`` views, ``expert_mesh`` given; without it a ``ConfigError`` asks for it);
+- full weights into the 2-D layout, as a run starts from a pretrained checkpoint: the full state dict
+  (``get_model_state_dict(full_state_dict=True)``, every expert gathered) set into a 2-D model, and an unsharded
+  model's DCP checkpoint loaded into one: the same weights, the same loss;
 - layouts that cannot be right raise a ``ConfigError``: FSDP's mesh not covering the EP × dp_mod_ep ranks,
   a 2-D FSDP mesh.
 """
@@ -162,6 +165,56 @@ def _resume(example, rank, path, shape, views=False):
     return _train(example, model, rank, RESUMED, optimizer)[0]
 
 
+def _fresh_2d(example, rank, mesh, seed: int):
+    """A model of other initial weights (``seed``), its experts sharded on the 2-D mesh as in the cases."""
+    import moe_compile
+
+    torch._dynamo.reset()
+    torch.manual_seed(seed)
+    model = example.MoETransformer(vocab=64, dim=16, hidden=32, num_experts=4, num_layers=2, num_heads=2)
+    moe_compile.shard_experts(model, mesh["ep"], _batch(example, 0, rank), options={"ep_group": mesh["ep"]})
+    return _wrap(model, Case("full weights"), mesh["ep"], mesh._flatten("dp"))
+
+
+def _full_weights(example, trained, rank, mesh, path: str) -> None:
+    """Full (unsharded) weights into the 2-D layout, as a run starts from a pretrained checkpoint: the full state
+    dict of ``trained`` (every expert gathered from the 2-D mesh) set into a 2-D model of other initial weights
+    (``set_model_state_dict(full_state_dict=True)``), and the same weights saved by DCP from an unsharded model
+    and loaded into another one. Each then holds those weights and computes ``trained``'s loss."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         set_model_state_dict)
+
+    full = get_model_state_dict(trained, options=StateDictOptions(full_state_dict=True))
+    for name, p in _names(trained).items():
+        torch.testing.assert_close(full[name], p.full_tensor(), rtol=0, atol=0, msg=lambda m: f"full {name}: {m}")
+    batch = _batch(example, 7, rank)
+    with torch.no_grad():
+        expected = trained(batch)
+
+    plain = _model(example)
+    plain.load_state_dict(full)
+    dcp.save({"model": plain.state_dict()}, checkpoint_id=path)   # as an unsharded checkpoint is written
+
+    loaded = {}
+    model = _fresh_2d(example, rank, mesh, seed=1)
+    # a copy: the call puts the distributed tensors it made into the dict it is given
+    set_model_state_dict(model, {k: v.clone() for k, v in full.items()},
+                         options=StateDictOptions(full_state_dict=True))
+    loaded["set_model_state_dict(full_state_dict=True)"] = model
+    model = _fresh_2d(example, rank, mesh, seed=2)
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    loaded["dcp.load of an unsharded checkpoint"] = model
+    for how, model in loaded.items():
+        for name, p in _names(model).items():
+            torch.testing.assert_close(p.full_tensor(), full[name], rtol=0, atol=0,
+                                       msg=lambda m: f"{how}: rank {rank} {name}: {m}")
+        with torch.no_grad():
+            torch.testing.assert_close(model(batch), expected, **FP32, msg=lambda m: f"{how}: rank {rank} loss: {m}")
+
+
 def _run(rank: int, world_size: int, path: str) -> tuple[list[str], list[float]]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -211,8 +264,11 @@ def _run(rank: int, world_size: int, path: str) -> tuple[list[str], list[float]]
             model_sd, optim_sd = get_state_dict(compiled, optimizer)
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
             resumed = {"(2, 2)": _train(example, compiled, rank, RESUMED, optimizer)[0]}
+            compiled_fp32 = compiled
         dist.barrier()
         done.append(case.name)
+    _full_weights(example, compiled_fp32, rank, mesh, path + "_full")
+    done.append("full weights")
     resumed["(1, 4)"] = _resume(example, rank, path, (1, 4))
     resumed["(4, 1)"] = _resume(example, rank, path, (4, 1))
     resumed["(2, 2) views"] = _resume(example, rank, path, (2, 2), views=True)
@@ -260,7 +316,7 @@ def test_sharded_experts_under_fsdp2_on_ep_x_fsdp_mesh(tmp_path):
 
     path = str(tmp_path / "checkpoint")
     results = spawn(_run, 4, path, timeout=600)
-    assert [done for done, _ in results] == [[c.name for c in CASES] + ["dcp", "refused"]] * 4
+    assert [done for done, _ in results] == [[c.name for c in CASES] + ["full weights", "dcp", "refused"]] * 4
     # one global tensor per expert weight, its model and AdamW moments, one chunk per rank
     import torch.distributed.checkpoint as dcp
 
