@@ -51,3 +51,21 @@ def test_no_partitioner_where_inductor_has_no_such_setting(monkeypatch):
 
     monkeypatch.delattr(inductor_config, "custom_partitioner_fn", raising=False)
     assert inductor_partitioner() is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_inductor_inner_reads_gate_up_weights_whole(family):
+    """transformers' ``gate_up_proj`` (Mixtral ``[E, 2H, M]``; GPT-OSS ``[E, M, 2H]`` interleaved, with biases) read
+    as stored with the Inductor inner too (``passes/weight_lists.py`` in its partitioner): no stride-2 weight
+    slice copied per block, and the logits and every gradient equal to eager."""
+    from tests.models.hf_families import build
+
+    torch._dynamo.reset()
+    moe_compile.counters.clear()
+    model = build(family, seed=0).model
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True):
+        compile_and_compare(model, ids, options={"inner": "inductor", "verify_regions": False})
+    assert moe_compile.counters["regions_rewritten"] >= 1
+    assert moe_compile.counters["weights_read_in_place"] == 2 * moe_compile.counters["regions_rewritten"]

@@ -46,7 +46,9 @@ def partition(joint_module: GraphModule, joint_inputs, **kwargs) -> tuple[GraphM
 
 def inductor_partitioner():
     """Inductor's partition (min-cut rematerialization) followed by :func:`order_saved_rng_states`, as
-    ``torch._inductor.config.custom_partitioner_fn``; None where this torch has no such setting.
+    ``torch._inductor.config.custom_partitioner_fn``; None where this torch has no such setting. Before the
+    partition, the joint graph's CPU experts are given their weights as stored
+    (:func:`~.weight_lists.read_weights_in_place`), as the eager inner compiler's partition does.
 
     The class is built on first use (importing Inductor is slow) but lives at module level as
     ``InOrderPartitioner``: Inductor's FX graph cache pickles the setting, and a class local to
@@ -64,10 +66,18 @@ def inductor_partitioner():
             def __call__(self, gm, joint_inputs, **kwargs):
                 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+                from ..counters import counters
+                from .weight_lists import read_weights_in_place
+
+                # the CPU experts read their weights as stored, as with the eager inner (passes/weight_lists.py):
+                # Inductor cannot see into moe.peer_mlp, so it would copy each stride-2 gate / up slice per block
+                counters["weights_read_in_place"] += read_weights_in_place(gm)
                 return _in_order(*min_cut_rematerialization_partition(gm, joint_inputs, **kwargs))
 
             def uuid(self):
-                return get_hash_for_files((__file__,))
+                from . import weight_lists
+
+                return get_hash_for_files((__file__, weight_lists.__file__))
 
         InOrderPartitioner.__qualname__ = "InOrderPartitioner"
     return InOrderPartitioner()

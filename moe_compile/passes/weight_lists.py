@@ -7,8 +7,9 @@ two row slices. On the CPU the experts are ``moe.peer_mlp`` and, in fp32, their 
 whose weight gradients come back as ``[E, H, M]`` buffers split by ``select``; and the slices cost two GEMMs
 per block where the model runs one, and a gradient assembled by two ``slice_backward`` (each a zero-filled
 ``[E, 2H, M]``) and an ``add``. This pass runs on AOTAutograd's joint graph (the backend's partition
-function, before the forward / backward split, eager inner compiler) and gives the two ops the weights as
-stored (:mod:`moe_compile.ops.peer_mlp_lists`, :mod:`moe_compile.ops.peer_mlp_gate_up`)::
+function, before the forward / backward split; with the Inductor inner compiler its partitioner, where the
+joint graph spells ``transpose(W, 1, 2)`` as ``permute(W, [0, 2, 1])`` and ``slice_backward`` as a
+``slice_scatter`` into zeros, read the same) and gives the two ops the weights as stored (:mod:`moe_compile.ops.peer_mlp_lists`, :mod:`moe_compile.ops.peer_mlp_gate_up`)::
 
     Before                                              After
     s1 = aten.stack([w1_0, ..., w1_7])                  (s1, s2, s3 gone: nothing saved but the weights)
@@ -62,6 +63,9 @@ _STACK = torch.ops.aten.stack.default
 _SELECT = torch.ops.aten.select.int
 _SLICE = torch.ops.aten.slice.Tensor
 _SLICE_BACKWARD = torch.ops.aten.slice_backward.default
+#: Inductor's joint graph writes ``slice_backward(g, sizes, ...)`` as ``slice_scatter(zeros(sizes), g, ...)``
+_SLICE_SCATTER = torch.ops.aten.slice_scatter.default
+_ZERO_FILLS = (torch.ops.aten.full.default, torch.ops.aten.zeros.default, torch.ops.aten.new_zeros.default)
 _ADD = torch.ops.aten.add.Tensor
 
 
@@ -74,11 +78,21 @@ def _slice_args(node) -> tuple | None:
 
 
 _TRANSPOSE = torch.ops.aten.transpose.int
+_PERMUTE = torch.ops.aten.permute.default
+
+
+def _swaps_last_two(node) -> bool:
+    """``transpose(W, 1, 2)`` of a 3-D ``W``, or ``permute(W, [0, 2, 1])`` (Inductor's joint graph writes it so)."""
+    if not isinstance(node, Node):
+        return False
+    if node.target is _TRANSPOSE:
+        return sorted(d % 3 for d in node.args[1:3]) == [1, 2]
+    return node.target is _PERMUTE and [d % 3 for d in node.args[1]] == [0, 2, 1]
 
 
 def _stored_transposed(node) -> Node | None:
     """``W`` when ``node`` is ``transpose(W, 1, 2)`` of a contiguous 3-D ``W`` (GPT-OSS's ``[E, M, 2H]``)."""
-    if not (isinstance(node, Node) and node.target is _TRANSPOSE and sorted(node.args[1:3]) == [1, 2]):
+    if not _swaps_last_two(node):
         return None
     val = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
     return node.args[0] if isinstance(val, torch.Tensor) and val.dim() == 3 and val.is_contiguous() else None
@@ -162,13 +176,15 @@ def _assembled(grads: Node, gate: int, up: int, step: int) -> tuple[Node, list[N
             nxt = next(iter(node.users))
             if nxt.target is _ADD:
                 break
-            if not (nxt.args[0] is node and (nxt.target is _SLICE_BACKWARD and len(chain) == 1
-                                             or nxt.target is _TRANSPOSE and len(chain) == 2)):
+            if not (_slice_grad(nxt, node) and len(chain) == 1
+                    or _swaps_last_two(nxt) and nxt.args[0] is node and len(chain) == 2):
                 return None
             chain.append(nxt)
             node = nxt
-        if len(chain) < 2 or chain[1].target is not _SLICE_BACKWARD:
+        if len(chain) < 2 or chain[1].target not in (_SLICE_BACKWARD, _SLICE_SCATTER):
             return None
+        if chain[1].target is _SLICE_SCATTER:
+            chain.insert(1, chain[1].args[0])   # its zeros, erased after it
         parts[position] = node
         chains.append((position, chain))
     if set(parts) != {gate, up}:
@@ -177,16 +193,38 @@ def _assembled(grads: Node, gate: int, up: int, step: int) -> tuple[Node, list[N
     if add is not next(iter(parts[up].users)) or set(add.args[:2]) != set(parts.values()) \
             or len(add.args) > 2 or add.kwargs or len(chains[0][1]) != len(chains[1][1]):
         return None
-    rows = {position: _backward_rows(chain[1]) for position, chain in chains}
+    rows = {position: _backward_rows(next(n for n in chain if n.target in (_SLICE_BACKWARD, _SLICE_SCATTER)))
+            for position, chain in chains}
     if rows[gate] is None or rows[up] is None or _halves(rows[gate], rows[up], rows[gate][0]) != step:
         return None
     return add, [n for _, chain in chains for n in reversed(chain)]
 
 
+def _slice_grad(node: Node, grad: Node) -> bool:
+    """Does ``node`` write ``grad`` into the rows of a zero-filled tensor: ``slice_backward(grad, ...)``, or
+    ``slice_scatter(zeros, grad, ...)`` with zeros that nothing else reads?"""
+    if node.target is _SLICE_BACKWARD:
+        return node.args[0] is grad
+    if node.target is not _SLICE_SCATTER or len(node.args) < 2 or node.args[1] is not grad:
+        return False
+    base = node.args[0]
+    if not isinstance(base, Node) or len(base.users) != 1 or base.target not in _ZERO_FILLS:
+        return False
+    return base.target is not torch.ops.aten.full.default or base.args[1] == 0
+
+
 def _backward_rows(node: Node) -> tuple | None:
-    """``(rows, dim, start, end, step)`` of a ``slice_backward(grad, sizes, dim, start, end, step)`` along dim 1
-    (the shape of ``_slice_args``, ``rows`` in the base's place), else None."""
-    _, sizes, dim, start, end, step = node.args
+    """``(rows, dim, start, end, step)`` of a ``slice_backward(grad, sizes, dim, start, end, step)`` or a
+    ``slice_scatter(zeros, grad, dim, start, end, step)`` along dim 1 (the shape of ``_slice_args``, ``rows`` in
+    the base's place), else None."""
+    if node.target is _SLICE_SCATTER:
+        names = ("dim", "start", "end", "step")
+        given = dict(zip(names, node.args[2:]), **node.kwargs)
+        dim, start, end, step = (given.get(n, d) for n, d in zip(names, (0, None, None, 1)))
+        sizes = node.args[0].meta["val"].shape
+        start = 0 if start is None else start
+    else:
+        _, sizes, dim, start, end, step = node.args
     if dim != 1:
         return None
     return sizes[1], dim, start, end, step
@@ -236,7 +274,9 @@ def _fake_val(target, args):
 def _new(graph, target, args, like: Node) -> Node:
     with graph.inserting_before(like):
         node = graph.call_function(target, args)
-    node.meta.update({k: v for k, v in like.meta.items() if k != "val"})
+    # not the replaced op's values (its inputs, as Inductor reads them to lay out a fallback's arguments, are
+    # another schema's)
+    node.meta.update({k: v for k, v in like.meta.items() if k not in ("val", "eager_input_vals")})
     val = _fake_val(target, args)
     if val is not None:
         node.meta["val"] = val
@@ -273,7 +313,7 @@ def _fuse_gate_up(graph, node: Node, dead: set[Node]) -> bool:
     weight = _assembled(node, 1, 3, found.step) if needs[1] else None
     bias = _assembled(node, 4, 6, found.step) if needs[4] else None
     if (needs[1] and weight is None) or (needs[4] and bias is None) or weight and \
-            (weight[1][0].target is _TRANSPOSE) != found.transposed:
+            _swaps_last_two(weight[1][0]) != found.transposed:
         return False
     new = _new(graph, torch.ops.moe.peer_mlp_grads_gate_up.default,
                (grad_y, x, h1, h3, found.w13, w2, activation, act_args, filled, found.step,
@@ -290,7 +330,7 @@ def _fuse_gate_up(graph, node: Node, dead: set[Node]) -> bool:
         if index == 1 and found.transposed:   # the stored W13ᵀ's gradient: the op's [E, 2H, M] view transposed
             with graph.inserting_before(add):
                 item = graph.call_function(operator.getitem, (new, index))
-                view = graph.call_function(_TRANSPOSE, (item, 1, 2))
+                view = graph.call_function(_PERMUTE, (item, [0, 2, 1]))   # core ATen (Inductor decomposes transpose)
             item.meta["val"] = new.meta["val"][index] if "val" in new.meta else None
             view.meta.update(add.meta)
             add.replace_all_uses_with(view)
