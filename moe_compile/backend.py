@@ -273,7 +273,7 @@ def _compile(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.GraphM
                                                plans=context.plans))
 
     def eager_partition(joint, joint_inputs, **kwargs):
-        # per-expert weights read in place, not stacked and saved (Inductor's min-cut recomputes its stacks)
+        # per-expert weights read in place, not stacked and saved (Inductor: in its partitioner, saved_order.py)
         counters["weights_read_in_place"] += read_weights_in_place(joint)
         return partition(joint, joint_inputs, **kwargs)
 

@@ -29,7 +29,8 @@ The values are the sum's: each element of the sum is one piece's element plus ze
 term's element), which is that element (that sum of two) exactly; an element equal to ``-0.0`` keeps its
 sign, as in eager's ``stack``. With two other terms or more the order of their additions would change, so
 such a sum is left as written, as are pieces of another dtype than the sum (a promoting ``add``), another
-term that broadcasts, a partial cover, overlapping or strided slices, and an ``add`` with an ``alpha``. Inductor needs none of this; the eager inner compiler runs it on every graph.
+term that broadcasts, a partial cover, overlapping or strided slices, and an ``add`` with an ``alpha``.
+Inductor needs none of this; the eager inner compiler runs it on every graph.
 """
 from __future__ import annotations
 
