@@ -120,10 +120,6 @@ def capacity_mask(ids: Node, num_experts) -> CapacityMask | None:
     return None
 
 
-def _is(node: Node, *targets, method=()) -> bool:
-    return isinstance(node, Node) and is_call(node, *targets, method=method)
-
-
 def _mesh_tf_mask(cumsum: Node, hot: Node) -> tuple[Node, int] | None:
     """Mesh TensorFlow's (and T5X's) spelling of the same mask, ``(kept, C)``, or None::
 
@@ -135,27 +131,27 @@ def _mesh_tf_mask(cumsum: Node, hot: Node) -> tuple[Node, int] | None:
     ``kept = hot * (cumsum(hot) <= C)``: the mask above. Only the mask is read here; the positions' other
     readers (their one-hot of ``C`` slots) are the dispatch the rest of the layer spells."""
     for scaled in _users(cumsum):
-        if not _is(scaled, operator.mul, torch.mul, method=("mul",)) or \
+        if not is_call(scaled, operator.mul, torch.mul, method=("mul",)) or \
                 {strip(a, methods=_CASTS) for a in scaled.args if isinstance(a, Node)} != {cumsum, hot}:
             continue
         for pos in _users(scaled):
-            if not (_is(pos, operator.sub, torch.sub, method=("sub",)) and pos.args[0] is scaled
+            if not (is_call(pos, operator.sub, torch.sub, method=("sub",)) and pos.args[0] is scaled
                     and _constant(pos, 1) == 1 and not pos.kwargs):
                 continue
-            below = {_constant(u, 1): u for u in _users(pos) if _is(u, operator.lt, torch.lt, method=("lt",))
+            below = {_constant(u, 1): u for u in _users(pos) if is_call(u, operator.lt, torch.lt, method=("lt",))
                      and u.args[0] is pos}
-            nonneg = [u for u in _users(pos) if _is(u, operator.ge, torch.ge, method=("ge",)) and u.args[0] is pos
+            nonneg = [u for u in _users(pos) if is_call(u, operator.ge, torch.ge, method=("ge",)) and u.args[0] is pos
                       and _constant(u, 1) == 0]
             for limit, lt in below.items():
                 if not isinstance(limit, int):
                     continue
                 for keep in lt.users:
-                    if not (_is(keep, operator.and_, torch.logical_and, method=("logical_and",))
+                    if not (is_call(keep, operator.and_, torch.logical_and, method=("logical_and",))
                             and set(keep.args) & set(nonneg) and lt in keep.args):
                         continue
                     for kept in _users(keep):
                         others = {strip(a, methods=_CASTS) for a in kept.args if isinstance(a, Node)} - {keep}
-                        if _is(kept, operator.mul, torch.mul, operator.and_, method=("mul",)) and others == {hot}:
+                        if is_call(kept, operator.mul, torch.mul, operator.and_, method=("mul",)) and others == {hot}:
                             return kept, limit
     return None
 
@@ -203,13 +199,12 @@ def pass_through_copy(region: list[Node], tokens: Node) -> Node | None:
 
 def _is_expert_hot(mask: object, argmax: Node) -> bool:
     """``one_hot(argmax)``, or it times a capacity test (``hot * keep``: a dropped token's row all 0)."""
+    def hot(node: object) -> bool:
+        node = strip(node, methods=_CASTS)
+        return is_call(node, *_ONE_HOT, method=("one_hot",)) and strip(node.args[0], methods=_CASTS) is argmax
+
     mask = strip(mask, methods=_CASTS)
-    if _is(mask, *_ONE_HOT, method=("one_hot",)):
-        return strip(mask.args[0], methods=_CASTS) is argmax
-    if _is(mask, operator.mul, torch.mul, method=("mul",)):
-        return any(_is_expert_hot(a, argmax) and _is(strip(a, methods=_CASTS), *_ONE_HOT, method=("one_hot",))
-                   for a in mask.args)
-    return False
+    return hot(mask) or is_call(mask, operator.mul, torch.mul, method=("mul",)) and any(hot(a) for a in mask.args)
 
 
 def _weights(argmax: Node, scores: Node) -> Node | None:

@@ -52,8 +52,8 @@ def stack_tiled_grads(gm: GraphModule) -> int:
     for node in reversed(list(gm.graph.nodes)):   # a sum's outermost add before its inner ones
         if node in consumed or not _is_add(node):
             continue
-        pieces, others = [], []
-        _terms(node, pieces, others, root=True)
+        pieces, others, own = [], [], []
+        _terms(node, pieces, others, own, root=True)
         if len(others) > 1 or not pieces:
             continue
         joined = _joined(pieces, others, node)
@@ -67,9 +67,8 @@ def stack_tiled_grads(gm: GraphModule) -> int:
                 new = gm.graph.call_function(_aten.add.Tensor, (new, others[0]))
                 new.meta.update(_meta(node))
         node.replace_all_uses_with(new)
-        dead = _tree(node, set(others))
-        consumed.update(dead)
-        for old in reversed(_in_graph_order(gm, dead)):
+        consumed.update(own)
+        for old in own:                     # root first: each node's one reader is erased before it
             gm.graph.erase_node(old)
         rewritten += 1
     if rewritten:
@@ -93,32 +92,22 @@ def _is_piece(node: Node) -> bool:
                                                           _aten.slice_backward.default)
 
 
-def _terms(node: Node, pieces: list[Node], others: list[Node], root: bool = False) -> None:
-    """Split the sum rooted at ``node`` into its pieces and its other terms. An ``add`` or a piece that
-    anything else reads is a term as a whole (an other), not opened up."""
+def _terms(node: Node, pieces: list[Node], others: list[Node], own: list[Node], root: bool = False) -> None:
+    """Split the sum rooted at ``node`` into its pieces and its other terms, and list its own nodes (its adds
+    and its pieces, each before the nodes it reads). An ``add`` or a piece that anything else reads is a term
+    as a whole (an other), not opened up."""
     if not root and len(node.users) != 1:
         others.append(node)
-    elif _is_piece(node):
-        pieces.append(node)
-    elif _is_add(node):
-        for arg in node.args:
-            _terms(arg, pieces, others)
-    else:
-        others.append(node)
-
-
-def _tree(node: Node, others: set[Node]) -> list[Node]:
-    """The sum's own nodes: its adds and its pieces (not its other terms)."""
-    if node in others:
-        return []
+        return
     if _is_piece(node):
-        return [node]
-    return [node, *_tree(node.args[0], others), *_tree(node.args[1], others)]
-
-
-def _in_graph_order(gm: GraphModule, nodes: list[Node]) -> list[Node]:
-    wanted = set(nodes)
-    return [n for n in gm.graph.nodes if n in wanted]
+        pieces.append(node)
+    elif not _is_add(node):
+        others.append(node)
+        return
+    own.append(node)
+    if _is_add(node):
+        for arg in node.args:
+            _terms(arg, pieces, others, own)
 
 
 def _val(node: Node):
@@ -145,12 +134,21 @@ def _static_sizes(sizes) -> list[int] | None:
     return list(sizes) if all(isinstance(s, int) for s in sizes) else None
 
 
-def _stacked(pieces: list[Node], out: torch.Tensor):
-    """``select_backward(g_i, sizes, dim, i)`` for every ``i`` of ``dim`` → ``stack(g, dim)``."""
+def _layout(pieces: list[Node], out: torch.Tensor) -> tuple[list[int], int] | None:
+    """``(sizes, dim)`` of the first piece (``*_backward(grad, sizes, dim, ...)``) when its static sizes are the
+    sum's shape, else None."""
     sizes = _static_sizes(pieces[0].args[1])
     if sizes is None or list(out.shape) != sizes:
         return None
-    dim = pieces[0].args[2] % len(sizes)
+    return sizes, pieces[0].args[2] % len(sizes)
+
+
+def _stacked(pieces: list[Node], out: torch.Tensor):
+    """``select_backward(g_i, sizes, dim, i)`` for every ``i`` of ``dim`` → ``stack(g, dim)``."""
+    layout = _layout(pieces, out)
+    if layout is None:
+        return None
+    sizes, dim = layout
     by_index = {}
     for piece in pieces:
         _, piece_sizes, piece_dim, index = piece.args
@@ -164,10 +162,10 @@ def _stacked(pieces: list[Node], out: torch.Tensor):
 
 def _concatenated(pieces: list[Node], out: torch.Tensor):
     """``slice_backward(g_i, sizes, dim, start_i, end_i, 1)`` tiling ``[0, size)`` → ``cat(g, dim)``."""
-    sizes = _static_sizes(pieces[0].args[1])
-    if sizes is None or list(out.shape) != sizes:
+    layout = _layout(pieces, out)
+    if layout is None:
         return None
-    dim = pieces[0].args[2] % len(sizes)
+    sizes, dim = layout
     size = sizes[dim]
     ranges = []
     for piece in pieces:

@@ -9,7 +9,8 @@ per block where the model runs one, and a gradient assembled by two ``slice_back
 ``[E, 2H, M]``) and an ``add``. This pass runs on AOTAutograd's joint graph (the backend's partition
 function, before the forward / backward split; with the Inductor inner compiler its partitioner, where the
 joint graph spells ``transpose(W, 1, 2)`` as ``permute(W, [0, 2, 1])`` and ``slice_backward`` as a
-``slice_scatter`` into zeros, read the same) and gives the two ops the weights as stored (:mod:`moe_compile.ops.peer_mlp_lists`, :mod:`moe_compile.ops.peer_mlp_gate_up`)::
+``slice_scatter`` into zeros, read the same) and gives the two ops the weights as stored
+(:mod:`moe_compile.ops.peer_mlp_lists`, :mod:`moe_compile.ops.peer_mlp_gate_up`)::
 
     Before                                              After
     s1 = aten.stack([w1_0, ..., w1_7])                  (s1, s2, s3 gone: nothing saved but the weights)

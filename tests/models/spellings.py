@@ -116,26 +116,21 @@ class GShardEinsumTop2MoE(nn.Module):
         return torch.einsum("sec,ecm->sm", combine, expert_out).reshape(shape)
 
 
-class MeshTFSwitchMoE(nn.Module):
-    def __init__(self, model_dim=16, hidden_dim=32, num_experts=4, capacity_factor=1.0):
-        super().__init__()
-        self.num_experts, self.capacity_factor = num_experts, capacity_factor
-        self.router = nn.Linear(model_dim, num_experts, bias=False)
-        self.w_in = nn.Parameter(torch.randn(num_experts, model_dim, hidden_dim) / math.sqrt(model_dim))
-        self.w_out = nn.Parameter(torch.randn(num_experts, hidden_dim, model_dim) / math.sqrt(hidden_dim))
+class MeshTFSwitchMoE(GShardEinsumTop2MoE):
+    """GShardEinsumTop2MoE's gate and stacked experts, routed top-1 with Mesh TensorFlow's capacity mask."""
 
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         num_experts = self.num_experts
         capacity = max(int(x.shape[0] / num_experts * self.capacity_factor), 1)
-        probs = torch.softmax(self.router(x), dim=-1)
+        probs = torch.softmax(self.wg(x), dim=-1)
         hot = F.one_hot(torch.argmax(probs, dim=-1), num_experts)
         position = torch.cumsum(hot, dim=0) * hot - 1
         kept = hot * ((position < capacity) & (position >= 0))
         weight = (probs * kept).sum(-1).to(x.dtype)
         dispatch = (kept.unsqueeze(-1) * F.one_hot(position.clamp(0, capacity - 1), capacity)).to(x.dtype)
         expert_in = torch.einsum("tec,tm->ecm", dispatch, x)
-        h = F.gelu(torch.einsum("ecm,emh->ech", expert_in, self.w_in))
-        expert_out = torch.einsum("ech,ehm->ecm", h, self.w_out)
+        h = F.gelu(torch.einsum("ecm,emh->ech", expert_in, self.w1))
+        expert_out = torch.einsum("ech,ehm->ecm", h, self.w2)
         return (torch.einsum("tec,ecm->tm", dispatch, expert_out) * weight[:, None]).reshape(shape)
