@@ -34,6 +34,14 @@ fp32 the overlap is given up for the cache at every P: measured on 2 gloo ranks 
 (339.4 / 342.2 ms), within the run's noise, while the fused backward alone is 3 % faster than the split one
 (157.6 / 162.7 ms at P = 1, the shapes above) and allocates 21 MB less.
 
+**Master weights.** The weights may be stored in another floating dtype than ``x`` (fp32 weights of a bf16
+expert computation: torchtitan's ``GroupedExperts`` casts them per step, as autocast does): each expert's
+matrix is then cast to ``x``'s dtype when its blocks are computed, one ``[H, M]`` at a time (in cache), and each
+weight gradient is computed in ``x``'s dtype and written in the weight's (per expert, from a cache-sized
+scratch): the values of casting the whole weight first and its whole gradient after, without the ``[E, H, M]``
+copies, which the model's graph saves for the backward (:mod:`moe_compile.passes.weight_lists` folds those
+casts into the ops).
+
 What is saved for the backward: ``x`` and ``h1`` (and ``h3``); for an ungated ReLU ``h1`` holds ``relu(h1)``
 instead, which is all its backward needs (the mask ``h > 0`` and ``h`` itself for ``grad_W2``), so no
 pre-activation is kept. For every other activation ``h`` is recomputed per block in the backward from
@@ -79,6 +87,13 @@ def _blocks(x: Tensor, filled: Tensor | None):
             yield p, e, (x.shape[2] if counts is None else counts[p][e])
 
 
+def _read(w: Weights, e: int, dtype: torch.dtype) -> Tensor:
+    """Expert ``e``'s matrix of ``w`` in the compute dtype: as stored, or the cast of master weights (see the
+    module)."""
+    matrix = w[e]
+    return matrix if matrix.dtype == dtype else matrix.to(dtype)
+
+
 def _add_bias_(rows: Tensor, bias: Tensor | None, e: int) -> None:
     if bias is not None:
         rows.add_(bias[e].to(rows.dtype))
@@ -108,19 +123,19 @@ def mlp_blocks(x: Tensor, w1: Weights, w2: Weights, w3: Weights | None, activati
             continue
         rows = x[p, e, :n]
         a = h1[p, e, :n]
-        torch.mm(rows, w1[e].t(), out=a)
+        torch.mm(rows, _read(w1, e, x.dtype).t(), out=a)
         _add_bias_(a, b1, e)
         c = None
         if w3 is not None:
             c = h3[p, e, :n]
-            torch.mm(rows, w3[e].t(), out=c)
+            torch.mm(rows, _read(w3, e, x.dtype).t(), out=c)
             _add_bias_(c, b3, e)
         if keep_output:
             h = a.relu_()
         else:
             h = _glu(a, c, activation, act_args)
         out = y[p, e, :n]
-        torch.mm(h, w2[e].t(), out=out)
+        torch.mm(h, _read(w2, e, x.dtype).t(), out=out)
         _add_bias_(out, b2, e)
     return y, h1, h3
 
@@ -158,7 +173,7 @@ def peer_mlp_backward(grad_y: Tensor, h1: Tensor, h3: Tensor, w1: Tensor, w2: Te
             continue
         g = grad_y[p, e, :n]
         gh1 = grad_h1[p, e, :n]
-        torch.mm(g, w2[e], out=gh1)                                   # grad_h = grad_y W2
+        torch.mm(g, _read(w2, e, g.dtype), out=gh1)                   # grad_h = grad_y W2
         if keep_output:
             torch.ops.aten.threshold_backward.grad_input(gh1, h1[p, e, :n], 0, grad_input=gh1)
         else:
@@ -166,9 +181,9 @@ def peer_mlp_backward(grad_y: Tensor, h1: Tensor, h3: Tensor, w1: Tensor, w2: Te
             _activation_vjp_(gh1, gh3, h[p, e, :n], h1[p, e, :n], h3[p, e, :n] if w3 is not None else None,
                              activation, act_args)
         out = grad_x[p, e, :n]
-        torch.mm(gh1, w1[e], out=out)
+        torch.mm(gh1, _read(w1, e, g.dtype), out=out)
         if w3 is not None:
-            out.addmm_(grad_h3[p, e, :n], w3[e])
+            out.addmm_(grad_h3[p, e, :n], _read(w3, e, g.dtype))
     return grad_x, grad_h1, grad_h3, h
 
 
@@ -278,6 +293,8 @@ def grad_blocks(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w1: Weights, 
     weight_grads = any(grad is not None for grad in stored) or any(needs[4:7])
     for e in range(El):
         first, parts, offset = True, [], 0
+        targets = _targets(stored, e, grad_y.dtype)
+        w1e, w2e, w3e = (_read(w, e, grad_y.dtype) if w is not None else None for w in (w1, w2, w3))
         for p in range(P):
             n = R if counts is None else counts[p][e]
             if needs[0] and n < R:
@@ -287,7 +304,7 @@ def grad_blocks(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w1: Weights, 
             rows = slice(0, n) if per_block else slice(offset, offset + n)
             g, a = grad_y[p, e, :n], h1[p, e, :n]
             gh1, gh3 = gh1_scratch[rows], gh3_scratch[rows] if gated else None
-            torch.mm(g, w2[e], out=gh1)                               # grad_h = grad_y W2
+            torch.mm(g, w2e, out=gh1)                                 # grad_h = grad_y W2
             if keep_output:
                 h = a
                 torch.ops.aten.threshold_backward.grad_input(gh1, a, 0, grad_input=gh1)
@@ -296,18 +313,18 @@ def grad_blocks(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w1: Weights, 
                 _activation_vjp_(gh1, gh3, h, a, h3[p, e, :n] if gated else None, activation, act_args)
             if needs[0]:
                 out = grad_x[p, e, :n]
-                torch.mm(gh1, w1[e], out=out)
+                torch.mm(gh1, w1e, out=out)
                 if gated:
-                    out.addmm_(gh3, w3[e])
+                    out.addmm_(gh3, w3e)
             if per_block:
-                _weight_grads_(stored, biases, transposed, needs, e, first, gh1, gh3, g, h, x[p, e, :n])
+                _weight_grads_(targets, biases, transposed, needs, e, first, gh1, gh3, g, h, x[p, e, :n])
                 first = False
             else:
                 parts.append((p, n))
                 offset += n
         if parts and weight_grads:                                     # bf16 / fp16: one GEMM over every block
             rows = slice(0, offset)
-            _weight_grads_(stored, biases, transposed, needs, e, True, gh1_scratch[rows],
+            _weight_grads_(targets, biases, transposed, needs, e, True, gh1_scratch[rows],
                            gh3_scratch[rows] if gated else None, _expert_rows(grad_y, e, parts),
                            _expert_rows(h1, e, parts) if keep_output else h_scratch[rows], _expert_rows(x, e, parts))
             first = False
@@ -315,7 +332,18 @@ def grad_blocks(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w1: Weights, 
             for t in (*(grad for grad in stored if grad is not None), *(b for b, need in zip(biases, needs[4:7])
                                                                           if need)):
                 t[e].zero_()
+        else:                                                          # master weights: the gradient's cast
+            for grad, target in zip(stored, targets):
+                if grad is not None and target is not grad[e]:
+                    grad[e].copy_(target)
     return grad_x, *_as_read(grad_y, stored, transposed), *biases
+
+
+def _targets(stored: list, e: int, dtype: torch.dtype) -> list[Tensor | None]:
+    """Where expert ``e``'s weight gradients are summed: the gradient itself, or, for a weight stored in another
+    dtype (master weights), a scratch in the compute dtype cast into it once the expert's rows are summed."""
+    return [None if grad is None else grad[e] if grad[e].dtype == dtype else
+            torch.empty(grad[e].shape, dtype=dtype, device=grad[e].device) for grad in stored]
 
 
 def sums_per_block(grad_y: Tensor) -> bool:
@@ -333,13 +361,14 @@ def _expert_rows(t: Tensor, e: int, parts: list[tuple[int, int]]) -> Tensor:
     return torch.cat([t[p, e, :n] for p, n in parts])
 
 
-def _weight_grads_(stored: list, biases: list, transposed: Sequence[bool], needs: Sequence[bool], e: int,
+def _weight_grads_(targets: list, biases: list, transposed: Sequence[bool], needs: Sequence[bool], e: int,
                    first: bool, gh1: Tensor, gh3: Tensor | None, g: Tensor, h: Tensor, rows: Tensor) -> None:
-    """Write (``first``) or add expert ``e``'s weight and bias gradients from these rows:
-    ``grad_W1 = gh1ᵀ rows``, ``grad_W2 = gᵀ h``, ``grad_W3 = gh3ᵀ rows``, ``grad_b = Σ`` of the same rows."""
-    for grad, t, (left, right) in zip(stored, transposed, ((gh1, rows), (g, h), (gh3, rows))):
-        if grad is not None:                                           # grad_W = leftᵀ right, or its transpose
-            _accumulate_(grad[e], *((right, left) if t else (left, right)), first)
+    """Write (``first``) or add expert ``e``'s weight and bias gradients from these rows into ``targets``
+    (:func:`_targets`) and the biases' row ``e``: ``grad_W1 = gh1ᵀ rows``, ``grad_W2 = gᵀ h``,
+    ``grad_W3 = gh3ᵀ rows``, ``grad_b = Σ`` of the same rows."""
+    for target, t, (left, right) in zip(targets, transposed, ((gh1, rows), (g, h), (gh3, rows))):
+        if target is not None:                                         # grad_W = leftᵀ right, or its transpose
+            _accumulate_(target, *((right, left) if t else (left, right)), first)
     for bias, rows_grad, need in zip(biases, (gh1, g, gh3), needs[4:7]):
         if need:
             if first:
@@ -408,9 +437,9 @@ def _check(x: Tensor, w1: Weights, w2: Weights, w3: Weights | None) -> None:
         raise ValueError(f"moe.peer_mlp: x [P, El, R, M], w1 / w3 [El, H, M], w2 [El, M, H] expected, got "
                          f"x, w1, w2, w3 = {[tuple(x.shape), d1, d2, d3]}")
     dtypes = _dtypes(w1) | _dtypes(w2) | _dtypes(w3)
-    if dtypes != {x.dtype}:
-        raise ValueError(f"moe.peer_mlp: x and the weights must share a dtype, got x {x.dtype}, weights "
-                         f"{sorted(str(d) for d in dtypes)}")
+    if len(dtypes) != 1 or not (x.dtype.is_floating_point and next(iter(dtypes)).is_floating_point):
+        raise ValueError(f"moe.peer_mlp: the weights must share one floating dtype (x's, or master weights cast "
+                         f"per expert), got x {x.dtype}, weights {sorted(str(d) for d in dtypes)}")
 
 
 def _setup_context(ctx, inputs, output):

@@ -28,6 +28,20 @@ joint graph spells ``transpose(W, 1, 2)`` as ``permute(W, [0, 2, 1])`` and ``sli
     gW13 = slice_backward(g[1], ...) + slice_backward(g[3], ...)        gW13 = g[1]
     gB13 = slice_backward(g[4], ...) + slice_backward(g[6], ...)        gB13 = g[3]
 
+Master weights cast for the experts (torchtitan's ``GroupedExperts`` runs bf16 GEMMs on fp32 weights; autocast
+alike) are read as stored too: the ops cast one expert's matrix at a time (:mod:`moe_compile.ops.peer_mlp`,
+"Master weights"), where the joint graph casts each whole ``[E, H, M]`` weight, saves the copies for the
+backward and casts each whole gradient back::
+
+    w1b = aten._to_copy(w1, dtype=bf16) ...              (w1b ... gone: nothing saved but the weights)
+    y, h1, h3 = moe.peer_mlp(x, w1b, w2b, w3b, ...)      y, h1, h3 = moe.peer_mlp(x, w1, w2, w3, ...)
+    g = moe.peer_mlp_grads(gy, x, h1, h3, w1b, ...)      g = moe.peer_mlp_grads(gy, x, h1, h3, w1, ...)
+    gw1 = aten._to_copy(g[1], dtype=fp32)                gw1 = g[1]          (computed in bf16, written in fp32)
+
+Measured on torchtitan's Qwen3-MoE debug model (E = 64, fp32 weights, bf16 experts): the bf16 copies were
+75 MB per layer saved from the forward to the backward, and casting the 50 MB fp32 gradients back from bf16
+buffers written a whole op earlier cost 3-8x the same casts in the eager layer.
+
 GPT-OSS stores ``W13ᵀ [E, M, 2H]``: there ``W13`` is ``transpose(W13ᵀ, 1, 2)`` (one per slice in the joint graph)
 and each gate / up gradient reaches the ``add`` through a ``transpose`` too; the op reads the first transpose and
 its gradient is written in the stored layout (``gW13ᵀ = transpose(g[1], 1, 2)``, contiguous). Measured before
@@ -42,8 +56,11 @@ Only where it is exact and whole: stacked weights a ``stack`` along dim 0 of 2-D
 shape and dtype, no gradient stored transposed, every use of a stacked gradient a ``select(·, 0, e)`` with a
 constant ``e``; sliced ones the gate and up rows of one fp32 / fp64 ``[E, 2H, M]`` tensor (contiguous, or the
 transpose of a contiguous ``[E, M, 2H]``), biases none or the same rows of one ``[E, 2H]``, the two gradients of
-each read only by their ``slice_backward`` (and ``transpose``) into one ``add``. A stack or slice read by
-anything else stays for that reader; anything else is left as it is. The nodes it builds carry the meta of
+each read only by their ``slice_backward`` (and ``transpose``) into one ``add``. A cast folded is a
+``_to_copy`` (or Inductor's ``convert_element_type``) to the computation's dtype and nothing else (same device,
+layout and strides) of weights of one floating dtype, all of an op's weights or none, and in the backward every
+reader of each weight gradient a cast back to the weights' dtype. A stack, slice or cast read by anything else
+stays for that reader; anything else is left as it is. The nodes it builds carry the meta of
 those they replace (``seq_nr``, ``from_node``: :mod:`.provenance` carries them to stage 2) and a ``val`` from
 the ops' fake implementations.
 """
@@ -385,15 +402,88 @@ def _read_lists(graph, node: Node, dead: set[Node]) -> bool:
     return True
 
 
+_TO_COPY = torch.ops.aten._to_copy.default
+_CONVERT = torch.ops.prims.convert_element_type.default
+
+
+def _cast_source(node, dtype: torch.dtype) -> Node | None:
+    """``w`` when ``node`` casts a floating ``w`` to ``dtype`` and does nothing else: ``_to_copy(w, dtype=...)``
+    (a strided result on ``w``'s device, in ``w``'s layout) or ``convert_element_type(w, dtype)``."""
+    if not isinstance(node, Node) or not isinstance(node.args[0] if node.args else None, Node):
+        return None
+    if node.target is _TO_COPY:
+        kwargs = dict(node.kwargs)
+        if len(node.args) != 1 or set(kwargs) - {"dtype", "layout", "device", "memory_format"} \
+                or kwargs.get("layout", torch.strided) != torch.strided \
+                or kwargs.get("memory_format") not in (None, torch.preserve_format):
+            return None
+    elif node.target is not _CONVERT or len(node.args) != 2 or node.kwargs:
+        return None
+    source = node.args[0]
+    val, stored = node.meta.get("val"), source.meta.get("val")
+    if not (isinstance(val, torch.Tensor) and isinstance(stored, torch.Tensor) and val.dtype == dtype
+            and stored.dtype.is_floating_point and stored.dtype != dtype and stored.device == val.device
+            and stored.shape == val.shape and stored.stride() == val.stride()):
+        return None
+    return source
+
+
+def _cast_sources(weights, dtype: torch.dtype) -> list[Node | None] | None:
+    """The stored weights when every weight (None: absent) is a cast of one floating dtype to ``dtype``."""
+    sources = [None if w is None else _cast_source(w, dtype) for w in weights]
+    if any(s is None for s, w in zip(sources, weights) if w is not None):
+        return None
+    return sources if len({s.meta["val"].dtype for s in sources if s is not None}) == 1 else None
+
+
+def _fold_casts(graph, node: Node, dead: set[Node]) -> bool:
+    """``peer_mlp`` / ``peer_mlp_grads`` on master weights cast to the computation's dtype → the same op on the
+    weights as stored (and, in the backward, their gradients no longer cast back)."""
+    if node.target is torch.ops.moe.peer_mlp.default:
+        x, w1, w2, w3 = node.args[:4]
+        sources = _cast_sources((w1, w2, w3), x.meta["val"].dtype) if isinstance(x, Node) else None
+        if sources is None:
+            return False
+        new = _new(graph, node.target, (x, *sources, *node.args[4:]), node)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        dead.update(w for w in (w1, w2, w3) if w is not None)
+        return True
+    grad_y, _, _, _, w1, w2, w3 = node.args[:7]
+    sources = _cast_sources((w1, w2, w3), grad_y.meta["val"].dtype) if isinstance(grad_y, Node) else None
+    if sources is None:
+        return False
+    stored = next(s for s in sources if s is not None).meta["val"].dtype
+    casts_back = []   # (cast of a weight gradient back to the stored dtype, its position)
+    for user in node.users:
+        position = user.args[1]
+        if position in (1, 2, 3):
+            readers = list(user.users)
+            if not all(_cast_source(r, stored) is user for r in readers):
+                return False
+            casts_back += [(r, position) for r in readers]
+    new = _new(graph, node.target, (*node.args[:4], *sources, *node.args[7:]), node)
+    for cast, position in casts_back:
+        _take(graph, cast, new, position)
+    for user in list(node.users):
+        if user.args[1] in (1, 2, 3):
+            graph.erase_node(user)      # a weight gradient's getitem: its casts now read the op
+        else:
+            _take(graph, user, new, user.args[1])
+    graph.erase_node(node)
+    dead.update(w for w in (w1, w2, w3) if w is not None)
+    return True
+
+
 def read_weights_in_place(joint: GraphModule) -> int:
-    """Rewrite every ``peer_mlp`` / ``peer_mlp_grads`` of ``joint`` that reads stacked per-expert weights or the
-    gate and up rows of one matrix (see the module); the number of ops rewritten."""
+    """Rewrite every ``peer_mlp`` / ``peer_mlp_grads`` of ``joint`` that reads stacked per-expert weights, the
+    gate and up rows of one matrix or casts of master weights (see the module); the number of ops rewritten."""
     graph = joint.graph
     rewritten = 0
     dead: set[Node] = set()   # the stacks and slices the rewritten ops read, erased once nothing does
     for node in list(graph.nodes):
         if node.target in (torch.ops.moe.peer_mlp.default, torch.ops.moe.peer_mlp_grads.default) and (
-                _fuse_gate_up(graph, node, dead) or _read_lists(graph, node, dead)):
+                _fuse_gate_up(graph, node, dead) or _read_lists(graph, node, dead) or _fold_casts(graph, node, dead)):
             rewritten += 1
     if rewritten:
         for node in reversed(list(graph.nodes)):

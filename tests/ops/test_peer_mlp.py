@@ -119,7 +119,7 @@ def test_errors_name_the_shapes_and_dtypes():
     with pytest.raises(ValueError, match=r"moe.peer_mlp: x \[P, El, R, M\], w1 / w3 \[El, H, M\], w2 \[El, M, H\]"):
         torch.ops.moe.peer_mlp(x, torch.randn(2, 5, 4), torch.randn(2, 4, 6), None, "relu", None, None, None, [],
                                None)
-    with pytest.raises(ValueError, match="must share a dtype"):
+    with pytest.raises(ValueError, match="must share one floating dtype"):
         torch.ops.moe.peer_mlp(x, torch.randn(2, 5, 4, dtype=torch.float64), torch.randn(2, 4, 5), None, "relu",
                                None, None, None, [], None)
 
@@ -271,3 +271,44 @@ def test_the_reduced_precision_backward_sums_each_expert_once(activation, gated,
     y, _, _ = torch.ops.moe.peer_mlp(*leaves[:3], w3, activation, None, None, None, act_args, FILLED)
     for a, b in zip(torch.autograd.grad(y, leaves, grad_y), got[:4]):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("peers", [1, PEERS], ids=["one-peer", "peers"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("activation, gated", [("relu", False), ("silu", True)])
+def test_master_weights_are_cast_per_expert(activation, gated, dtype, peers):
+    """fp64 weights read by a bf16 / fp32 computation (torchtitan's fp32 weights under its bf16 grouped GEMMs):
+    every output and input gradient equals casting the weights whole first, bit for bit, and each weight
+    gradient is that computation's, cast to the weights' dtype; the forward, the fused backward and the split
+    one (``peer_mlp_backward``, which autograd calls for several peers in bf16)."""
+    gen = torch.Generator().manual_seed(11)
+    x, w1, w2, w3, *_ = (t.detach() if t is not None else None for t in _inputs(gen, gated, False))
+    x, filled = x[:peers].to(dtype).contiguous(), FILLED[:peers]
+    grad_y = (torch.randn(x.shape, generator=gen, dtype=torch.float64) * _kept(filled)).to(dtype)
+    master = [t.requires_grad_() for t in (w1, w2, *((w3,) if gated else ()))]
+    cast = [t.detach().to(dtype).requires_grad_() for t in master]
+    y, h1, h3 = torch.ops.moe.peer_mlp(x, master[0], master[1], master[2] if gated else None, activation, None,
+                                       None, None, [], filled)
+    ref, r1, r3 = torch.ops.moe.peer_mlp(x, cast[0], cast[1], cast[2] if gated else None, activation, None, None,
+                                         None, [], filled)
+    kept = _kept(filled)
+    assert torch.equal(y * kept, ref * kept) and torch.equal(h1 * kept, r1 * kept)
+    needs = [True, True, True, gated, False, False, False]
+    w = lambda ws, i: ws[i] if i < len(ws) else None   # noqa: E731
+    got = torch.ops.moe.peer_mlp_grads(grad_y, x, h1, h3, master[0], master[1], w(master, 2), activation, [],
+                                       filled, [False] * 3, needs)
+    expected = torch.ops.moe.peer_mlp_grads(grad_y, x, r1, r3, cast[0], cast[1], w(cast, 2), activation, [],
+                                            filled, [False] * 3, needs)
+    assert torch.equal(got[0], expected[0])
+    for a, b, weight in zip(got[1:4], expected[1:4], master + [None]):
+        if weight is not None:
+            assert a.dtype == torch.float64 and torch.equal(a, b.double())
+    split = torch.ops.moe.peer_mlp_backward(grad_y, h1, h3, master[0], master[1], w(master, 2), activation, [],
+                                            filled)
+    split_ref = torch.ops.moe.peer_mlp_backward(grad_y, r1, r3, cast[0], cast[1], w(cast, 2), activation, [],
+                                                filled)
+    for a, b in zip(split, split_ref):
+        assert torch.equal(a, b)
+    for a, b in zip(torch.autograd.grad(y, master, grad_y), torch.autograd.grad(ref, cast, grad_y)):
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, b.double(), rtol=0, atol=0)

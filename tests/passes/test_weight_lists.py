@@ -189,3 +189,49 @@ def test_gate_up_stored_transposed_with_biases_read_whole(step):
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert got[2].is_contiguous() and got[2].shape == inputs[3].shape   # W13ᵀ's gradient in its stored layout
+
+
+def _cast_joint(grad_reader: bool = False):
+    """A stand-in for the joint graph of bf16 experts on fp32 weights (torchtitan's ``GroupedExperts``): each
+    weight cast whole to bf16 for both ops, each weight gradient cast back to fp32."""
+    def f(x, grad_y, filled, w1, w2, w3):
+        c1, c2, c3 = (w.to(torch.bfloat16) for w in (w1, w2, w3))
+        y, h1, h3 = torch.ops.moe.peer_mlp(x, c1, c2, c3, "silu", None, None, None, [], filled)
+        grads = torch.ops.moe.peer_mlp_grads(grad_y, x, h1, h3, c1, c2, c3, "silu", [], filled,
+                                             [False] * 3, [True] * 4 + [False] * 3)
+        out = [y, grads[0], *(g.to(torch.float32) for g in grads[1:4])]
+        return out + ([grads[1].sum()] if grad_reader else [])
+
+    torch.manual_seed(0)
+    weights = [torch.randn(E, H, M) * 0.3, torch.randn(E, M, H) * 0.3, torch.randn(E, H, M) * 0.3]
+    x = (torch.randn(1, E, R, M) * (torch.arange(R).view(1, 1, R, 1) < FILLED.view(1, E, 1, 1))).bfloat16()
+    inputs = [x, torch.randn(1, E, R, M).bfloat16(), FILLED, *weights]
+    return make_fx(f, tracing_mode="fake")(*inputs), inputs
+
+
+def test_master_weight_casts_folded_into_the_ops():
+    """No whole ``[E, H, M]`` bf16 copy of a weight is left in the graph (so none is saved for the backward) and
+    no gradient is cast back: every output equal, bit for bit, to casting whole."""
+    gm, inputs = _cast_joint()
+    expected = gm(*inputs)
+    assert read_weights_in_place(gm) == 2
+    casts = [n for n in gm.graph.nodes if n.target is torch.ops.aten._to_copy.default]
+    assert casts == []
+    ops = [n for n in gm.graph.nodes if n.target in (torch.ops.moe.peer_mlp.default,
+                                                     torch.ops.moe.peer_mlp_grads.default)]
+    assert all(n.args[4 if "grads" in str(n.target) else 1].meta["val"].dtype == torch.float32 for n in ops)
+    for got, want in zip(gm(*inputs), expected, strict=True):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_weight_gradient_read_in_bf16_keeps_the_backwards_casts():
+    """A weight gradient read in the computation's dtype by something other than its cast back: the backward op
+    keeps reading the bf16 copies (the forward alone folds them), and every value is unchanged."""
+    gm, inputs = _cast_joint(grad_reader=True)
+    expected = gm(*inputs)
+    assert read_weights_in_place(gm) == 1
+    grads = next(n for n in gm.graph.nodes if n.target is torch.ops.moe.peer_mlp_grads.default)
+    assert all(w.meta["val"].dtype == torch.bfloat16 for w in grads.args[4:7])
+    for got, want in zip(gm(*inputs), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
