@@ -58,8 +58,10 @@ constant ``e``; sliced ones the gate and up rows of one fp32 / fp64 ``[E, 2H, M]
 transpose of a contiguous ``[E, M, 2H]``), biases none or the same rows of one ``[E, 2H]``, the two gradients of
 each read only by their ``slice_backward`` (and ``transpose``) into one ``add``. A cast folded is a
 ``_to_copy`` (or Inductor's ``convert_element_type``) to the computation's dtype and nothing else (same device,
-layout and strides) of weights of one floating dtype, all of an op's weights or none, and in the backward every
-reader of each weight gradient a cast back to the weights' dtype. A stack, slice or cast read by anything else
+layout and strides) of weights of one floating dtype, all of an op's weights or none, in the backward every
+reader of each weight gradient a cast back to the weights' dtype, and only where every reader of the cast folds
+it (with several peers in bf16 the backward's ``peer_mlp_backward`` reads the copies: they stay, and so do the
+ops' reads of them). A stack, slice or cast read by anything else
 stays for that reader; anything else is left as it is. The nodes it builds carry the meta of
 those they replace (``seq_nr``, ``from_node``: :mod:`.provenance` carries them to stage 2) and a ``val`` from
 the ops' fake implementations.
@@ -436,43 +438,67 @@ def _cast_sources(weights, dtype: torch.dtype) -> list[Node | None] | None:
     return sources if len({s.meta["val"].dtype for s in sources if s is not None}) == 1 else None
 
 
-def _fold_casts(graph, node: Node, dead: set[Node]) -> bool:
-    """``peer_mlp`` / ``peer_mlp_grads`` on master weights cast to the computation's dtype → the same op on the
-    weights as stored (and, in the backward, their gradients no longer cast back)."""
+def _weights(node: Node) -> tuple:
+    """``(w1, w2, w3)`` of a ``peer_mlp`` / ``peer_mlp_grads`` node."""
+    return node.args[1:4] if node.target is torch.ops.moe.peer_mlp.default else node.args[4:7]
+
+
+def _cast_fold(node: Node) -> list[Node | None] | None:
+    """The stored weights a ``peer_mlp`` / ``peer_mlp_grads`` node can read in place of its casts of them, or
+    None: every weight a cast of master weights to the computation's dtype, and (the backward) every reader
+    of each weight gradient a cast back to the weights' dtype."""
+    computed = node.args[0]
+    if not isinstance(computed, Node):
+        return None
+    sources = _cast_sources(_weights(node), computed.meta["val"].dtype)
+    if sources is None or node.target is torch.ops.moe.peer_mlp.default:
+        return sources
+    stored = next(s for s in sources if s is not None).meta["val"].dtype
+    for user in node.users:
+        if user.args[1] in (1, 2, 3) and not all(_cast_source(r, stored) is user for r in user.users):
+            return None
+    return sources
+
+
+def _fold(graph, node: Node, sources: list[Node | None]) -> None:
+    """``node`` on the stored weights; in the backward each weight gradient's cast back read from the op."""
     if node.target is torch.ops.moe.peer_mlp.default:
-        x, w1, w2, w3 = node.args[:4]
-        sources = _cast_sources((w1, w2, w3), x.meta["val"].dtype) if isinstance(x, Node) else None
-        if sources is None:
-            return False
-        new = _new(graph, node.target, (x, *sources, *node.args[4:]), node)
+        new = _new(graph, node.target, (node.args[0], *sources, *node.args[4:]), node)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
-        dead.update(w for w in (w1, w2, w3) if w is not None)
-        return True
-    grad_y, _, _, _, w1, w2, w3 = node.args[:7]
-    sources = _cast_sources((w1, w2, w3), grad_y.meta["val"].dtype) if isinstance(grad_y, Node) else None
-    if sources is None:
-        return False
-    stored = next(s for s in sources if s is not None).meta["val"].dtype
-    casts_back = []   # (cast of a weight gradient back to the stored dtype, its position)
-    for user in node.users:
-        position = user.args[1]
-        if position in (1, 2, 3):
-            readers = list(user.users)
-            if not all(_cast_source(r, stored) is user for r in readers):
-                return False
-            casts_back += [(r, position) for r in readers]
+        return
     new = _new(graph, node.target, (*node.args[:4], *sources, *node.args[7:]), node)
-    for cast, position in casts_back:
-        _take(graph, cast, new, position)
     for user in list(node.users):
-        if user.args[1] in (1, 2, 3):
-            graph.erase_node(user)      # a weight gradient's getitem: its casts now read the op
+        position = user.args[1]
+        if position in (1, 2, 3):   # the gradient, now in the weights' dtype: its casts back read the op
+            for cast in list(user.users):
+                _take(graph, cast, new, position)
+            graph.erase_node(user)
         else:
-            _take(graph, user, new, user.args[1])
+            _take(graph, user, new, position)
     graph.erase_node(node)
-    dead.update(w for w in (w1, w2, w3) if w is not None)
-    return True
+
+
+def _fold_master_casts(graph, dead: set[Node]) -> int:
+    """Fold every cast of master weights whose readers all fold it (a cast left for any other reader would still
+    be computed and saved: the ops reading it keep it); the number of ops rewritten."""
+    folds = {}
+    for node in graph.nodes:
+        if node.target in (torch.ops.moe.peer_mlp.default, torch.ops.moe.peer_mlp_grads.default):
+            sources = _cast_fold(node)
+            if sources is not None:
+                folds[node] = sources
+    settled = False
+    while not settled:
+        settled = True
+        for node in list(folds):
+            if any(u not in folds for w in _weights(node) if w is not None for u in w.users):
+                del folds[node]
+                settled = False
+    for node, sources in folds.items():
+        dead.update(w for w in _weights(node) if w is not None)
+        _fold(graph, node, sources)
+    return len(folds)
 
 
 def read_weights_in_place(joint: GraphModule) -> int:
@@ -483,8 +509,9 @@ def read_weights_in_place(joint: GraphModule) -> int:
     dead: set[Node] = set()   # the stacks and slices the rewritten ops read, erased once nothing does
     for node in list(graph.nodes):
         if node.target in (torch.ops.moe.peer_mlp.default, torch.ops.moe.peer_mlp_grads.default) and (
-                _fuse_gate_up(graph, node, dead) or _read_lists(graph, node, dead) or _fold_casts(graph, node, dead)):
+                _fuse_gate_up(graph, node, dead) or _read_lists(graph, node, dead)):
             rewritten += 1
+    rewritten += _fold_master_casts(graph, dead)
     if rewritten:
         for node in reversed(list(graph.nodes)):
             if node in dead and not node.users and node.op == "call_function":

@@ -225,13 +225,11 @@ def test_master_weight_casts_folded_into_the_ops():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_a_weight_gradient_read_in_bf16_keeps_the_backwards_casts():
+def test_a_weight_gradient_read_in_bf16_keeps_every_cast():
     """A weight gradient read in the computation's dtype by something other than its cast back: the backward op
-    keeps reading the bf16 copies (the forward alone folds them), and every value is unchanged."""
+    keeps reading the bf16 copies, so they stay computed and saved, and the forward keeps reading them too (a
+    cast per expert would be work on top of the copies); the graph is left as it is."""
     gm, inputs = _cast_joint(grad_reader=True)
-    expected = gm(*inputs)
-    assert read_weights_in_place(gm) == 1
-    grads = next(n for n in gm.graph.nodes if n.target is torch.ops.moe.peer_mlp_grads.default)
-    assert all(w.meta["val"].dtype == torch.bfloat16 for w in grads.args[4:7])
-    for got, want in zip(gm(*inputs), expected, strict=True):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    before = [(n.target, n.args) for n in gm.graph.nodes]
+    assert read_weights_in_place(gm) == 0
+    assert [(n.target, n.args) for n in gm.graph.nodes] == before
