@@ -60,9 +60,9 @@ each read only by their ``slice_backward`` (and ``transpose``) into one ``add``.
 ``_to_copy`` (or Inductor's ``convert_element_type``) to the computation's dtype and nothing else (same device,
 layout and strides) of weights of one floating dtype, all of an op's weights or none, in the backward every
 reader of each weight gradient a cast back to the weights' dtype, and only where every reader of the cast folds
-it (with several peers in bf16 the backward's ``peer_mlp_backward`` reads the copies: they stay, and so do the
-ops' reads of them). A stack, slice or cast read by anything else
-stays for that reader; anything else is left as it is. The nodes it builds carry the meta of
+it (with several peers in bf16 the backward is ``peer_mlp_backward``, which reads the weights as stored too,
+and ``peer_bmm_weight_grad`` nodes, whose gradients are cast back as before). A stack, slice or cast read by
+anything else stays for that reader; anything else is left as it is. The nodes it builds carry the meta of
 those they replace (``seq_nr``, ``from_node``: :mod:`.provenance` carries them to stage 2) and a ``val`` from
 the ops' fake implementations.
 """
@@ -438,20 +438,28 @@ def _cast_sources(weights, dtype: torch.dtype) -> list[Node | None] | None:
     return sources if len({s.meta["val"].dtype for s in sources if s is not None}) == 1 else None
 
 
+#: the expert ops that read the weights and where: ``peer_mlp``, the fused backward ``peer_mlp_grads``, the split
+#: backward's ``peer_mlp_backward`` (several peers in bf16 / fp16: its weight gradients are ``peer_bmm_weight_grad``
+#: nodes, which do not read the weights)
+_WEIGHTS_AT = {torch.ops.moe.peer_mlp.default: 1, torch.ops.moe.peer_mlp_grads.default: 4,
+               torch.ops.moe.peer_mlp_backward.default: 3}
+
+
 def _weights(node: Node) -> tuple:
-    """``(w1, w2, w3)`` of a ``peer_mlp`` / ``peer_mlp_grads`` node."""
-    return node.args[1:4] if node.target is torch.ops.moe.peer_mlp.default else node.args[4:7]
+    """``(w1, w2, w3)`` of an expert op (:data:`_WEIGHTS_AT`)."""
+    at = _WEIGHTS_AT[node.target]
+    return node.args[at:at + 3]
 
 
 def _cast_fold(node: Node) -> list[Node | None] | None:
-    """The stored weights a ``peer_mlp`` / ``peer_mlp_grads`` node can read in place of its casts of them, or
-    None: every weight a cast of master weights to the computation's dtype, and (the backward) every reader
-    of each weight gradient a cast back to the weights' dtype."""
+    """The stored weights an expert op (:data:`_WEIGHTS_AT`) can read in place of its casts of them, or None:
+    every weight a cast of master weights to the computation's dtype, and (``peer_mlp_grads``) every reader of
+    each weight gradient a cast back to the weights' dtype."""
     computed = node.args[0]
     if not isinstance(computed, Node):
         return None
     sources = _cast_sources(_weights(node), computed.meta["val"].dtype)
-    if sources is None or node.target is torch.ops.moe.peer_mlp.default:
+    if sources is None or node.target is not torch.ops.moe.peer_mlp_grads.default:
         return sources
     stored = next(s for s in sources if s is not None).meta["val"].dtype
     for user in node.users:
@@ -461,9 +469,10 @@ def _cast_fold(node: Node) -> list[Node | None] | None:
 
 
 def _fold(graph, node: Node, sources: list[Node | None]) -> None:
-    """``node`` on the stored weights; in the backward each weight gradient's cast back read from the op."""
-    if node.target is torch.ops.moe.peer_mlp.default:
-        new = _new(graph, node.target, (node.args[0], *sources, *node.args[4:]), node)
+    """``node`` on the stored weights; from ``peer_mlp_grads`` each weight gradient's cast back read from the op."""
+    at = _WEIGHTS_AT[node.target]
+    if node.target is not torch.ops.moe.peer_mlp_grads.default:
+        new = _new(graph, node.target, (*node.args[:at], *sources, *node.args[at + 3:]), node)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         return
@@ -484,7 +493,7 @@ def _fold_master_casts(graph, dead: set[Node]) -> int:
     be computed and saved: the ops reading it keep it); the number of ops rewritten."""
     folds = {}
     for node in graph.nodes:
-        if node.target in (torch.ops.moe.peer_mlp.default, torch.ops.moe.peer_mlp_grads.default):
+        if node.target in _WEIGHTS_AT:
             sources = _cast_fold(node)
             if sources is not None:
                 folds[node] = sources

@@ -233,3 +233,29 @@ def test_a_weight_gradient_read_in_bf16_keeps_every_cast():
     before = [(n.target, n.args) for n in gm.graph.nodes]
     assert read_weights_in_place(gm) == 0
     assert [(n.target, n.args) for n in gm.graph.nodes] == before
+
+
+def test_master_weight_casts_folded_into_the_split_backward():
+    """Several peers in bf16: the backward is ``peer_mlp_backward`` (it reads the weights: as stored now) and
+    ``peer_bmm_weight_grad`` nodes (their gradients are cast back as before); every value bit-equal."""
+    filled = torch.tensor([[6, 0, 3, 5], [2, 6, 0, 1]])
+
+    def f(x, grad_y, filled, w1, w2, w3):
+        c1, c2, c3 = (w.to(torch.bfloat16) for w in (w1, w2, w3))
+        y, h1, h3 = torch.ops.moe.peer_mlp(x, c1, c2, c3, "silu", None, None, None, [], filled)
+        grad_x, grad_h1, grad_h3, h = torch.ops.moe.peer_mlp_backward(grad_y, h1, h3, c1, c2, c3, "silu", [], filled)
+        grad_w2 = torch.ops.moe.peer_bmm_weight_grad(grad_y, h, filled).to(torch.float32)
+        return y, grad_x, grad_w2, torch.ops.moe.peer_bmm_weight_grad(grad_h1, x, filled).to(torch.float32)
+
+    torch.manual_seed(0)
+    weights = [torch.randn(E, H, M) * 0.3, torch.randn(E, M, H) * 0.3, torch.randn(E, H, M) * 0.3]
+    kept = torch.arange(R).view(1, 1, R, 1) < filled.view(2, E, 1, 1)
+    inputs = [(torch.randn(2, E, R, M) * kept).bfloat16(), (torch.randn(2, E, R, M) * kept).bfloat16(), filled,
+              *weights]
+    gm = make_fx(f, tracing_mode="fake")(*inputs)
+    expected = gm(*inputs)
+    assert read_weights_in_place(gm) == 2
+    casts = [n for n in gm.graph.nodes if n.target is torch.ops.aten._to_copy.default]
+    assert [n.args[0].target for n in casts] == [torch.ops.moe.peer_bmm_weight_grad.default] * 2
+    for got, want in zip(gm(*inputs), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
