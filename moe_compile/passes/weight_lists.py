@@ -1,4 +1,4 @@
-"""Expert weights read as the model stores them: no stacked copy of a ``ModuleList``'s experts, one GEMM over a stored gate-and-up matrix (joint graph).
+"""Expert weights read as the model stores them: no stacked copy of a ``ModuleList``'s experts, one GEMM over a stored gate-and-up matrix, master weights cast one expert at a time (joint graph).
 
 Canonicalize reads the experts as ``[E, H, M]`` tensors: per-expert weights (a ``ModuleList``) as
 ``torch.stack`` of them, a stored gate-and-up matrix ``W13 [E, 2H, M]`` (transformers' ``gate_up_proj``) as
