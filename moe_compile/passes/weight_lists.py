@@ -58,7 +58,8 @@ constant ``e``; sliced ones the gate and up rows of one fp32 / fp64 ``[E, 2H, M]
 transpose of a contiguous ``[E, M, 2H]``), biases none or the same rows of one ``[E, 2H]``, the two gradients of
 each read only by their ``slice_backward`` (and ``transpose``) into one ``add``. A cast folded is a
 ``_to_copy`` (or Inductor's ``convert_element_type``) to the computation's dtype and nothing else (same device,
-layout and strides) of weights of one floating dtype, all of an op's weights or none, in the backward every
+layout and strides) of weights of one floating dtype that are graph inputs or views of them (not a ``stack``
+computed per step, which would then be saved in the wider dtype), all of an op's weights or none, in the backward every
 reader of each weight gradient a cast back to the weights' dtype, and only where every reader of the cast folds
 it (with several peers in bf16 the backward is ``peer_mlp_backward``, which reads the weights as stored too,
 and ``peer_bmm_weight_grad`` nodes, whose gradients are cast back as before). A stack, slice or cast read by
@@ -430,10 +431,22 @@ def _cast_source(node, dtype: torch.dtype) -> Node | None:
     return source
 
 
+def _held(node: Node) -> bool:
+    """Is ``node`` a graph input or a view of one (a parameter, its local experts' slice): memory the step holds
+    anyway, unlike a tensor computed per step (a ``stack``), which reading in place of its cast would save for
+    the backward in the wider dtype?"""
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+        node = node.args[0]
+        if not isinstance(node, Node):
+            return False
+    return node.op == "placeholder"
+
+
 def _cast_sources(weights, dtype: torch.dtype) -> list[Node | None] | None:
-    """The stored weights when every weight (None: absent) is a cast of one floating dtype to ``dtype``."""
+    """The stored weights when every weight (None: absent) is a cast of one floating dtype to ``dtype`` of memory
+    the step holds anyway (:func:`_held`)."""
     sources = [None if w is None else _cast_source(w, dtype) for w in weights]
-    if any(s is None for s, w in zip(sources, weights) if w is not None):
+    if any(s is None or not _held(s) for s, w in zip(sources, weights) if w is not None):
         return None
     return sources if len({s.meta["val"].dtype for s in sources if s is not None}) == 1 else None
 

@@ -259,3 +259,19 @@ def test_master_weight_casts_folded_into_the_split_backward():
     assert [n.args[0].target for n in casts] == [torch.ops.moe.peer_bmm_weight_grad.default] * 2
     for got, want in zip(gm(*inputs), expected, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_cast_of_weights_computed_per_step_is_left():
+    """Under autocast a ``ModuleList``'s experts are stacked, then cast: reading the fp32 stack in place of its
+    bf16 cast would save the wider copy for the backward, so neither op is rewritten."""
+    def f(x, grad_y, filled, *weights):
+        s1, s2 = (torch.stack(list(ws)).to(torch.bfloat16) for ws in (weights[:E], weights[E:]))
+        y, h1, h3 = torch.ops.moe.peer_mlp(x, s1, s2, None, "relu", None, None, None, [], filled)
+        grads = torch.ops.moe.peer_mlp_grads(grad_y, x, h1, h3, s1, s2, None, "relu", [], filled,
+                                             [False] * 3, [True] * 3 + [False] * 4)
+        return y, grads[0], grads[1].float(), grads[2].float()
+
+    weights = [torch.randn(H, M) for _ in range(E)] + [torch.randn(M, H) for _ in range(E)]
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(1, E, R, M).bfloat16(), torch.randn(1, E, R, M).bfloat16(),
+                                         FILLED, *weights)
+    assert read_weights_in_place(gm) == 0
