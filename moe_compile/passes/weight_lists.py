@@ -28,10 +28,10 @@ joint graph spells ``transpose(W, 1, 2)`` as ``permute(W, [0, 2, 1])`` and ``sli
     gW13 = slice_backward(g[1], ...) + slice_backward(g[3], ...)        gW13 = g[1]
     gB13 = slice_backward(g[4], ...) + slice_backward(g[6], ...)        gB13 = g[3]
 
-Master weights cast for the experts (torchtitan's ``GroupedExperts`` runs bf16 GEMMs on fp32 weights; autocast
-alike) are read as stored too: the ops cast one expert's matrix at a time (:mod:`moe_compile.ops.peer_mlp`,
-"Master weights"), where the joint graph casts each whole ``[E, H, M]`` weight, saves the copies for the
-backward and casts each whole gradient back::
+Master weights cast for the experts (torchtitan's ``GroupedExperts`` runs bf16 GEMMs on fp32 weights; CPU bf16
+autocast casts ``[E, ...]`` expert parameters alike) are read as stored too: the ops cast one expert's matrix at a
+time (:mod:`moe_compile.ops.peer_mlp`, "Master weights"), where the joint graph casts each whole ``[E, H, M]``
+weight, saves the copies for the backward and casts each whole gradient back::
 
     w1b = aten._to_copy(w1, dtype=bf16) ...              (w1b ... gone: nothing saved but the weights)
     y, h1, h3 = moe.peer_mlp(x, w1b, w2b, w3b, ...)      y, h1, h3 = moe.peer_mlp(x, w1, w2, w3, ...)
@@ -40,7 +40,8 @@ backward and casts each whole gradient back::
 
 Measured on torchtitan's Qwen3-MoE debug model (E = 64, fp32 weights, bf16 experts): the bf16 copies were
 75 MB per layer saved from the forward to the backward, and casting the 50 MB fp32 gradients back from bf16
-buffers written a whole op earlier cost 3-8x the same casts in the eager layer.
+buffers written a whole op earlier cost 3-8x the same casts in the eager layer (one profile of its layer,
+``benchmarks/README.md``).
 
 GPT-OSS stores ``W13ᵀ [E, M, 2H]``: there ``W13`` is ``transpose(W13ᵀ, 1, 2)`` (one per slice in the joint graph)
 and each gate / up gradient reaches the ``add`` through a ``transpose`` too; the op reads the first transpose and
@@ -52,20 +53,19 @@ assembled gradients two ``[8, 512, 1024]`` copies, fills and adds more.
 Measured on a two-block decoder with ``ModuleList`` SwiGLU experts (M = H = 512, E = 8, 2048 tokens, fp32,
 one thread): the saved stacks were 50 MB of the step's 341 MB peak (``benchmarks/model_step.py``).
 
-Only where it is exact and whole: stacked weights a ``stack`` along dim 0 of 2-D contiguous tensors of one
-shape and dtype, no gradient stored transposed, every use of a stacked gradient a ``select(·, 0, e)`` with a
-constant ``e``; sliced ones the gate and up rows of one fp32 / fp64 ``[E, 2H, M]`` tensor (contiguous, or the
-transpose of a contiguous ``[E, M, 2H]``), biases none or the same rows of one ``[E, 2H]``, the two gradients of
-each read only by their ``slice_backward`` (and ``transpose``) into one ``add``. A cast folded is a
-``_to_copy`` (or Inductor's ``convert_element_type``) to the computation's dtype and nothing else (same device,
-layout and strides) of weights of one floating dtype that are graph inputs or views of them (not a ``stack``
-computed per step, which would then be saved in the wider dtype), all of an op's weights or none, in the backward every
-reader of each weight gradient a cast back to the weights' dtype, and only where every reader of the cast folds
-it (with several peers in bf16 the backward is ``peer_mlp_backward``, which reads the weights as stored too,
-and ``peer_bmm_weight_grad`` nodes, whose gradients are cast back as before). A stack, slice or cast read by
-anything else stays for that reader; anything else is left as it is. The nodes it builds carry the meta of
-those they replace (``seq_nr``, ``from_node``: :mod:`.provenance` carries them to stage 2) and a ``val`` from
-the ops' fake implementations.
+Only where it is exact and whole: stacked weights a ``stack`` along dim 0 of 2-D contiguous tensors of one shape
+and dtype, no gradient stored transposed, every use of a stacked gradient a ``select(·, 0, e)`` with a constant
+``e``; sliced ones the gate and up rows of one fp32 / fp64 ``[E, 2H, M]`` tensor (contiguous, or the transpose of
+a contiguous ``[E, M, 2H]``), biases none or the same rows of one ``[E, 2H]``, the two gradients of each read only
+by their ``slice_backward`` (and ``transpose``) into one ``add``. A cast folded is a ``_to_copy`` (or Inductor's
+``convert_element_type``) to the computation's dtype and nothing else (same device, layout and strides) of weights
+of one floating dtype that are graph inputs or views of them (not a ``stack`` computed per step, which would then
+be saved in the wider dtype), all of an op's weights or none, in the backward every reader of each weight gradient
+a cast back to the weights' dtype, and only where every reader of the cast folds it (with several peers in bf16
+the backward is ``peer_mlp_backward``, which reads the weights as stored too, and ``peer_bmm_weight_grad`` nodes,
+whose gradients are cast back as before). A stack, slice or cast read by anything else stays for that reader;
+anything else is left as it is. The nodes it builds carry the meta of those they replace (``seq_nr``,
+``from_node``: :mod:`.provenance` carries them to stage 2) and a ``val`` from the ops' fake implementations.
 """
 from __future__ import annotations
 

@@ -275,3 +275,27 @@ def test_a_cast_of_weights_computed_per_step_is_left():
     gm = make_fx(f, tracing_mode="fake")(torch.randn(1, E, R, M).bfloat16(), torch.randn(1, E, R, M).bfloat16(),
                                          FILLED, *weights)
     assert read_weights_in_place(gm) == 0
+
+
+def test_autocast_casts_of_stored_expert_weights_folded():
+    """Under CPU bf16 autocast a layer whose experts are ``[E, ...]`` parameters (GShard's) casts them for the
+    expert matmuls: the experts read the fp32 parameters, forward and backward, equal to eager under autocast."""
+    from tests.models.gshard import GShardMoE
+
+    torch._dynamo.reset()
+    moe_compile.counters.clear()
+    torch.manual_seed(0)
+    layer = GShardMoE(16, 32, 4)
+    reference = GShardMoE(16, 32, 4)
+    reference.load_state_dict(layer.state_dict())
+    x = torch.randn(24, 16)
+    compiled = torch.compile(layer, backend="moe", fullgraph=True, options={"inner": "eager"})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, expected = compiled(x), reference(x)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    out.float().square().sum().backward()
+    expected.float().square().sum().backward()
+    for (name, p), q in zip(layer.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2 * max(1.0, q.grad.abs().max().item()),
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    assert moe_compile.counters["weights_read_in_place"] == 2
