@@ -187,14 +187,16 @@ def peer_mlp_backward(grad_y: Tensor, h1: Tensor, h3: Tensor, w1: Tensor, w2: Te
     return grad_x, grad_h1, grad_h3, h
 
 
-#: activation → (its forward, its derivative as the aten op autograd itself calls: ``(grad, input, output)``)
+_aten = torch.ops.aten
+#: activation → (its forward, its derivative as the aten op autograd itself calls, written into ``g`` by its
+#: ``grad_input`` overload: ``(g, input, output)``, no gradient allocated and copied back per block)
 _CLOSED_FORM = {
-    "silu": (torch.nn.functional.silu, lambda g, a, s: torch.ops.aten.silu_backward(g, a)),
-    "gelu": (torch.nn.functional.gelu, lambda g, a, s: torch.ops.aten.gelu_backward(g, a)),
+    "silu": (torch.nn.functional.silu, lambda g, a, s: _aten.silu_backward.grad_input(g, a, grad_input=g)),
+    "gelu": (torch.nn.functional.gelu, lambda g, a, s: _aten.gelu_backward.grad_input(g, a, grad_input=g)),
     "gelu_tanh": (lambda a: torch.nn.functional.gelu(a, approximate="tanh"),
-                  lambda g, a, s: torch.ops.aten.gelu_backward(g, a, approximate="tanh")),
-    "sigmoid": (torch.sigmoid, lambda g, a, s: torch.ops.aten.sigmoid_backward(g, s)),
-    "relu": (torch.relu, lambda g, a, s: torch.ops.aten.threshold_backward(g, s, 0)),
+                  lambda g, a, s: _aten.gelu_backward.grad_input(g, a, approximate="tanh", grad_input=g)),
+    "sigmoid": (torch.sigmoid, lambda g, a, s: _aten.sigmoid_backward.grad_input(g, s, grad_input=g)),
+    "relu": (torch.relu, lambda g, a, s: _aten.threshold_backward.grad_input(g, s, 0, grad_input=g)),
 }
 
 
@@ -211,11 +213,11 @@ def _activation_vjp_(gh1: Tensor, gh3: Tensor | None, h_out: Tensor, a: Tensor, 
         act = forward(a)
         if c is None:
             h_out.copy_(act)
-            gh1.copy_(derivative(gh1, a, act))
+            derivative(gh1, a, act)
             return
         torch.mul(act, c, out=h_out)
         torch.mul(gh1, act, out=gh3)                 # grad_c = grad_h ⊙ act(a)
-        gh1.copy_(derivative(gh1.mul_(c), a, act))   # grad_a = act'(a) (grad_h ⊙ c)
+        derivative(gh1.mul_(c), a, act)              # grad_a = act'(a) (grad_h ⊙ c)
         return
     with autograd_inside_op(), torch.enable_grad():
         leaves = [a.detach().requires_grad_()] + ([c.detach().requires_grad_()] if c is not None else [])
@@ -291,9 +293,11 @@ def grad_blocks(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w1: Weights, 
     h_scratch = None if keep_output else grad_y.new_empty(span, H)
     counts = filled_counts(grad_y, filled)
     weight_grads = any(grad is not None for grad in stored) or any(needs[4:7])
+    scratches = _master_scratches(stored, grad_y.dtype)
     for e in range(El):
         first, parts, offset = True, [], 0
-        targets = _targets(stored, e, grad_y.dtype)
+        targets = [None if grad is None else grad[e] if scratch is None else scratch
+                   for grad, scratch in zip(stored, scratches)]
         w1e, w2e, w3e = (_read(w, e, grad_y.dtype) if w is not None else None for w in (w1, w2, w3))
         for p in range(P):
             n = R if counts is None else counts[p][e]
@@ -333,17 +337,18 @@ def grad_blocks(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w1: Weights, 
                                                                           if need)):
                 t[e].zero_()
         else:                                                          # master weights: the gradient's cast
-            for grad, target in zip(stored, targets):
-                if grad is not None and target is not grad[e]:
-                    grad[e].copy_(target)
+            for grad, scratch in zip(stored, scratches):
+                if scratch is not None:
+                    grad[e].copy_(scratch)
     return grad_x, *_as_read(grad_y, stored, transposed), *biases
 
 
-def _targets(stored: list, e: int, dtype: torch.dtype) -> list[Tensor | None]:
-    """Where expert ``e``'s weight gradients are summed: the gradient itself, or, for a weight stored in another
-    dtype (master weights), a scratch in the compute dtype cast into it once the expert's rows are summed."""
-    return [None if grad is None else grad[e] if grad[e].dtype == dtype else
-            torch.empty(grad[e].shape, dtype=dtype, device=grad[e].device) for grad in stored]
+def _master_scratches(stored: list, dtype: torch.dtype) -> list[Tensor | None]:
+    """Per weight gradient, where each expert's is summed when the weight is stored in another dtype (master
+    weights): one ``[A, B]`` scratch in the compute dtype, cast into the expert's gradient once its rows are summed
+    and reused by the next expert; None where the gradient itself is summed into."""
+    return [None if grad is None or grad[0].dtype == dtype else
+            torch.empty(grad[0].shape, dtype=dtype, device=grad[0].device) for grad in stored]
 
 
 def sums_per_block(grad_y: Tensor) -> bool:
@@ -364,7 +369,7 @@ def _expert_rows(t: Tensor, e: int, parts: list[tuple[int, int]]) -> Tensor:
 def _weight_grads_(targets: list, biases: list, transposed: Sequence[bool], needs: Sequence[bool], e: int,
                    first: bool, gh1: Tensor, gh3: Tensor | None, g: Tensor, h: Tensor, rows: Tensor) -> None:
     """Write (``first``) or add expert ``e``'s weight and bias gradients from these rows into ``targets``
-    (:func:`_targets`) and the biases' row ``e``: ``grad_W1 = gh1ᵀ rows``, ``grad_W2 = gᵀ h``,
+    (:func:`_master_scratches`) and the biases' row ``e``: ``grad_W1 = gh1ᵀ rows``, ``grad_W2 = gᵀ h``,
     ``grad_W3 = gh3ᵀ rows``, ``grad_b = Σ`` of the same rows."""
     for target, t, (left, right) in zip(targets, transposed, ((gh1, rows), (g, h), (gh3, rows))):
         if target is not None:                                         # grad_W = leftᵀ right, or its transpose
