@@ -79,17 +79,22 @@ def _saves_output(activation: str, w3: Tensor | None) -> bool:
     return activation == "relu" and w3 is None
 
 
-def _blocks(x: Tensor, filled: Tensor | None):
-    """``(p, e, n)`` for every block, ``n`` its routed rows (all ``R`` without ``filled``)."""
+def _blocks(x: Tensor, filled: Tensor | None, weights: Sequence[Weights | None] = ()):
+    """``(p, e, n, read)`` for every block, expert by expert: ``n`` its routed rows (all ``R`` without
+    ``filled``), ``read`` expert ``e``'s matrices of ``weights`` in ``x``'s dtype (:func:`_read`: master weights
+    cast once per expert, not once per peer's block)."""
     counts = filled_counts(x, filled)
-    for p in range(x.shape[0]):
-        for e in range(x.shape[1]):
-            yield p, e, (x.shape[2] if counts is None else counts[p][e])
+    for e in range(x.shape[1]):
+        read = tuple(_read(w, e, x.dtype) for w in weights)
+        for p in range(x.shape[0]):
+            yield p, e, (x.shape[2] if counts is None else counts[p][e]), read
 
 
-def _read(w: Weights, e: int, dtype: torch.dtype) -> Tensor:
+def _read(w: Weights | None, e: int, dtype: torch.dtype) -> Tensor | None:
     """Expert ``e``'s matrix of ``w`` in the compute dtype: as stored, or the cast of master weights (see the
-    module)."""
+    module); None for an absent weight."""
+    if w is None:
+        return None
     matrix = w[e]
     return matrix if matrix.dtype == dtype else matrix.to(dtype)
 
@@ -115,7 +120,7 @@ def mlp_blocks(x: Tensor, w1: Weights, w2: Weights, w3: Weights | None, activati
     _check(x, w1, w2, w3)
     y, h1, h3 = _empty_outputs(x, w1, w2, w3)
     keep_output = _saves_output(activation, w3)
-    for p, e, n in _blocks(x, filled):
+    for p, e, n, (w1e, w2e, w3e) in _blocks(x, filled, (w1, w2, w3)):
         if n < x.shape[2]:
             for t in (y, h1, *((h3,) if w3 is not None else ())):
                 t[p, e, n:].zero_()
@@ -123,19 +128,19 @@ def mlp_blocks(x: Tensor, w1: Weights, w2: Weights, w3: Weights | None, activati
             continue
         rows = x[p, e, :n]
         a = h1[p, e, :n]
-        torch.mm(rows, _read(w1, e, x.dtype).t(), out=a)
+        torch.mm(rows, w1e.t(), out=a)
         _add_bias_(a, b1, e)
         c = None
         if w3 is not None:
             c = h3[p, e, :n]
-            torch.mm(rows, _read(w3, e, x.dtype).t(), out=c)
+            torch.mm(rows, w3e.t(), out=c)
             _add_bias_(c, b3, e)
         if keep_output:
             h = a.relu_()
         else:
             h = _glu(a, c, activation, act_args)
         out = y[p, e, :n]
-        torch.mm(h, _read(w2, e, x.dtype).t(), out=out)
+        torch.mm(h, w2e.t(), out=out)
         _add_bias_(out, b2, e)
     return y, h1, h3
 
@@ -165,7 +170,7 @@ def peer_mlp_backward(grad_y: Tensor, h1: Tensor, h3: Tensor, w1: Tensor, w2: Te
     grad_h1 = torch.empty_like(h1)
     grad_h3 = torch.empty_like(h3)
     h = grad_y.new_empty(0) if keep_output else torch.empty_like(h1)
-    for p, e, n in _blocks(grad_y, filled):
+    for p, e, n, (w1e, w2e, w3e) in _blocks(grad_y, filled, (w1, w2, w3)):
         if n < R:
             for t in (grad_x, grad_h1, *((grad_h3,) if w3 is not None else ()), *(() if keep_output else (h,))):
                 t[p, e, n:].zero_()
@@ -173,7 +178,7 @@ def peer_mlp_backward(grad_y: Tensor, h1: Tensor, h3: Tensor, w1: Tensor, w2: Te
             continue
         g = grad_y[p, e, :n]
         gh1 = grad_h1[p, e, :n]
-        torch.mm(g, _read(w2, e, g.dtype), out=gh1)                   # grad_h = grad_y W2
+        torch.mm(g, w2e, out=gh1)                                     # grad_h = grad_y W2
         if keep_output:
             torch.ops.aten.threshold_backward.grad_input(gh1, h1[p, e, :n], 0, grad_input=gh1)
         else:
@@ -181,9 +186,9 @@ def peer_mlp_backward(grad_y: Tensor, h1: Tensor, h3: Tensor, w1: Tensor, w2: Te
             _activation_vjp_(gh1, gh3, h[p, e, :n], h1[p, e, :n], h3[p, e, :n] if w3 is not None else None,
                              activation, act_args)
         out = grad_x[p, e, :n]
-        torch.mm(gh1, _read(w1, e, g.dtype), out=out)
+        torch.mm(gh1, w1e, out=out)
         if w3 is not None:
-            out.addmm_(grad_h3[p, e, :n], _read(w3, e, g.dtype))
+            out.addmm_(grad_h3[p, e, :n], w3e)
     return grad_x, grad_h1, grad_h3, h
 
 
@@ -298,7 +303,7 @@ def grad_blocks(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w1: Weights, 
         first, parts, offset = True, [], 0
         targets = [None if grad is None else grad[e] if scratch is None else scratch
                    for grad, scratch in zip(stored, scratches)]
-        w1e, w2e, w3e = (_read(w, e, grad_y.dtype) if w is not None else None for w in (w1, w2, w3))
+        w1e, w2e, w3e = (_read(w, e, grad_y.dtype) for w in (w1, w2, w3))
         for p in range(P):
             n = R if counts is None else counts[p][e]
             if needs[0] and n < R:

@@ -61,7 +61,7 @@ def peer_mlp_gate_up(x: Tensor, w13: Tensor, w2: Tensor, b13: Tensor | None, b2:
     y, h1, h3 = _outputs(x, w2)
     gate, up = _columns(2 * H, step)
     scratch = x.new_empty(R, 2 * H)
-    for p, e, n in _blocks(x, filled):
+    for p, e, n, _ in _blocks(x, filled):
         if n < R:
             for t in (y, h1, h3):
                 t[p, e, n:].zero_()

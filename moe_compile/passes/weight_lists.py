@@ -484,12 +484,11 @@ def _cast_fold(node: Node) -> list[Node | None] | None:
 def _fold(graph, node: Node, sources: list[Node | None]) -> None:
     """``node`` on the stored weights; from ``peer_mlp_grads`` each weight gradient's cast back read from the op."""
     at = _WEIGHTS_AT[node.target]
+    new = _new(graph, node.target, (*node.args[:at], *sources, *node.args[at + 3:]), node)
     if node.target is not torch.ops.moe.peer_mlp_grads.default:
-        new = _new(graph, node.target, (*node.args[:at], *sources, *node.args[at + 3:]), node)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         return
-    new = _new(graph, node.target, (*node.args[:4], *sources, *node.args[7:]), node)
     for user in list(node.users):
         position = user.args[1]
         if position in (1, 2, 3):   # the gradient, now in the weights' dtype: its casts back read the op

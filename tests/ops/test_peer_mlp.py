@@ -312,3 +312,19 @@ def test_master_weights_are_cast_per_expert(activation, gated, dtype, peers):
     for a, b in zip(torch.autograd.grad(y, master, grad_y), torch.autograd.grad(ref, cast, grad_y)):
         assert a.dtype == torch.float64
         torch.testing.assert_close(a, b.double(), rtol=0, atol=0)
+
+
+def test_master_weights_are_cast_once_per_expert():
+    """The forward and the split backward cast each expert's matrices once, not once per peer's block."""
+    from torch.profiler import profile
+
+    gen = torch.Generator().manual_seed(12)
+    x, w1, w2, w3, *_ = (t.detach() if t is not None else None for t in _inputs(gen, True, False))
+    x = x.float()
+    grad_y = torch.randn(x.shape, generator=gen) * _kept(FILLED)
+    with profile() as forward:
+        _, h1, h3 = torch.ops.moe.peer_mlp(x, w1, w2, w3, "silu", None, None, None, [], FILLED)
+    with profile() as backward:
+        torch.ops.moe.peer_mlp_backward(grad_y, h1, h3, w1, w2, w3, "silu", [], FILLED)
+    for prof in (forward, backward):
+        assert sum(e.name == "aten::_to_copy" for e in prof.events()) == 3 * LOCAL   # not 3 * LOCAL * PEERS
