@@ -36,6 +36,7 @@ from .passes.weight_lists import read_weights_in_place
 from .passes.grad_sync import plan_grad_sync
 from .passes.local_weights import SHARD_INPUTS, sharded_placeholders
 from .shard_record import expert_shard
+from .tiered import TieredGraph, tier_up_refusal
 from .passes.graph_utils import on_cuda
 from .passes.manager import PassManager
 from .passes.provenance import graph_is_built, mark_built
@@ -126,7 +127,44 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg:
     grad_sync = plan_grad_sync(cfg, gm, example_inputs, context.plans)  # options["dp_group"]: which inputs are params
     if grad_sync is not None:
         context.summary["grad_sync"] = grad_sync.report  # filled by the backward's grad_sync pass
-    return with_shard_inputs(_compile(cfg, context, gm, example_inputs, grad_sync), shard_inputs)
+    inner = _inner(cfg, example_inputs)
+    compiled = _compile(cfg, context, gm, example_inputs, grad_sync, inner)
+    if cfg.inner == "auto" and inner == "eager" and cfg.tier_up_after is not None:
+        compiled = _tiered(cfg, context, gm, example_inputs, shard_inputs, compiled)
+    return with_shard_inputs(compiled, shard_inputs)
+
+
+def _inner(cfg: MoECompileConfig, example_inputs: Sequence[Any]) -> str:
+    """``options["inner"]``, "auto" resolved: Inductor for graphs on CUDA, else the eager inner compiler."""
+    if cfg.inner == "auto":
+        return "inductor" if on_cuda(example_inputs) else "eager"
+    return str(cfg.inner)
+
+
+def _tiered(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.GraphModule, example_inputs,
+            shard_inputs: Sequence[int], compiled):
+    """``compiled`` (the eager inner compiler's) as the first tier of a :class:`~moe_compile.tiered.TieredGraph`
+    whose second is Inductor's code for ``gm``, compiled in the background once the graph is hot; ``compiled``
+    itself where the graph cannot tier up (the reason at INFO)."""
+    from .debug import log
+
+    reason = tier_up_refusal(cfg, gm, example_inputs, shard_inputs)
+    if reason is not None:
+        log.info("graph %s stays on the eager inner compiler (no tier-up to Inductor): %s", context.graph_id, reason)
+        return compiled
+    second = _copy(gm)   # Inductor traces its own copy, on the background thread
+    # Dynamo's fake inputs (the real ones are the first call's, and its list is emptied after the compile):
+    # their ShapeEnv is the one that named the graph's unbacked sizes
+    fakes = [node.meta.get("example_value", node.meta.get("val")) for node in gm.graph.find_nodes(op="placeholder")]
+    return TieredGraph(compiled, functools.partial(_compile_ahead, cfg, context, second, fakes),
+                       cfg.tier_up_after, name=str(context.graph_id))
+
+
+def _compile_ahead(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.GraphModule, fakes: list):
+    """Inductor's code for ``gm``, its backward compiled now too (AOTAutograd would compile it at the first
+    backward, on the training thread)."""
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        return _compile(cfg, context, gm, fakes, None, "inductor")
 
 
 def allow_data_dependent_sizes(gm: torch.fx.GraphModule) -> None:
@@ -233,12 +271,9 @@ def _shard_of(placeholder: torch.Tensor) -> torch.Tensor:
     return param
 
 
-def _compile(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.GraphModule, example_inputs, grad_sync=None):
-    """The inner compiler (AOTAutograd with the stage-2 passes) on ``gm`` after stage 1."""
-
-    inner = cfg.inner
-    if inner == "auto":
-        inner = "inductor" if on_cuda(example_inputs) else "eager"
+def _compile(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.GraphModule, example_inputs, grad_sync,
+             inner: str):
+    """The inner compiler ``inner`` (AOTAutograd with the stage-2 passes) on ``gm`` after stage 1."""
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 

@@ -111,9 +111,15 @@ class MoECompileConfig:
     debug_dir: str | None = None
     #: Compiler run after the passes: "eager" (AOTAutograd graphs run as they are),
     #: "inductor", or "auto" = inductor when the graph's tensors are on CUDA (it fuses the model around the
-    #: canonical ops), else eager (on CPU Inductor's first call took 10-30x the eager inner's for a step a
-    #: few percent faster: benchmarks/model_step.py).
+    #: canonical ops), else eager first and Inductor once the graph is hot (``tier_up_after``: on CPU
+    #: Inductor's first call took 10-30x the eager inner's for a step a few percent faster,
+    #: benchmarks/model_step.py).
     inner: InnerCompiler = InnerCompiler.AUTO
+    #: With ``inner="auto"`` on CPU: seconds of forward time a graph runs on the eager inner compiler before
+    #: Inductor compiles it on a background thread; its calls run Inductor's code once that is done
+    #: (moe_compile/tiered.py: graphs with static shapes and no collective). 0 = right after the first
+    #: call; None = never (the eager inner compiler all along).
+    tier_up_after: float | None = 10.0
     #: Find MoE layers and rewrite them into the canonical ``moe.*`` ops. False hands
     #: every graph to the inner compiler untouched.
     rewrite: bool = True
@@ -324,6 +330,11 @@ class MoECompileConfig:
         if self.dp_placement not in DP_PLACEMENTS:
             raise ConfigError(f"options['dp_placement']={self.dp_placement!r}: choose one of {', '.join(DP_PLACEMENTS)}")
         self.dp_placement = DPPlacement(self.dp_placement)
+        after = self.tier_up_after
+        if after is not None and (isinstance(after, bool) or not isinstance(after, (int, float))
+                                  or not math.isfinite(after) or after < 0):
+            raise ConfigError(f"options['tier_up_after']={after!r}: expected seconds >= 0 (0: right after the "
+                              f"first call) or None (never)")
         ms = self.dp_backward_compute_ms
         if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, float)) or not math.isfinite(ms)
                                or not ms > 0):
@@ -620,6 +631,8 @@ def _parse_env(name: str, raw: str, default: Any) -> Any:
             return int(raw)
         except ValueError:
             raise ConfigError(f"{env}={raw!r}: expected an integer") from None
+    if name == "tier_up_after" and raw.lower() in ("", "none", "never"):
+        return None
     if name == "dp_backward_compute_ms" and raw == "":
         return None
     if name in ("capacity_factor", "dp_backward_compute_ms") or isinstance(default, float):

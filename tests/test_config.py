@@ -225,6 +225,7 @@ def test_all_to_all_options(options, match):
 BAD_VALUES = {
     "debug_dir": [3, ["/tmp"]],
     "inner": ["tvm", 1, None],
+    "tier_up_after": [-1, True, "10", float("nan"), float("inf"), [1.0]],
     "rewrite": [1, "yes", None],
     "capacity_factor": ["1", True, float("nan"), float("inf"), -float("inf"), [1.0]],
     "verify_regions": [0, "no"],

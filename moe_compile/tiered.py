@@ -1,0 +1,214 @@
+"""Tiered compilation on CPU: the eager inner compiler first, Inductor once the graph is hot.
+
+    torch.compile(model, backend="moe")                    # graph on CPU, options["inner"] = "auto"
+
+    call 1, 2, ...      the AOTAutograd graphs run as they are (the eager inner compiler: the
+                        first call in 1-3 s)
+    forward time >= options["tier_up_after"] seconds
+                        Inductor compiles the same graph (after stage 1; stage 2 in its partitions)
+                        on a background thread
+    every call after it is done
+                        Inductor's code (it fuses the attention, norm and rotary elementwise work
+                        around the canonical ops)
+
+On CPU, Inductor's first call took 10-30x the eager inner compiler's for a step 3-14 % faster
+(benchmarks/model_step.py): compiling with it before the first step makes a short job slower,
+never compiling with it leaves a long job slower. A JIT's tiers (a cheap compile first, the
+optimising one where the time is spent) give both: the first call of the eager inner, and
+Inductor's steps once the graph has run long enough to pay for its compile.
+
+Which graphs tier up: the ones whose calls are the same on every process and at every shape,
+
+- no collective in the graph: no ``ep_group`` / ``dp_group`` / ``mp_group`` / ``esp_group``
+  (ranks switch tiers at different calls; two tiers must never meet in one collective), no
+  ``c10d`` / ``_c10d_functional`` op and no ``DTensor`` input of the model's own;
+- static shapes (Dynamo guards every call to the graph's sizes and strides, so the Inductor code
+  compiled for the fake copies serves all of them);
+
+and no expert shard read at each call (``shard_experts``). The others stay on the eager inner
+compiler, the reason at INFO. An Inductor compile that fails is named at WARNING and the graph
+stays on the eager inner compiler. The two tiers compute the same values up to rounding (Inductor's
+fused kernels sum in another order), as plain ``torch.compile`` against eager.
+
+:func:`wait_for_tier_up` blocks until the background compiles queued so far are done (a benchmark
+before it times, a test).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .counters import counters
+
+__all__ = ["TieredGraph", "tier_up_refusal", "wait_for_tier_up"]
+
+log = logging.getLogger("moe_compile")
+
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
+
+
+def tier_up_refusal(cfg: Any, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                    shard_inputs: Sequence[int]) -> str | None:
+    """Why the graph ``gm`` (after stage 1) cannot tier up, or None when it can (the module docstring)."""
+    for name in ("ep_group", "dp_group", "mp_group", "esp_group"):
+        if getattr(cfg, name, None) is not None:
+            return f"options[{name!r}] is set: its collectives would meet the other tier's on another rank"
+    if shard_inputs:
+        return "it reads sharded expert weights at each call"
+    for value in example_inputs:
+        if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+            return "it takes a symbolic scalar (dynamic shapes)"
+        if isinstance(value, torch.Tensor):
+            if _is_dtensor(value):
+                return "it takes a DTensor"
+            if any(isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride())):
+                return "it has dynamic shapes"
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and _is_collective(node.target):
+            return f"it holds a collective ({node.target})"
+    return None
+
+
+def _is_collective(target: Any) -> bool:
+    """A c10d op (``OpOverload`` / packet of a c10d namespace) or a ``torch.distributed`` function (Dynamo's
+    traced ``dist.all_reduce`` and functional collectives)."""
+    namespace = getattr(target, "namespace", None)
+    if namespace is None and isinstance(target, torch._ops.OpOverloadPacket):
+        namespace = target._qualified_op_name.split("::")[0]
+    if namespace in _COLLECTIVE_NAMESPACES:
+        return True
+    return (getattr(target, "__module__", None) or "").startswith("torch.distributed")
+
+
+def _is_dtensor(value: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+class TieredGraph:
+    """A compiled graph that runs ``first`` until Inductor's code for it is ready, then that code.
+
+    ``compile_second()`` compiles the same graph (with Inductor, from Dynamo's fake inputs, in their
+    ``ShapeEnv``: the graph's nodes name its unbacked sizes) on the background thread; it is queued once
+    ``first`` has spent ``after`` seconds in its calls.
+    """
+
+    def __init__(self, first: Callable, compile_second: Callable[[], Callable], after: float, name: str):
+        self.first = first
+        self.second: Callable | None = None
+        self._compile_second = compile_second
+        self._modes = _thread_modes()   # the backend is called on the thread Dynamo traced the graph on
+        self._after = after
+        self._spent = 0.0
+        self._queued = False
+        self.name = name
+
+    def __call__(self, *args):
+        second = self.second
+        if second is not None:
+            counters["calls_on_inductor"] += 1
+            return second(*args)
+        if self._queued:
+            return self.first(*args)
+        start = time.perf_counter()
+        out = self.first(*args)
+        self._spent += time.perf_counter() - start
+        if self._spent >= self._after:
+            self._queued = True
+            _WORKER.submit(self)
+        return out
+
+    def _compile(self) -> None:
+        start = time.perf_counter()
+        try:
+            with self._modes():
+                second = self._compile_second()
+        except Exception as error:   # the graph keeps running on the eager inner compiler
+            counters["tier_up_failed"] += 1
+            log.debug("Inductor's background compile of graph %s failed", self.name, exc_info=True)
+            log.warning("graph %s stays on the eager inner compiler: Inductor's background compile failed "
+                        "(%s: %s)", self.name, type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+            return
+        seconds = time.perf_counter() - start
+        counters["tiered_up"] += 1
+        counters["seconds:tier_up"] += seconds
+        log.info("graph %s: Inductor's code runs from the next call (compiled in the background in %.1f s)",
+                 self.name, seconds)
+        self.second = second
+        self._compile_second = None   # the graph copy and its fake inputs
+
+
+def _thread_modes() -> Callable[[], contextlib.ExitStack]:
+    """The calling thread's modes that decide what AOTAutograd traces (grad mode, inference mode, autocast per
+    device), as a context manager factory that enters them on another thread: a thread starts with grad mode
+    on and autocast off, so Inductor would trace a bf16-autocast graph in fp32, or an inference graph as a
+    training one."""
+    grad = torch.is_grad_enabled()
+    inference = torch.is_inference_mode_enabled()
+    autocast = [(device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+                if torch.is_autocast_enabled(device)]
+
+    def enter() -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.set_grad_enabled(grad))
+        if inference:
+            stack.enter_context(torch.inference_mode())
+        for device, dtype in autocast:
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        return stack
+
+    return enter
+
+
+class _Worker:
+    """One daemon thread that compiles the queued graphs in order (two compiles at once would only share
+    the cores the training steps run on)."""
+
+    def __init__(self):
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, graph: TieredGraph) -> None:
+        counters["tier_up_queued"] += 1
+        self._queue.put(graph)
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="moe_compile-tier-up", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            graph = self._queue.get()
+            try:
+                graph._compile()
+            finally:
+                self._queue.task_done()
+
+    def join(self, timeout: float | None) -> bool:
+        """Wait for the queue to drain; True when it did within ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._queue.all_tasks_done:
+            while self._queue.unfinished_tasks:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._queue.all_tasks_done.wait(left)
+        return True
+
+
+_WORKER = _Worker()
+
+
+def wait_for_tier_up(timeout: float | None = None) -> bool:
+    """Block until every graph queued for Inductor so far is compiled (or its compile failed); False if
+    ``timeout`` seconds passed first."""
+    return _WORKER.join(timeout)

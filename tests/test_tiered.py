@@ -1,0 +1,161 @@
+"""Tiered compilation on CPU (moe_compile/tiered.py): the eager inner compiler first, Inductor's code compiled
+on a background thread once the graph is hot, equal to eager before and after."""
+import copy
+import logging
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import moe_compile
+import moe_compile.backend as backend
+from moe_compile import ConfigError, MoECompileConfig
+from moe_compile.config import _parse_env
+from moe_compile.tiered import tier_up_refusal
+from tests.helpers import assert_grad_close
+from tests.models.gshard import GShardMoE
+from tests.models.sort import SortMoE
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _step(model, x, context=None):
+    """Forward and backward of ``model`` on ``x`` (under ``context``): the output and every gradient."""
+    model.zero_grad(set_to_none=True)
+    with context or torch.enable_grad():
+        out = model(x)
+    (out.float() ** 2).sum().backward()
+    return out.detach(), {name.removeprefix("_orig_mod."): p.grad for name, p in model.named_parameters()}
+
+
+def _assert_equal(got, want, rtol=None, atol=None):
+    torch.testing.assert_close(got[0], want[0], rtol=rtol, atol=atol)
+    for name, grad in want[1].items():
+        assert_grad_close(got[1][name], grad, rtol, atol, f"grad of {name}")
+
+
+@pytest.mark.slow
+def test_a_hot_graph_runs_inductors_code_equal_to_eager():
+    model = SortMoE(16, 24, 4, top_k=2)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="moe", fullgraph=True, options={"tier_up_after": 0})
+    x = torch.randn(2, 8, 16)
+    want = _step(eager, x)
+    _assert_equal(_step(compiled, x), want)
+    assert moe_compile.counters["tier_up_queued"] == 1
+    torch._inductor.metrics.reset()
+    assert moe_compile.wait_for_tier_up(timeout=900)
+    assert moe_compile.counters["tiered_up"] == 1 and not moe_compile.counters["tier_up_failed"]
+    assert torch._inductor.metrics.generated_kernel_count > 0   # the forward's and the backward's, compiled ahead
+    _assert_equal(_step(compiled, x), want)
+    assert moe_compile.counters["calls_on_inductor"] == 1
+    assert moe_compile.counters["regions_rewritten"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["autocast", "no_grad"])
+def test_the_background_compile_traces_under_the_callers_modes(mode):
+    """A thread starts with grad mode on and autocast off: Inductor's tier must still compute the bf16-autocast
+    graph in bf16, and the inference graph without a backward."""
+    model = GShardMoE(16, 24, 4, top_k=2, capacity_factor=1.25)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="moe", fullgraph=True, options={"tier_up_after": 0})
+    x = torch.randn(2, 8, 16)
+    context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if mode == "autocast" else torch.no_grad
+    with context():
+        want, first = eager(x), compiled(x)
+    assert moe_compile.wait_for_tier_up(timeout=900) and moe_compile.counters["tiered_up"] == 1
+    with context():
+        second = compiled(x)
+    assert moe_compile.counters["calls_on_inductor"] == 1
+    assert second.dtype == first.dtype == want.dtype
+    assert second.requires_grad == first.requires_grad == want.requires_grad
+    tolerance = {"rtol": 1.6e-2, "atol": 1e-2} if mode == "autocast" else {}
+    torch.testing.assert_close(second, want, **tolerance)
+
+
+def test_a_failed_background_compile_is_named_and_the_graph_stays_eager(monkeypatch, caplog):
+    def fail(*args):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(backend, "_compile_ahead", fail)
+    model = SortMoE(16, 24, 4, top_k=2)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="moe", fullgraph=True, options={"tier_up_after": 0})
+    x = torch.randn(2, 8, 16)
+    want = _step(eager, x)
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        _step(compiled, x)
+        assert moe_compile.wait_for_tier_up(timeout=60)
+    assert moe_compile.counters["tier_up_failed"] == 1 and not moe_compile.counters["tiered_up"]
+    assert "stays on the eager inner compiler" in caplog.text and "no C++ compiler" in caplog.text
+    _assert_equal(_step(compiled, x), want)
+    assert not moe_compile.counters["calls_on_inductor"]
+
+
+@pytest.mark.parametrize("options", [{}, {"tier_up_after": None}, {"inner": "eager", "tier_up_after": 0}],
+                         ids=["default-not-hot-yet", "never", "inner-eager"])
+def test_no_tier_up_before_the_graph_is_hot_or_when_off(options):
+    """The default waits for 10 s of forward time (a few calls of a small model are far from it); None, or an
+    inner compiler named explicitly, never tiers up."""
+    compiled = torch.compile(SortMoE(16, 24, 4, top_k=2), backend="moe", fullgraph=True, options=options)
+    for _ in range(3):
+        compiled(torch.randn(2, 8, 16)).sum().backward()
+    assert not moe_compile.counters["tier_up_queued"]
+
+
+def test_dynamic_shapes_stay_on_the_eager_inner_compiler(caplog):
+    compiled = torch.compile(SortMoE(16, 24, 4, top_k=2), backend="moe", fullgraph=True, dynamic=True,
+                             options={"tier_up_after": 0})
+    with caplog.at_level(logging.INFO, logger="moe_compile"):
+        compiled(torch.randn(2, 8, 16)).sum().backward()
+    assert not moe_compile.counters["tier_up_queued"]
+    assert "no tier-up to Inductor" in caplog.text and "dynamic shapes" in caplog.text
+
+
+def test_graphs_with_collectives_never_tier_up():
+    """Ranks would switch tiers at different calls: a graph whose collectives (ours under a group option, the
+    model's own c10d ops) could meet the other tier's on another rank stays on the eager inner compiler."""
+    plain = torch.fx.symbolic_trace(lambda x: x * 2)
+    assert tier_up_refusal(types.SimpleNamespace(), plain, [torch.ones(2)], []) is None
+    for option in ("ep_group", "dp_group"):
+        assert option in tier_up_refusal(types.SimpleNamespace(**{option: "world"}), plain, [torch.ones(2)], [])
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0")))
+    collective = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert "collective" in tier_up_refusal(types.SimpleNamespace(), collective, [torch.ones(2)], [])
+    assert "sharded" in tier_up_refusal(types.SimpleNamespace(), plain, [torch.ones(2)], [0])
+
+
+def test_tier_up_after_is_validated():
+    for ok in (None, 0, 2.5):
+        assert MoECompileConfig(tier_up_after=ok).validate().tier_up_after == ok
+    for bad in (-1, True, "soon", float("inf")):
+        with pytest.raises(ConfigError, match="tier_up_after"):
+            MoECompileConfig(tier_up_after=bad).validate()
+    assert _parse_env("tier_up_after", "none", 10.0) is None
+    assert _parse_env("tier_up_after", "3", 10.0) == 3.0
+
+
+@pytest.mark.slow
+def test_the_process_exits_while_inductor_compiles_in_the_background():
+    """The compile thread is a daemon: a job that ends during a background compile exits at once, cleanly."""
+    script = textwrap.dedent("""
+        import torch
+        import moe_compile
+        from tests.models.sort import SortMoE
+
+        compiled = torch.compile(SortMoE(16, 24, 4, top_k=2), backend="moe", options={"tier_up_after": 0})
+        compiled(torch.randn(2, 8, 16)).sum().backward()
+        assert moe_compile.counters["tier_up_queued"] == 1
+        print("done", flush=True)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "done"
+    assert "Traceback" not in result.stderr
