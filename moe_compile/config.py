@@ -117,8 +117,8 @@ class MoECompileConfig:
     inner: InnerCompiler = InnerCompiler.AUTO
     #: With ``inner="auto"`` on CPU: seconds of forward time a graph runs on the eager inner compiler before
     #: Inductor compiles it on a background thread; its calls run Inductor's code once that is done
-    #: (moe_compile/tiered.py: graphs with static shapes and no collective). 0 = right after the first
-    #: call; None = never (the eager inner compiler all along).
+    #: (moe_compile/tiered.py: graphs with static shapes and no collective). 0 = at the second call;
+    #: None = never (the eager inner compiler all along).
     tier_up_after: float | None = 10.0
     #: Find MoE layers and rewrite them into the canonical ``moe.*`` ops. False hands
     #: every graph to the inner compiler untouched.
@@ -333,8 +333,8 @@ class MoECompileConfig:
         after = self.tier_up_after
         if after is not None and (isinstance(after, bool) or not isinstance(after, (int, float))
                                   or not math.isfinite(after) or after < 0):
-            raise ConfigError(f"options['tier_up_after']={after!r}: expected seconds >= 0 (0: right after the "
-                              f"first call) or None (never)")
+            raise ConfigError(f"options['tier_up_after']={after!r}: expected seconds >= 0 (0: at the second "
+                              f"call) or None (never)")
         ms = self.dp_backward_compute_ms
         if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, float)) or not math.isfinite(ms)
                                or not ms > 0):

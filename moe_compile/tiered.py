@@ -4,7 +4,7 @@
 
     call 1, 2, ...      the AOTAutograd graphs run as they are (the eager inner compiler: the
                         first call in 1-3 s)
-    forward time >= options["tier_up_after"] seconds
+    the call after the forward time reached options["tier_up_after"] seconds
                         Inductor compiles the same graph (after stage 1; stage 2 in its partitions)
                         on a background thread
     every call after it is done
@@ -98,7 +98,7 @@ class TieredGraph:
 
     ``compile_second()`` compiles the same graph (with Inductor, from Dynamo's fake inputs, in their
     ``ShapeEnv``: the graph's nodes name its unbacked sizes) on the background thread; it is queued once
-    ``first`` has spent ``after`` seconds in its calls.
+    ``first`` has spent ``after`` seconds in its calls, at the call after (0: at the second call).
     """
 
     def __init__(self, first: Callable, compile_second: Callable[[], Callable], after: float, name: str):
@@ -108,6 +108,7 @@ class TieredGraph:
         self._modes = _thread_modes()   # the backend is called on the thread Dynamo traced the graph on
         self._after = after
         self._spent = 0.0
+        self._calls = 0
         self._queued = False
         self.name = name
 
@@ -116,15 +117,17 @@ class TieredGraph:
         if second is not None:
             counters["calls_on_inductor"] += 1
             return second(*args)
-        if self._queued:
-            return self.first(*args)
-        start = time.perf_counter()
-        out = self.first(*args)
-        self._spent += time.perf_counter() - start
-        if self._spent >= self._after:
-            self._queued = True
-            _WORKER.submit(self)
-        return out
+        if not self._queued:
+            if self._calls and self._spent >= self._after:   # queued at the next call: the step that made the
+                self._queued = True                          # graph hot runs its backward alone
+                _WORKER.submit(self)
+            else:
+                self._calls += 1
+                start = time.perf_counter()
+                out = self.first(*args)
+                self._spent += time.perf_counter() - start
+                return out
+        return self.first(*args)
 
     def _compile(self) -> None:
         start = time.perf_counter()
