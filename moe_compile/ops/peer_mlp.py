@@ -205,13 +205,40 @@ _CLOSED_FORM = {
 }
 
 
+def _swiglu_oai_vjp_(gh1: Tensor, gh3: Tensor, h_out: Tensor, a: Tensor, c: Tensor, alpha: float,
+                     limit: float) -> None:
+    """gpt-oss's clamped SwiGLU (:func:`moe_compile.ops.experts._swiglu_oai`), ``h = A ⊙ B`` with
+    ``A = clamp(c, -limit, limit) + 1``, ``B = g σ(α g)``, ``g = min(a, limit)``: autograd's derivative op for op
+    (``mul``'s backward ``grad ⊙ other``, ``sigmoid_backward``, ``clamp``'s ``where(in range, grad, 0)``, the two
+    contributions to ``g``'s gradient added), so the same values, without a graph built per block."""
+    gate = a.clamp(max=limit)
+    up = c.clamp(min=-limit, max=limit).add_(1)                                  # A
+    s = torch.sigmoid(gate * alpha)
+    glu = gate * s                                                               # B
+    torch.mul(up, glu, out=h_out)
+    grad_glu = gh1 * up                                                          # grad_B = grad_h ⊙ A
+    torch.mul(gh1, glu, out=gh3).masked_fill_(((c >= -limit) & (c <= limit)).logical_not_(), 0)   # grad_c
+    grad_gate = grad_glu * s                                                     # through B = g ⊙ s
+    grad_z = _aten.sigmoid_backward.grad_input(grad_glu.mul_(gate), s, grad_input=grad_glu)       # s = σ(z)
+    grad_gate.add_(grad_z.mul_(alpha))                                           # z = α g
+    gh1.copy_(grad_gate).masked_fill_((a <= limit).logical_not_(), 0)           # grad_a
+
+
+#: gated forms with a closed-form derivative: activation → ``vjp_(gh1, gh3, h_out, a, c, *act_args)``
+_GATED_CLOSED_FORM = {"swiglu_oai": _swiglu_oai_vjp_}
+
+
 def _activation_vjp_(gh1: Tensor, gh3: Tensor | None, h_out: Tensor, a: Tensor, c: Tensor | None,
                      activation: str, act_args: Sequence[float]) -> None:
     """One block: ``gh1`` holds ``grad_h``; overwrite it with ``grad_h1`` (and write ``gh3``), and write the
     activation's output into ``h_out``. The plain activations (``act(a) [⊙ c]``) by the aten derivatives autograd
-    calls for them, in its order (``mul``'s backward, then the activation's: the same values as autograd's), the
-    others by autograd on the block (turned back on inside the op): building a graph per block cost as much as
-    the block's own elementwise work at small blocks."""
+    calls for them, in its order (``mul``'s backward, then the activation's: the same values as autograd's), gpt-oss's
+    SwiGLU by its own (:func:`_swiglu_oai_vjp_`), the others by autograd on the block (turned back on inside the
+    op): building a graph per block cost as much as the block's own elementwise work at small blocks."""
+    gated = _GATED_CLOSED_FORM.get(activation)
+    if gated is not None and c is not None:
+        gated(gh1, gh3, h_out, a, c, *act_args)
+        return
     closed = _CLOSED_FORM.get(activation)
     if closed is not None:
         forward, derivative = closed

@@ -240,6 +240,25 @@ def test_closed_form_activation_vjp_is_autograds(activation, gated):
         assert torch.equal(gh3, grads[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_oss_swiglu_vjp_is_autograds(dtype):
+    """gpt-oss's clamped SwiGLU's closed-form derivative gives autograd's values bit for bit, inside and outside
+    the clamps (the bounds themselves included) and for NaN, which neither clamp's gradient lets through."""
+    torch.manual_seed(0)
+    alpha, limit = 1.702, 1.5
+    a, c, grad_h = (torch.randn(6, 9) * 2).to(dtype), (torch.randn(6, 9) * 2).to(dtype), torch.randn(6, 9).to(dtype)
+    a[0, :3], c[0, :3] = limit, -limit
+    a[1, 0], c[1, 1] = float("nan"), float("nan")
+    gh1, gh3, h = grad_h.clone(), torch.empty_like(a), torch.empty_like(a)
+    _activation_vjp_(gh1, gh3, h, a, c, "swiglu_oai", [alpha, limit])
+    leaves = [a.clone().requires_grad_(), c.clone().requires_grad_()]
+    ref = GATED["swiglu_oai"][0](*leaves, alpha, limit)
+    grads = torch.autograd.grad(ref, leaves, grad_h)
+    torch.testing.assert_close(h, ref.detach(), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(gh1, grads[0], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(gh3, grads[1], rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("activation, gated", [("relu", False), ("silu", True), ("swiglu_oai", True)])
 def test_the_reduced_precision_backward_sums_each_expert_once(activation, gated, dtype):
