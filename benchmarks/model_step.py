@@ -39,7 +39,9 @@ and ``capture_scalar_outputs`` on (the loop layer's ``torch.where`` needs the fi
 torchtitan's router the second), for Inductor too. The region check is off
 (``verify_regions=False``): the first step is then compile time only, and every variant is
 checked here instead. Inductor's caches are off, so that its first step compiles as on a fresh
-machine. Before timing, each variant's first step (which compiles) is checked
+machine: each variant's first step compiles into an empty Inductor cache directory, with
+Inductor's in-process caches cleared (the non-MoE part's kernels are the same source in every
+variant). Before timing, each variant's first step (which compiles) is checked
 against eager: the loss on every P, and with P = 1 every parameter's gradient
 (``--rtol``, ``--atol`` times the largest magnitude). Then ``--warmup`` untimed steps and
 ``--steps`` timed rounds, each running every variant once in an order rotated from round to
@@ -63,8 +65,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -267,8 +271,10 @@ def run_rank(rank: int, world_size: int, style: str, args: argparse.Namespace) -
             dist.barrier()
 
     eager_loss = None
+    caches = tempfile.TemporaryDirectory(prefix="model_step_inductor_")
     for name, m in models.items():
         moe_compile.counters.clear()
+        _fresh_inductor_cache(Path(caches.name) / name)
         barrier()
         try:
             first, loss = _step(m, x)
@@ -311,7 +317,19 @@ def run_rank(rank: int, world_size: int, style: str, args: argparse.Namespace) -
         rec["param_bytes"] = parameter_bytes(models[name])
         rec["peak_step_bytes"] = peak_step_bytes(lambda m=models[name]: _step(m, x))
     barrier()
+    caches.cleanup()
     return out
+
+
+def _fresh_inductor_cache(directory: Path) -> None:
+    """Inductor's on-disk cache in an empty ``directory`` and its in-process caches cleared: every variant's
+    first step (and a tier-up) compiles its kernels as on a fresh machine, none reused from an earlier
+    variant or run (the kernels of the model's non-MoE part are the same source in every variant)."""
+    from torch._inductor.utils import clear_caches
+
+    directory.mkdir(parents=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
+    clear_caches()
 
 
 # --------------------------------------------------------------------------- report
