@@ -6,8 +6,9 @@
                         first call in 1-3 s)
     the call after the forward time reached options["tier_up_after"] seconds
                         Inductor compiles the same graph (after stage 1; stage 2 in its partitions)
-                        on a background thread
-    every call after it is done
+                        on a background thread, from Dynamo's fake inputs, under the modes the
+                        graph was traced in (grad, inference, autocast), its backward ahead
+    every call after it is done (7-16 s on benchmarks/model_step.py's models)
                         Inductor's code (it fuses the attention, norm and rotary elementwise work
                         around the canonical ops)
 
@@ -23,7 +24,7 @@ Which graphs tier up: the ones whose calls are the same on every process and at 
   (ranks switch tiers at different calls; two tiers must never meet in one collective), no
   ``c10d`` / ``_c10d_functional`` op and no ``DTensor`` input of the model's own;
 - static shapes (Dynamo guards every call to the graph's sizes and strides, so the Inductor code
-  compiled for the fake copies serves all of them);
+  compiled for its fake inputs serves all of them);
 
 and no expert shard read at each call (``shard_experts``). The others stay on the eager inner
 compiler, the reason at INFO. An Inductor compile that fails is named at WARNING and the graph
