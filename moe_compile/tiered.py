@@ -8,7 +8,10 @@
                         Inductor compiles the same graph (after stage 1; stage 2 in its partitions)
                         on a background thread, from Dynamo's fake inputs, under the modes the
                         graph was traced in (grad, inference, autocast), its backward ahead
-    every call after it is done (7-16 s on benchmarks/model_step.py's models)
+    the call after it is done (7-16 s on benchmarks/model_step.py's models)
+                        both tiers, Inductor's on copies of the inputs: its code is kept if it agrees
+                        (outputs and inputs updated in place), else the graph stays eager, at WARNING
+    every call after that
                         Inductor's code (it fuses the attention, norm and rotary elementwise work
                         around the canonical ops)
 
@@ -27,9 +30,10 @@ Which graphs tier up: the ones whose calls are the same on every process and at 
   compiled for its fake inputs serves all of them);
 
 and no expert shard read at each call (``shard_experts``). The others stay on the eager inner
-compiler, the reason at INFO. An Inductor compile that fails is named at WARNING and the graph
-stays on the eager inner compiler. The two tiers compute the same values up to rounding (Inductor's
-fused kernels sum in another order), as plain ``torch.compile`` against eager.
+compiler, the reason at INFO. An Inductor compile that fails, or Inductor's code disagreeing with the
+eager inner compiler's on its first call, is named at WARNING and the graph stays on the eager inner
+compiler. The two tiers compute the same values up to rounding (Inductor's fused kernels sum in
+another order), as plain ``torch.compile`` against eager.
 
 :func:`wait_for_tier_up` blocks until the background compiles queued so far are done (a benchmark
 before it times, a test).
@@ -95,16 +99,19 @@ def _is_dtensor(value: torch.Tensor) -> bool:
 
 
 class TieredGraph:
-    """A compiled graph that runs ``first`` until Inductor's code for it is ready, then that code.
+    """A compiled graph that runs ``first`` until Inductor's code for it is ready and checked, then that code.
 
     ``compile_second()`` compiles the same graph (with Inductor, from Dynamo's fake inputs, in their
     ``ShapeEnv``: the graph's nodes name its unbacked sizes) on the background thread; it is queued once
-    ``first`` has spent ``after`` seconds in its calls, at the call after (0: at the second call).
+    ``first`` has spent ``after`` seconds in its calls, at the call after (0: at the second call). The call after
+    it is ready runs both tiers (:meth:`_switch`): Inductor's code is kept only if it agrees with ``first``
+    (:data:`AGREE`), on the outputs and on every input.
     """
 
     def __init__(self, first: Callable, compile_second: Callable[[], Callable], after: float, name: str):
         self.first = first
         self.second: Callable | None = None
+        self._ready: Callable | None = None
         self._compile_second = compile_second
         self._modes = _thread_modes()   # the backend is called on the thread Dynamo traced the graph on
         self._after = after
@@ -118,6 +125,10 @@ class TieredGraph:
         if second is not None:
             counters["calls_on_inductor"] += 1
             return second(*args)
+        ready = self._ready
+        if ready is not None:
+            self._ready = None
+            return self._switch(ready, args)
         if not self._queued:
             if self._calls and self._spent >= self._after:   # queued at the next call: the step that made the
                 self._queued = True                          # graph hot runs its backward alone
@@ -134,20 +145,94 @@ class TieredGraph:
         start = time.perf_counter()
         try:
             with self._modes():
-                second = self._compile_second()
+                ready = self._compile_second()
         except Exception as error:   # the graph keeps running on the eager inner compiler
             counters["tier_up_failed"] += 1
             log.debug("Inductor's background compile of graph %s failed", self.name, exc_info=True)
             log.warning("graph %s stays on the eager inner compiler: Inductor's background compile failed "
-                        "(%s: %s)", self.name, type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+                        "(%s: %s)", self.name, type(error).__name__, _first_line(error))
             return
-        seconds = time.perf_counter() - start
-        counters["tiered_up"] += 1
-        counters["seconds:tier_up"] += seconds
-        log.info("graph %s: Inductor's code runs from the next call (compiled in the background in %.1f s)",
-                 self.name, seconds)
-        self.second = second
+        counters["seconds:tier_up"] += time.perf_counter() - start
         self._compile_second = None   # the graph copy and its fake inputs
+        self._ready = ready
+
+    def _switch(self, second: Callable, args: tuple):
+        """This call on both tiers: ``first`` on the inputs (its outputs returned, its effects kept), Inductor's code
+        on copies of them taken before, from the same random state. Inductor's code serves the later calls if its
+        outputs and its copies of the inputs (an input updated in place) agree with ``first``'s; else the graph
+        stays on ``first``, named at WARNING. A call that draws random numbers (the generator's state moved) is
+        compared on its effects only."""
+        copies = [_copy(a) for a in args]
+        state = torch.get_rng_state()
+        out = self.first(*args)
+        after = torch.get_rng_state()
+        try:
+            torch.set_rng_state(state)
+            with torch.no_grad():
+                other = second(*copies)
+            drew = not torch.equal(state, after)
+            difference = _difference(args, copies, "input")
+            if difference is None and not drew:
+                difference = _difference(out, other, "output")
+        except Exception as error:
+            log.debug("Inductor's code for graph %s failed on its first call", self.name, exc_info=True)
+            difference = f"it raised {type(error).__name__}: {_first_line(error)}"
+        finally:
+            torch.set_rng_state(after)
+        if difference is not None:
+            counters["tier_up_failed"] += 1
+            log.warning("graph %s stays on the eager inner compiler: Inductor's code for it disagrees with it on a "
+                        "call (%s)", self.name, difference)
+            return out
+        counters["tiered_up"] += 1
+        log.info("graph %s runs Inductor's code from the next call (checked against the eager inner compiler's on "
+                 "this call%s)", self.name, ", its random draws aside" if drew else "")
+        self.second = second
+        return out
+
+
+def _copy(value: Any) -> Any:
+    """A tensor's copy with its strides (what Inductor's code asserts), detached; anything else as it is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    copy = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+    return copy.copy_(value.detach())
+
+
+#: How far apart the tiers' tensors may be, relative to the norm of the eager inner compiler's: rounding (Inductor's
+#: fused kernels sum in another order) and the few tokens it routes to another expert at a near-tie (a token
+#: count off by one, one token's output row) stay below it; code that computes something else, or drops an
+#: in-place update, does not.
+AGREE = 5e-2
+
+
+def _difference(want: Any, got: Any, what: str) -> str | None:
+    """Where a tensor of ``got`` differs from ``want``'s (the same structure) by more than :data:`AGREE` of its
+    norm, or in dtype or shape; None if none does."""
+    import torch.utils._pytree as pytree
+
+    wants, gots = pytree.tree_leaves(want), pytree.tree_leaves(got)
+    if len(wants) != len(gots):
+        return f"{len(gots)} {what}s, not {len(wants)}"
+    for i, (w, g) in enumerate(zip(wants, gots)):
+        if not isinstance(w, torch.Tensor):
+            continue
+        if not isinstance(g, torch.Tensor) or g.shape != w.shape or g.dtype != w.dtype:
+            return f"{what} {i}: {_describe(g)}, not {_describe(w)}"
+        w, g = w.detach().double().nan_to_num(), g.detach().double().nan_to_num()
+        apart, norm = float((g - w).norm()), float(w.norm())
+        if apart > AGREE * norm:
+            return f"{what} {i} {_describe(g)}: its difference is {apart / norm if norm else float('inf'):.3g} of its norm"
+    return None
+
+
+def _describe(value: Any) -> str:
+    return f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def _thread_modes() -> Callable[[], contextlib.ExitStack]:

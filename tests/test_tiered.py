@@ -38,9 +38,22 @@ def _assert_equal(got, want, rtol=None, atol=None):
         assert_grad_close(got[1][name], grad, rtol, atol, f"grad of {name}")
 
 
+class Counting(torch.nn.Module):
+    """An MoE layer behind a buffer the graph updates in place (as torchtitan counts its tokens per expert)."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe = SortMoE(16, 24, 4, top_k=2)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.moe(x)
+
+
 @pytest.mark.slow
 def test_a_hot_graph_runs_inductors_code_equal_to_eager():
-    model = SortMoE(16, 24, 4, top_k=2)
+    model = Counting()
     eager = copy.deepcopy(model)
     compiled = torch.compile(model, backend="moe", fullgraph=True, options={"tier_up_after": 0})
     x = torch.randn(2, 8, 16)
@@ -51,11 +64,14 @@ def test_a_hot_graph_runs_inductors_code_equal_to_eager():
     _assert_equal(_step(compiled, x), want)
     assert moe_compile.counters["tier_up_queued"] == 1
     assert moe_compile.wait_for_tier_up(timeout=900)
-    assert moe_compile.counters["tiered_up"] == 1 and not moe_compile.counters["tier_up_failed"]
+    assert not moe_compile.counters["tier_up_failed"]
     assert torch._inductor.metrics.generated_kernel_count > 0   # the forward's and the backward's, compiled ahead
+    _assert_equal(_step(compiled, x), want)   # both tiers, Inductor's on copies: checked, and switched
+    assert moe_compile.counters["tiered_up"] == 1 and not moe_compile.counters["calls_on_inductor"]
     _assert_equal(_step(compiled, x), want)
     assert moe_compile.counters["calls_on_inductor"] == 1
     assert moe_compile.counters["regions_rewritten"] == 1
+    assert model.calls.item() == 4   # the buffer updated once per call, the checked call's copy aside
 
 
 @pytest.mark.slow
@@ -71,14 +87,42 @@ def test_the_background_compile_traces_under_the_callers_modes(mode):
     with context():
         want, first = eager(x), compiled(x)
         compiled(x)   # queues the tier-up
-    assert moe_compile.wait_for_tier_up(timeout=900) and moe_compile.counters["tiered_up"] == 1
+    assert moe_compile.wait_for_tier_up(timeout=900)
     with context():
+        compiled(x)   # checked against the eager inner compiler's, and switched
         second = compiled(x)
-    assert moe_compile.counters["calls_on_inductor"] == 1
+    assert moe_compile.counters["tiered_up"] == 1 and moe_compile.counters["calls_on_inductor"] == 1
     assert second.dtype == first.dtype == want.dtype
     assert second.requires_grad == first.requires_grad == want.requires_grad
     tolerance = {"rtol": 1.6e-2, "atol": 1e-2} if mode == "autocast" else {}
     torch.testing.assert_close(second, want, **tolerance)
+
+
+@pytest.mark.slow
+def test_inductors_code_that_disagrees_is_named_and_never_used(monkeypatch, caplog):
+    """The call after the tier-up runs both tiers: Inductor's code with other outputs than the eager inner
+    compiler's (here, perturbed) is a WARNING, and every call keeps the eager inner compiler's values."""
+    compile_ahead = backend._compile_ahead
+
+    def perturbed(*args):
+        run = compile_ahead(*args)
+        return lambda *inputs: [o + 1 if isinstance(o, torch.Tensor) else o for o in run(*inputs)]
+
+    monkeypatch.setattr(backend, "_compile_ahead", perturbed)
+    model = SortMoE(16, 24, 4, top_k=2)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="moe", fullgraph=True, options={"tier_up_after": 0})
+    x = torch.randn(2, 8, 16)
+    want = _step(eager, x)
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        for _ in range(2):
+            _assert_equal(_step(compiled, x), want)
+        assert moe_compile.wait_for_tier_up(timeout=900)
+        for _ in range(2):
+            _assert_equal(_step(compiled, x), want)
+    assert moe_compile.counters["tier_up_failed"] == 1 and not moe_compile.counters["tiered_up"]
+    assert not moe_compile.counters["calls_on_inductor"]
+    assert "disagrees" in caplog.text and "output 0" in caplog.text and "of its norm" in caplog.text
 
 
 def test_a_failed_background_compile_is_named_and_the_graph_stays_eager(monkeypatch, caplog):
