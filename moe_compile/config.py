@@ -116,7 +116,7 @@ class MoECompileConfig:
     #: benchmarks/model_step.py).
     inner: InnerCompiler = InnerCompiler.AUTO
     #: With ``inner="auto"`` on CPU: seconds of forward time a graph runs on the eager inner compiler before
-    #: Inductor compiles it on a background thread; its calls run Inductor's code once that is done
+    #: Inductor compiles it on a background thread; its calls run Inductor's code once that is done and checked
     #: (moe_compile/tiered.py: graphs with static shapes and no collective). 0 = at the second call;
     #: None = never (the eager inner compiler all along).
     tier_up_after: float | None = 10.0
