@@ -98,17 +98,30 @@ def test_the_background_compile_traces_under_the_callers_modes(mode):
     torch.testing.assert_close(second, want, **tolerance)
 
 
-@pytest.mark.slow
-def test_inductors_code_that_disagrees_is_named_and_never_used(monkeypatch, caplog):
-    """The call after the tier-up runs both tiers: Inductor's code with other outputs than the eager inner
-    compiler's (here, perturbed) is a WARNING, and every call keeps the eager inner compiler's values."""
-    compile_ahead = backend._compile_ahead
+def _failing(compile_ahead):
+    def fail(*args):
+        raise RuntimeError("no C++ compiler")
 
+    return fail
+
+
+def _perturbed(compile_ahead):
     def perturbed(*args):
         run = compile_ahead(*args)
         return lambda *inputs: [o + 1 if isinstance(o, torch.Tensor) else o for o in run(*inputs)]
 
-    monkeypatch.setattr(backend, "_compile_ahead", perturbed)
+    return perturbed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broken, says", [(_failing, ["background compile failed", "no C++ compiler"]),
+                                          (_perturbed, ["disagrees", "output 0", "of its norm"])],
+                         ids=["compile-fails", "code-disagrees"])
+def test_a_broken_inductor_tier_is_named_and_never_used(broken, says, monkeypatch, caplog):
+    """A background compile that raises, or Inductor's code whose outputs differ from the eager inner compiler's
+    on the call that runs both (here, perturbed): one WARNING, and every call keeps the eager inner compiler's
+    values."""
+    monkeypatch.setattr(backend, "_compile_ahead", broken(backend._compile_ahead))
     model = SortMoE(16, 24, 4, top_k=2)
     eager = copy.deepcopy(model)
     compiled = torch.compile(model, backend="moe", fullgraph=True, options={"tier_up_after": 0})
@@ -122,27 +135,7 @@ def test_inductors_code_that_disagrees_is_named_and_never_used(monkeypatch, capl
             _assert_equal(_step(compiled, x), want)
     assert moe_compile.counters["tier_up_failed"] == 1 and not moe_compile.counters["tiered_up"]
     assert not moe_compile.counters["calls_on_inductor"]
-    assert "disagrees" in caplog.text and "output 0" in caplog.text and "of its norm" in caplog.text
-
-
-def test_a_failed_background_compile_is_named_and_the_graph_stays_eager(monkeypatch, caplog):
-    def fail(*args):
-        raise RuntimeError("no C++ compiler")
-
-    monkeypatch.setattr(backend, "_compile_ahead", fail)
-    model = SortMoE(16, 24, 4, top_k=2)
-    eager = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="moe", fullgraph=True, options={"tier_up_after": 0})
-    x = torch.randn(2, 8, 16)
-    want = _step(eager, x)
-    with caplog.at_level(logging.WARNING, logger="moe_compile"):
-        _step(compiled, x)
-        _step(compiled, x)
-        assert moe_compile.wait_for_tier_up(timeout=60)
-    assert moe_compile.counters["tier_up_failed"] == 1 and not moe_compile.counters["tiered_up"]
-    assert "stays on the eager inner compiler" in caplog.text and "no C++ compiler" in caplog.text
-    _assert_equal(_step(compiled, x), want)
-    assert not moe_compile.counters["calls_on_inductor"]
+    assert "stays on the eager inner compiler" in caplog.text and all(text in caplog.text for text in says)
 
 
 @pytest.mark.parametrize("options", [{}, {"tier_up_after": None}, {"inner": "eager", "tier_up_after": 0}],
