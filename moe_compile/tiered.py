@@ -162,11 +162,16 @@ class TieredGraph:
         outputs and its copies of the inputs (an input updated in place) agree with ``first``'s; else the graph
         stays on ``first``, named at WARNING. A call that draws random numbers (the generator's state moved) is
         compared on its effects only."""
-        copies = [_copy(a) for a in args]
+        try:
+            copies = [_copy(a) for a in args]
+        except Exception as error:   # not checked, so not used
+            copies, difference = None, f"its inputs could not be copied ({type(error).__name__}: {_first_line(error)})"
         state = torch.get_rng_state()
         out = self.first(*args)
         after = torch.get_rng_state()
         try:
+            if copies is None:
+                raise _Unchecked(difference)
             torch.set_rng_state(state)
             with torch.no_grad():
                 other = second(*copies)
@@ -174,6 +179,8 @@ class TieredGraph:
             difference = _difference(args, copies, "input")
             if difference is None and not drew:
                 difference = _difference(out, other, "output")
+        except _Unchecked:
+            pass
         except Exception as error:
             log.debug("Inductor's code for graph %s failed on its first call", self.name, exc_info=True)
             difference = f"it raised {type(error).__name__}: {_first_line(error)}"
@@ -191,12 +198,18 @@ class TieredGraph:
         return out
 
 
+class _Unchecked(Exception):
+    """The two tiers could not be compared on this call."""
+
+
 def _copy(value: Any) -> Any:
-    """A tensor's copy with its strides (what Inductor's code asserts), detached; anything else as it is."""
+    """A tensor's copy with its sizes and strides (what Inductor's code asserts), an expanded one's overlap too: the
+    storage it spans, copied and viewed alike; detached. Anything else as it is."""
     if not isinstance(value, torch.Tensor):
         return value
-    copy = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
-    return copy.copy_(value.detach())
+    span = 1 + sum((n - 1) * st for n, st in zip(value.shape, value.stride())) if value.numel() else 0
+    storage = value.detach().as_strided((span,), (1,), value.storage_offset()).clone()
+    return storage.as_strided(value.shape, value.stride())
 
 
 #: How far apart the tiers' tensors may be, relative to the norm of the eager inner compiler's: rounding (Inductor's

@@ -202,3 +202,19 @@ def test_the_process_exits_while_inductor_compiles_in_the_background():
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "done"
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("make", [lambda: torch.randn(3, 4), lambda: torch.randn(4, 3).t(),
+                                  lambda: torch.randn(7)[1::2], lambda: torch.randn(1, 4).expand(3, 4),
+                                  lambda: torch.randn(6, 4)[2:4], lambda: torch.empty(0, 3), lambda: torch.tensor(2.0)],
+                         ids=["contiguous", "transposed", "strided", "expanded", "offset", "empty", "scalar"])
+def test_the_checked_call_copies_inputs_with_their_strides(make):
+    """Inductor's code asserts its inputs' strides: the copies it runs on keep them, an expanded input's overlap
+    too (a plain ``copy_`` into it raises), in storage of their own."""
+    from moe_compile.tiered import _copy
+
+    value = make()
+    copy_ = _copy(value)
+    assert copy_.shape == value.shape and copy_.stride() == value.stride() and torch.equal(copy_, value)
+    if value.numel():
+        assert copy_.untyped_storage().data_ptr() != value.untyped_storage().data_ptr()
