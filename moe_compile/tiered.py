@@ -29,7 +29,9 @@ Which graphs tier up: the ones whose calls are the same on every process and at 
 - static shapes (Dynamo guards every call to the graph's sizes and strides, so the Inductor code
   compiled for its fake inputs serves all of them);
 
-and no expert shard read at each call (``shard_experts``). The others stay on the eager inner
+and no expert shard read at each call (``shard_experts``), and not under
+``torch.use_deterministic_algorithms`` (the call at which the rounding changes depends on time). The others
+stay on the eager inner
 compiler, the reason at INFO. An Inductor compile that fails, or Inductor's code disagreeing with the
 eager inner compiler's on its first call, is named at WARNING and the graph stays on the eager inner
 compiler. The two tiers compute the same values up to rounding (Inductor's fused kernels sum in
@@ -67,6 +69,9 @@ def tier_up_refusal(cfg: Any, gm: torch.fx.GraphModule, example_inputs: Sequence
             return f"options[{name!r}] is set: its collectives would meet the other tier's on another rank"
     if shard_inputs:
         return "it reads sharded expert weights at each call"
+    if torch.are_deterministic_algorithms_enabled():
+        return ("torch.use_deterministic_algorithms is on, and the call at which Inductor's code (other rounding) "
+                "takes over would depend on time")
     for value in example_inputs:
         if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
             return "it takes a symbolic scalar (dynamic shapes)"

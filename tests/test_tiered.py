@@ -174,6 +174,18 @@ def test_graphs_with_collectives_never_tier_up():
     assert "sharded" in tier_up_refusal(types.SimpleNamespace(), plain, [torch.ones(2)], [0])
 
 
+def test_deterministic_runs_never_tier_up():
+    """The call at which Inductor's rounding takes over depends on time: a run that asks for determinism keeps
+    the eager inner compiler."""
+    plain = torch.fx.symbolic_trace(lambda x: x * 2)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert "deterministic" in tier_up_refusal(types.SimpleNamespace(), plain, [torch.ones(2)], [])
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
 def test_tier_up_after_is_validated():
     for ok in (None, 0, 2.5):
         assert MoECompileConfig(tier_up_after=ok).validate().tier_up_after == ok
