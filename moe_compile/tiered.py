@@ -8,7 +8,7 @@
                         Inductor compiles the same graph (after stage 1; stage 2 in its partitions)
                         on a background thread, from Dynamo's fake inputs, under the modes the
                         graph was traced in (grad, inference, autocast), its backward ahead
-    the call after it is done (7-16 s on benchmarks/model_step.py's models)
+    the call after it is done (7-24 s on benchmarks/model_step.py's models)
                         both tiers, Inductor's on copies of the inputs: its code is kept if it agrees
                         (outputs and inputs updated in place), else the graph stays eager, at WARNING
     every call after that
