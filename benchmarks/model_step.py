@@ -377,8 +377,8 @@ def table(rows: list[dict]) -> None:
             body.append([r["style"], str(r["P"]), r["variant"], r["error"][:60], *[""] * 7])
             continue
         body.append([r["style"], str(r["P"]), r["variant"], _fmt(r["median_ms"], ".1f"), _fmt(r["p90_ms"], ".1f"),
-                     _fmt(r.get("vs_best"), ".2f"), _fmt(r["first_s"], ".1f"), "failed" if r.get("tier_up_failed") else _fmt(r.get("tier_up_s"), ".1f"),
-                     _fmt(r["peak_mib"], ".0f"),
+                     _fmt(r.get("vs_best"), ".2f"), _fmt(r["first_s"], ".1f"),
+                     "failed" if r.get("tier_up_failed") else _fmt(r.get("tier_up_s"), ".1f"), _fmt(r["peak_mib"], ".0f"),
                      str(r["rewritten"]), str(r["recompiles"])])
     print_table("one training step of a whole MoE model", header, body, left={"style", "variant"})
 

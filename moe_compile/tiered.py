@@ -174,23 +174,9 @@ class TieredGraph:
         state = torch.get_rng_state()
         out = self.first(*args)
         after = torch.get_rng_state()
-        try:
-            if copies is None:
-                raise _Unchecked(difference)
-            torch.set_rng_state(state)
-            with torch.no_grad():
-                other = second(*copies)
-            drew = not torch.equal(state, after)
-            difference = _difference(args, copies, "input")
-            if difference is None and not drew:
-                difference = _difference(out, other, "output")
-        except _Unchecked:
-            pass
-        except Exception as error:
-            log.debug("Inductor's code for graph %s failed on its first call", self.name, exc_info=True)
-            difference = f"it raised {type(error).__name__}: {_first_line(error)}"
-        finally:
-            torch.set_rng_state(after)
+        drew = not torch.equal(state, after)
+        if copies is not None:
+            difference = self._compare(second, args, copies, out, state, after, drew)
         if difference is not None:
             counters["tier_up_failed"] += 1
             log.warning("graph %s stays on the eager inner compiler: Inductor's code for it disagrees with it on a "
@@ -202,9 +188,21 @@ class TieredGraph:
         self.second = second
         return out
 
-
-class _Unchecked(Exception):
-    """The two tiers could not be compared on this call."""
+    def _compare(self, second: Callable, args: tuple, copies: list, out: Any, state: torch.Tensor,
+                 after: torch.Tensor, drew: bool) -> str | None:
+        """Inductor's code on ``copies`` from the random ``state`` ``first`` started from: where it disagrees with
+        ``first``'s ``out`` and its updates of ``args``, or None; the generator left in ``first``'s ``after``."""
+        try:
+            torch.set_rng_state(state)
+            with torch.no_grad():
+                other = second(*copies)
+            difference = _difference(args, copies, "input")
+            return difference if difference is not None or drew else _difference(out, other, "output")
+        except Exception as error:
+            log.debug("Inductor's code for graph %s failed on its first call", self.name, exc_info=True)
+            return f"it raised {type(error).__name__}: {_first_line(error)}"
+        finally:
+            torch.set_rng_state(after)
 
 
 def _copy(value: Any) -> Any:
