@@ -230,3 +230,30 @@ def test_the_checked_call_copies_inputs_with_their_strides(make):
     assert copy_.shape == value.shape and copy_.stride() == value.stride() and torch.equal(copy_, value)
     if value.numel():
         assert copy_.untyped_storage().data_ptr() != value.untyped_storage().data_ptr()
+
+
+class Checkpointed(torch.nn.Module):
+    """An MoE layer under activation checkpointing, as training stacks wrap their blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe = SortMoE(16, 24, 4, top_k=2)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.moe, x, use_reentrant=False)
+
+
+@pytest.mark.slow
+def test_an_activation_checkpointed_graph_tiers_up_equal_to_eager():
+    model = Checkpointed()
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="moe", fullgraph=True, options={"tier_up_after": 0})
+    x = torch.randn(2, 8, 16)
+    want = _step(eager, x)
+    for _ in range(2):
+        _assert_equal(_step(compiled, x), want)
+    assert moe_compile.wait_for_tier_up(timeout=900)
+    for _ in range(2):
+        _assert_equal(_step(compiled, x), want)
+    assert moe_compile.counters["tiered_up"] == 1 and moe_compile.counters["calls_on_inductor"] == 1
+    assert moe_compile.counters["regions_rewritten"] == 1
