@@ -27,11 +27,12 @@ Variants, each its own copy of the same seeded model, in the same process, inter
 ``eager``       the model as written.
 ``inductor``    ``torch.compile(model)`` (the default backend, Inductor).
 ``moe``         ``torch.compile(model, backend="moe")`` with its default inner compiler
-                (``inner="auto"``: on CPU the eager inner first, then Inductor compiled in the
-                background, ``moe_compile/tiered.py``; here ``tier_up_after=--tier-up-after``,
-                default 0: queued at the second call, and the timing waits for it, so the timed
-                steps are the steady state); with P > 1 ``ep_group="world"`` (replicated experts,
-                each rank computes its E/P; no tier-up under collectives).
+                (``inner="auto"``: on CPU the eager inner first, then Inductor, compiled at the
+                call after the graph got hot, ``moe_compile/tiered.py``; here
+                ``tier_up_after=--tier-up-after``, default 0: compiled at the second call, before
+                the timing, so the timed steps are the steady state); with P > 1
+                ``ep_group="world"`` (replicated experts, each rank computes its E/P; no tier-up
+                under collectives).
 ``moe+inductor`` the same with ``inner="inductor"``.
 
 Every compiled variant runs with ``torch._dynamo.config.capture_dynamic_output_shape_ops``
@@ -49,9 +50,9 @@ round (a ``dist.barrier`` before each step when P > 1). A step's time is the slo
 rank's. Columns: median and p90 step, ``vs best`` (the median against the faster of eager
 and Inductor: below 1 is faster than both), ``first s`` (the first step, compile included,
 less a median step), ``peak MiB`` (parameters plus the peak resident memory one step adds,
-``benchmarks/step_memory.py``, largest over the ranks), ``tier-up s`` (``moe``: the background
-Inductor compile, waited for alone after the second step; "failed" where it failed or its code disagreed
-with the eager inner compiler's on the call that checks it), ``rewritten`` (MoE layers the backend
+``benchmarks/step_memory.py``, largest over the ranks), ``tier-up s`` (``moe``: the Inductor
+compile the second step took; "failed" where it failed or its code disagreed with the eager inner
+compiler's on the call that checks it), ``rewritten`` (MoE layers the backend
 rewrote), ``recompiles`` (graphs compiled while timing).
 
 Peers that shard experts their own way (torchtitan's EP, Tutel, DeepSpeed-MoE) run in
@@ -287,17 +288,15 @@ def run_rank(rank: int, world_size: int, style: str, args: argparse.Namespace) -
         rec = {"first_s": first, "rewritten": moe_compile.counters["regions_rewritten"],
                "expert_parallel": moe_compile.counters["regions_expert_parallel"], "step_s": []}
         if name == MOE:
-            _step(m, x)   # the second call queues the tier-up (tier_up_after=0)
-        if moe_compile.counters["tier_up_queued"]:   # Inductor compiling in the background: wait for it alone
-            moe_compile.wait_for_tier_up()
+            _step(m, x)   # the second call compiles the tier-up (tier_up_after=0), runs both tiers, switches
+        if moe_compile.counters["tier_up_compiles"]:
             rec["tier_up_s"] = moe_compile.counters["seconds:tier_up"]
-            _step(m, x)   # both tiers, Inductor's checked against the eager inner compiler's, then switched
             rec["tier_up_failed"] = moe_compile.counters["tier_up_failed"]
         if name == EAGER:
             eager_loss = loss
         elif eager_loss is not None:
             rec["max_rel_diff"] = _check(name, m, loss, models[EAGER], eager_loss, world_size, args)
-            if "tier_up_s" in rec:   # and Inductor's code, compiled in the background, checked again
+            if "tier_up_s" in rec:   # and Inductor's code, checked again
                 rec["max_rel_diff"] = max(rec["max_rel_diff"], _check(f"{name} (tiered up)", m, _step(m, x)[1],
                                                                       models[EAGER], eager_loss, world_size, args))
         out["variants"][name] = rec
@@ -417,7 +416,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--inner", default="auto", choices=("auto", "eager", "inductor"),
                    help="options['inner'] of the 'moe' variant")
     p.add_argument("--tier-up-after", type=float, default=0.0,
-                   help="options['tier_up_after'] of the 'moe' variants (seconds; the backend's default is 10)")
+                   help="options['tier_up_after'] of the 'moe' variants (seconds; the backend's default is 60)")
     p.add_argument("--rtol", type=float, default=1e-3)
     p.add_argument("--atol", type=float, default=1e-3, help="times the largest |value| of eager's")
     p.add_argument("--seed", type=int, default=0)

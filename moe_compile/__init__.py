@@ -21,7 +21,6 @@ from .passes import PassResult
 from .passes.registry import register_pass, unregister_pass
 from .schedule.measure import measure_tasks
 from .sharding import shard_experts
-from .tiered import wait_for_tier_up
 
 __version__ = "0.1.0"
 
@@ -46,5 +45,4 @@ __all__ = [
     "register_pass",
     "shard_experts",
     "unregister_pass",
-    "wait_for_tier_up",
 ]

@@ -144,7 +144,7 @@ def _inner(cfg: MoECompileConfig, example_inputs: Sequence[Any]) -> str:
 def _tiered(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.GraphModule, example_inputs,
             shard_inputs: Sequence[int], compiled):
     """``compiled`` (the eager inner compiler's) as the first tier of a :class:`~moe_compile.tiered.TieredGraph`
-    whose second is Inductor's code for ``gm``, compiled in the background once the graph is hot; ``compiled``
+    whose second is Inductor's code for ``gm``, compiled once the graph is hot; ``compiled``
     itself where the graph cannot tier up (the reason at INFO)."""
     from .debug import log
 
@@ -152,7 +152,7 @@ def _tiered(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.GraphMo
     if reason is not None:
         log.info("graph %s stays on the eager inner compiler (no tier-up to Inductor): %s", context.graph_id, reason)
         return compiled
-    second = _copy(gm)   # Inductor traces its own copy, on the background thread
+    second = _copy(gm)   # Inductor traces its own copy
     # Dynamo's fake inputs (the real ones are the first call's, and its list is emptied after the compile):
     # their ShapeEnv is the one that named the graph's unbacked sizes
     fakes = [node.meta.get("example_value", node.meta.get("val")) for node in gm.graph.find_nodes(op="placeholder")]
@@ -162,7 +162,7 @@ def _tiered(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.GraphMo
 
 def _compile_ahead(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.GraphModule, fakes: list):
     """Inductor's code for ``gm``, its backward compiled now too (AOTAutograd would compile it at the first
-    backward, on the training thread)."""
+    backward, a second stall)."""
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
         return _compile(cfg, context, gm, fakes, None, "inductor")
 

@@ -116,10 +116,10 @@ class MoECompileConfig:
     #: benchmarks/model_step.py).
     inner: InnerCompiler = InnerCompiler.AUTO
     #: With ``inner="auto"`` on CPU: seconds of forward time a graph runs on the eager inner compiler before
-    #: Inductor compiles it on a background thread; its calls run Inductor's code once that is done and checked
-    #: (moe_compile/tiered.py: graphs with static shapes and no collective). 0 = at the second call;
-    #: None = never (the eager inner compiler all along).
-    tier_up_after: float | None = 10.0
+    #: Inductor compiles it, at its next call (which takes the compile); its calls run Inductor's code once that
+    #: code is checked against the eager inner compiler's (moe_compile/tiered.py: graphs with static shapes and
+    #: no collective). 0 = at the second call; None = never (the eager inner compiler all along).
+    tier_up_after: float | None = 60.0
     #: Find MoE layers and rewrite them into the canonical ``moe.*`` ops. False hands
     #: every graph to the inner compiler untouched.
     rewrite: bool = True

@@ -5,8 +5,8 @@ Keys: ``graphs`` (graphs compiled), ``regions_found``, ``regions_rewritten``,
 check answered from an earlier identical one), ``views_reshaped`` (the eager inner compiler's
 ``aten.view`` nodes turned into ``reshape``, ``passes/safe_views.py``), ``tiled_grads_joined`` (the eager
 inner compiler's sums of zero-padded gradient pieces joined by one ``stack`` / ``cat``,
-``passes/tiled_grads.py``), ``tier_up_queued`` / ``tiered_up`` / ``tier_up_failed`` / ``calls_on_inductor``
-(CPU graphs queued for Inductor's background compile, switched to its code, whose compile failed or whose code
+``passes/tiled_grads.py``), ``tier_up_compiles`` / ``tiered_up`` / ``tier_up_failed`` / ``calls_on_inductor``
+(CPU graphs Inductor compiled once hot, switched to its code, whose compile failed or whose code
 disagreed with the eager inner compiler's, and calls its code served,
 ``tiered.py``), ``normalize:<rule>`` per spelling
 normalised (``cast``, ``no_op_cast``, ``linear_arguments``, ``one_hot``, ``addcmul``, ``cast_function``,
@@ -15,7 +15,7 @@ summed over graphs): ``seconds:pass:<name>`` per pass (stage-2 names prefixed
 ``fw_`` / ``bw_``), ``seconds:passes`` all of them, ``seconds:verify`` canonicalize's check of its rewrites
 (part of its pass; ``verify_regions=False`` skips it), ``seconds:inner`` the inner
 compiler (Inductor's ``compile_fx_inner``, or the eager wrapping), ``seconds:tier_up`` the
-background Inductor compiles, ``seconds:backend``
+tier-up Inductor compiles, ``seconds:backend``
 the whole backend call (stage 1, AOTAutograd, and what it compiles then). Tests and users
 read them after a compile; ``counters.clear()`` resets.
 """

@@ -6,11 +6,11 @@
                         first call in 1-3 s)
     the call after the forward time reached options["tier_up_after"] seconds
                         Inductor compiles the same graph (after stage 1; stage 2 in its partitions)
-                        on a background thread, from Dynamo's fake inputs, under the modes the
-                        graph was traced in (grad, inference, autocast), its backward ahead
-    the call after it is done (7-24 s on benchmarks/model_step.py's models)
-                        both tiers, Inductor's on copies of the inputs: its code is kept if it agrees
-                        (outputs and inputs updated in place), else the graph stays eager, at WARNING
+                        on the calling thread, from Dynamo's fake inputs, under the modes the graph
+                        was traced in (grad, inference, autocast), its backward ahead (7-24 s on
+                        benchmarks/model_step.py's models); then the call runs on both tiers,
+                        Inductor's on copies of the inputs: its code is kept if it agrees (outputs
+                        and inputs updated in place), else the graph stays eager, at WARNING
     every call after that
                         Inductor's code (it fuses the attention, norm and rotary elementwise work
                         around the canonical ops)
@@ -19,33 +19,38 @@ On CPU, Inductor's first call took 10-30x the eager inner compiler's for a step 
 (benchmarks/model_step.py): compiling with it before the first step makes a short job slower,
 never compiling with it leaves a long job slower. A JIT's tiers (a cheap compile first, the
 optimising one where the time is spent) give both: the first call of the eager inner, and
-Inductor's steps once the graph has run long enough to pay for its compile.
+Inductor's steps once the graph has run long enough to pay for its compile. The default
+``tier_up_after`` (60 s of forward time, about 3 minutes of training steps, the forward being about a
+third of a step) stalls one step for the compile only in a job long enough to win it back: a 5-15 %
+faster step repays 10-25 s within the next 2-8 minutes.
+
+The compile runs on the training thread, not beside it: AOTAutograd traces with ``make_fx``, whose FX
+tracer patches ``torch.nn.Module.__call__`` and ``__getattr__`` and sets its tracing flag process-wide
+while it traces. Traced on a background thread, the training thread's module calls went through the
+tracer meanwhile, and a call of a compiled module raised "Detected that you are using FX to symbolically
+trace a dynamo-optimized function" (2 gloo ranks, FSDP2 with activation checkpointing:
+tests/distributed/test_tiered_stack.py).
 
 Which graphs tier up: the ones whose calls are the same on every process and at every shape,
 
 - no collective in the graph: no ``ep_group`` / ``dp_group`` / ``mp_group`` / ``esp_group``
-  (ranks switch tiers at different calls; two tiers must never meet in one collective), no
-  ``c10d`` / ``_c10d_functional`` op and no ``DTensor`` input of the model's own;
+  (ranks switch tiers at different calls, and the checked call runs the graph twice: two tiers must
+  never meet in one collective), no ``c10d`` / ``_c10d_functional`` op and no ``DTensor`` input of the
+  model's own. Collectives around the graphs (DDP's hooks, FSDP2's) are the same on both tiers;
 - static shapes (Dynamo guards every call to the graph's sizes and strides, so the Inductor code
   compiled for its fake inputs serves all of them);
 
 and no expert shard read at each call (``shard_experts``), and not under
 ``torch.use_deterministic_algorithms`` (the call at which the rounding changes depends on time). The others
-stay on the eager inner
-compiler, the reason at INFO. An Inductor compile that fails, or Inductor's code disagreeing with the
-eager inner compiler's on its first call, is named at WARNING and the graph stays on the eager inner
-compiler. The two tiers compute the same values up to rounding (Inductor's fused kernels sum in
+stay on the eager inner compiler, the reason at INFO. An Inductor compile that fails, or Inductor's code
+disagreeing with the eager inner compiler's on its first call, is named at WARNING and the graph stays on the
+eager inner compiler. The two tiers compute the same values up to rounding (Inductor's fused kernels sum in
 another order), as plain ``torch.compile`` against eager.
-
-:func:`wait_for_tier_up` blocks until the background compiles queued so far are done (a benchmark
-before it times, a test).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -54,7 +59,7 @@ import torch
 
 from .counters import counters
 
-__all__ = ["TieredGraph", "tier_up_refusal", "wait_for_tier_up"]
+__all__ = ["TieredGraph", "tier_up_refusal"]
 
 log = logging.getLogger("moe_compile")
 
@@ -107,22 +112,21 @@ class TieredGraph:
     """A compiled graph that runs ``first`` until Inductor's code for it is ready and checked, then that code.
 
     ``compile_second()`` compiles the same graph (with Inductor, from Dynamo's fake inputs, in their
-    ``ShapeEnv``: the graph's nodes name its unbacked sizes) on the background thread; it is queued once
-    ``first`` has spent ``after`` seconds in its calls, at the call after (0: at the second call). The call after
-    it is ready runs both tiers (:meth:`_switch`): Inductor's code is kept only if it agrees with ``first``
-    (:data:`AGREE`), on the outputs and on every input.
+    ``ShapeEnv``: the graph's nodes name its unbacked sizes) at the call after ``first`` has spent ``after``
+    seconds in its calls (0: at the second call), on the calling thread; that call runs both tiers
+    (:meth:`_switch`): Inductor's code is kept only if it agrees with ``first`` (:data:`AGREE`), on the outputs
+    and on every input.
     """
 
     def __init__(self, first: Callable, compile_second: Callable[[], Callable], after: float, name: str):
         self.first = first
         self.second: Callable | None = None
-        self._ready: Callable | None = None
-        self._compile_second = compile_second
-        self._modes = _thread_modes()   # the backend is called on the thread Dynamo traced the graph on
+        self._compile_second: Callable[[], Callable] | None = compile_second
+        self._modes = _trace_modes()   # the backend is called where Dynamo traced the graph
         self._after = after
         self._spent = 0.0
         self._calls = 0
-        self._queued = False
+        self._tried = False
         self.name = name
 
     def __call__(self, *args):
@@ -130,36 +134,36 @@ class TieredGraph:
         if second is not None:
             counters["calls_on_inductor"] += 1
             return second(*args)
-        ready = self._ready
-        if ready is not None:
-            self._ready = None
-            return self._switch(ready, args)
-        if not self._queued:
-            if self._calls and self._spent >= self._after:   # queued at the next call: the step that made the
-                self._queued = True                          # graph hot runs its backward alone
-                _WORKER.submit(self)
-            else:
-                self._calls += 1
-                start = time.perf_counter()
-                out = self.first(*args)
-                self._spent += time.perf_counter() - start
-                return out
-        return self.first(*args)
+        if not self._tried and self._calls and self._spent >= self._after:
+            self._tried = True   # the call after the graph got hot: compiled on this thread, then both tiers
+            second = self._compile()
+            if second is not None:
+                return self._switch(second, args)
+        if self._tried:
+            return self.first(*args)
+        self._calls += 1
+        start = time.perf_counter()
+        out = self.first(*args)
+        self._spent += time.perf_counter() - start
+        return out
 
-    def _compile(self) -> None:
+    def _compile(self) -> Callable | None:
+        """Inductor's code for the graph, or None (named at WARNING) when its compile fails."""
         start = time.perf_counter()
         try:
             with self._modes():
-                ready = self._compile_second()
+                second = self._compile_second()
         except Exception as error:   # the graph keeps running on the eager inner compiler
             counters["tier_up_failed"] += 1
-            log.debug("Inductor's background compile of graph %s failed", self.name, exc_info=True)
-            log.warning("graph %s stays on the eager inner compiler: Inductor's background compile failed "
-                        "(%s: %s)", self.name, type(error).__name__, _first_line(error))
-            return
-        counters["seconds:tier_up"] += time.perf_counter() - start
-        self._compile_second = None   # the graph copy and its fake inputs
-        self._ready = ready
+            log.debug("Inductor's compile of graph %s failed", self.name, exc_info=True)
+            log.warning("graph %s stays on the eager inner compiler: Inductor's compile of it failed (%s: %s)",
+                        self.name, type(error).__name__, _first_line(error))
+            return None
+        finally:
+            self._compile_second = None   # the graph copy and its fake inputs
+            counters["tier_up_compiles"] += 1
+            counters["seconds:tier_up"] += time.perf_counter() - start
+        return second
 
     def _switch(self, second: Callable, args: tuple):
         """This call on both tiers: ``first`` on the inputs (its outputs returned, its effects kept), Inductor's code
@@ -251,11 +255,11 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
-def _thread_modes() -> Callable[[], contextlib.ExitStack]:
-    """The calling thread's modes that decide what AOTAutograd traces (grad mode, inference mode, autocast per
-    device), as a context manager factory that enters them on another thread: a thread starts with grad mode
-    on and autocast off, so Inductor would trace a bf16-autocast graph in fp32, or an inference graph as a
-    training one."""
+def _trace_modes() -> Callable[[], contextlib.ExitStack]:
+    """The modes that decide what AOTAutograd traces (grad mode, inference mode, autocast per device), as Dynamo
+    traced the graph under them, as a context manager factory that enters them again for the tier-up compile: it
+    runs inside a later call, whose caller's modes are Dynamo's guarded ones, but Inductor must trace a
+    bf16-autocast graph in bf16 and an inference graph as one whatever the call sits in."""
     grad = torch.is_grad_enabled()
     inference = torch.is_inference_mode_enabled()
     autocast = [(device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
@@ -271,49 +275,3 @@ def _thread_modes() -> Callable[[], contextlib.ExitStack]:
         return stack
 
     return enter
-
-
-class _Worker:
-    """One daemon thread that compiles the queued graphs in order (two compiles at once would only share
-    the cores the training steps run on)."""
-
-    def __init__(self):
-        self._queue: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def submit(self, graph: TieredGraph) -> None:
-        counters["tier_up_queued"] += 1
-        self._queue.put(graph)
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="moe_compile-tier-up", daemon=True)
-                self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            graph = self._queue.get()
-            try:
-                graph._compile()
-            finally:
-                self._queue.task_done()
-
-    def join(self, timeout: float | None) -> bool:
-        """Wait for the queue to drain; True when it did within ``timeout`` seconds."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._queue.all_tasks_done:
-            while self._queue.unfinished_tasks:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._queue.all_tasks_done.wait(left)
-        return True
-
-
-_WORKER = _Worker()
-
-
-def wait_for_tier_up(timeout: float | None = None) -> bool:
-    """Block until every graph queued for Inductor so far is compiled (or its compile failed); False if
-    ``timeout`` seconds passed first."""
-    return _WORKER.join(timeout)

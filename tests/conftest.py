@@ -61,7 +61,6 @@ def _fresh_state():
     torch._dynamo.reset()
     torch.manual_seed(0)
     yield
-    moe_compile.wait_for_tier_up()   # no background Inductor compile across the reset
     torch._dynamo.reset()
 
 
