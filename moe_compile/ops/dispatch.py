@@ -187,14 +187,17 @@ def _weighted_row_sums(table: Tensor, slots: Tensor, weights: Tensor) -> Tensor:
     its expert's row 0 as its slot (``_flat_slots``).
 
     In bf16 / fp16 ``embedding_bag`` rounds differently from the product of the weight and the row (1 ulp on
-    some elements at k = 1, where the fused Triton decode and eager round the product once), so there the
-    rows are gathered and summed by ``bmm``, which rounds once.
+    some elements at k = 1, where the fused Triton decode and eager round the product once), so there each
+    pick's rows are gathered and scaled in fp32, where a bf16 / fp16 product is exact, summed over the picks
+    and rounded once: the values of ``[T, 1, k] @ [T, k, M]`` by ``bmm`` (which accumulates in fp32), bit for bit
+    at k = 2, 2-3x faster than its ``T`` products of one row (2048 tokens, M = 512, bf16).
     """
     if table.dtype in (torch.float32, torch.float64):
         return torch.nn.functional.embedding_bag(slots, table, mode="sum", per_sample_weights=weights)
-    rows = table.index_select(0, slots.reshape(-1)).view(*slots.shape, table.shape[-1])
-    # [T, 1, k] @ [T, k, M]: einsum "tkm,tk->tm" would pick the transposed matrix-vector products
-    return torch.bmm(weights.unsqueeze(1), rows).squeeze(1)
+    out = table.index_select(0, slots[:, 0]).float().mul_(weights[:, :1])
+    for pick in range(1, slots.shape[1]):
+        out.addcmul_(table.index_select(0, slots[:, pick]), weights[:, pick:pick + 1])
+    return out.to(table.dtype)
 
 
 @torch.library.custom_op("moe::filled_rows", mutates_args=())

@@ -263,6 +263,27 @@ def test_combine_promotes_bf16_rows_with_fp32_weights():
     torch.testing.assert_close(y, eager)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+def test_half_precision_combine_rounds_once_as_bmm(dtype, top_k):
+    """In bf16 / fp16 the weighted sum of each token's rows is computed in fp32 and rounded once: the values of
+    ``[T, 1, k] @ [T, k, M]`` by ``bmm``, bit for bit, dropped choices (weight 0) included."""
+    gen = torch.Generator().manual_seed(5)
+    expert_ids, gate_weights = make_routing(64, 8, top_k, 0.0, gen)
+    x = torch.randn(64, 24, generator=gen)
+    buffer, locations = torch.ops.moe.dispatch(x, expert_ids, 8, 6)   # a small capacity: some choices dropped
+    assert (locations < 0).any()
+    expert_out, gate_weights = buffer.to(dtype), gate_weights.to(dtype)
+
+    y = torch.ops.moe.combine(expert_out, expert_ids, locations, gate_weights)
+
+    kept = locations >= 0
+    rows = expert_out[expert_ids, locations.clamp(min=0)]   # [T, k, M]
+    weights = torch.where(kept, gate_weights, torch.zeros((), dtype=dtype))
+    assert y.dtype == dtype
+    assert torch.equal(y, torch.bmm(weights.unsqueeze(1), rows).squeeze(1))
+
+
 def test_combine_grads_keep_input_dtypes():
     gen = torch.Generator().manual_seed(4)
     expert_ids, gate_weights = make_routing(32, 4, 2, 0.0, gen)
