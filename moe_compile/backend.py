@@ -51,10 +51,10 @@ def stage1_passes(cfg: MoECompileConfig, body: bool = False) -> list:
     return with_user_passes(pipeline.stage1_passes(cfg, body))
 
 
-def stage2_passes(cfg: MoECompileConfig, grad_sync=None) -> list:
+def stage2_passes(cfg: MoECompileConfig, grad_sync=None, inner: str = "eager") -> list:
     """Passes on the AOTAutograd forward / backward graphs (order only, semantics unchanged, but for
     ``grad_sync``'s data-parallel average of the gradients), with the user's passes."""
-    return with_user_passes(pipeline.stage2_passes(cfg, grad_sync))
+    return with_user_passes(pipeline.stage2_passes(cfg, grad_sync, inner))
 
 
 def _run_stage(passes: list, context: CompileContext, gm: torch.fx.GraphModule, prefix: str = ""):
@@ -279,7 +279,7 @@ def _compile(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.GraphM
 
         def inductor_inner(graph, inputs, **kwargs):
             prefix = "bw_" if kwargs.get("is_backward") else "fw_"
-            graph = _run_stage(stage2_passes(cfg, grad_sync), context, graph, prefix)
+            graph = _run_stage(stage2_passes(cfg, grad_sync, "inductor"), context, graph, prefix)
             with _timed("seconds:inner"):
                 return compile_fx_inner(graph, inputs, **kwargs)
 

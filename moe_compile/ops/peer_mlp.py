@@ -52,6 +52,10 @@ input gradient's are zero, and so are the saved ``h1`` / ``h3``'s and ``grad_h1`
 gradients sum every row, and in bf16 / fp16 ``peer_bmm_weight_grad`` multiplies every row). Without
 ``filled`` every row is computed.
 
+Under the Inductor inner compiler (``fused=True``, set by the ``lower`` pass) a gated activation and its
+derivative run per block as one-pass kernels Inductor compiles (:mod:`.fused_glu`), instead of an aten op per
+step.
+
 CPU only: per-block GEMMs need the counts on the host, and on an accelerator the inner compiler fuses the
 activation into its kernels itself; ``moe.experts_peers`` uses this op on the CPU and its ``peer_bmm``
 decomposition elsewhere (:mod:`.experts`). Every value equals the decomposition's up to fp32 rounding
@@ -65,6 +69,7 @@ import torch
 from torch import Tensor
 
 from .expert_vjp import _glu, autograd_inside_op
+from .fused_glu import GluKernels, glu_kernels, usable
 from .peer_bmm import filled_counts, peer_bmm_weight_grad
 
 __all__ = ["fuses_weight_grads", "peer_mlp", "peer_mlp_backward", "peer_mlp_grads", "sums_per_block"]
@@ -107,19 +112,22 @@ def _add_bias_(rows: Tensor, bias: Tensor | None, e: int) -> None:
 @torch.library.custom_op("moe::peer_mlp", mutates_args=())
 def peer_mlp(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, activation: str, b1: Tensor | None,
              b2: Tensor | None, b3: Tensor | None, act_args: Sequence[float],
-             filled: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+             filled: Tensor | None, fused: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """``(y [P, El, R, M], h1 [P, El, R, H], h3)``: the MLP of ``moe.experts_peers`` per block, and what its
-    backward reads (``h3`` empty when ungated; ``h1`` holds ``relu(h1)`` for an ungated ReLU)."""
-    return mlp_blocks(x, w1, w2, w3, activation, b1, b2, b3, act_args, filled)
+    backward reads (``h3`` empty when ungated; ``h1`` holds ``relu(h1)`` for an ungated ReLU). ``fused``: a gated
+    activation by Inductor's one-pass kernels (:mod:`.fused_glu`, set under the Inductor inner compiler)."""
+    return mlp_blocks(x, w1, w2, w3, activation, b1, b2, b3, act_args, filled, fused)
 
 
 def mlp_blocks(x: Tensor, w1: Weights, w2: Weights, w3: Weights | None, activation: str, b1: Tensor | None,
                b2: Tensor | None, b3: Tensor | None, act_args: Sequence[float],
-               filled: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+               filled: Tensor | None, fused: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """``moe.peer_mlp``'s computation, on stacked weights or on lists of them."""
     _check(x, w1, w2, w3)
     y, h1, h3 = _empty_outputs(x, w1, w2, w3)
     keep_output = _saves_output(activation, w3)
+    kernels = _kernels(fused and w3 is not None, activation, act_args, x.dtype, h1.shape[3])
+    h_block = x.new_empty(x.shape[2], h1.shape[3]) if kernels is not None else None
     for p, e, n, (w1e, w2e, w3e) in _blocks(x, filled, (w1, w2, w3)):
         if n < x.shape[2]:
             for t in (y, h1, *((h3,) if w3 is not None else ())):
@@ -137,6 +145,9 @@ def mlp_blocks(x: Tensor, w1: Weights, w2: Weights, w3: Weights | None, activati
             _add_bias_(c, b3, e)
         if keep_output:
             h = a.relu_()
+        elif usable(kernels, a, c):
+            h = h_block[:n]
+            kernels.forward_(a, c, h)
         else:
             h = _glu(a, c, activation, act_args)
         out = y[p, e, :n]
@@ -145,8 +156,14 @@ def mlp_blocks(x: Tensor, w1: Weights, w2: Weights, w3: Weights | None, activati
     return y, h1, h3
 
 
+def _kernels(wanted: bool, activation: str, act_args: Sequence[float], dtype: torch.dtype, hidden: int,
+             step: int = 0) -> GluKernels | None:
+    """Inductor's one-pass kernels of a gated activation where ``wanted`` (the op's ``fused``), else None."""
+    return glu_kernels(activation, act_args, dtype, hidden, step) if wanted else None
+
+
 @peer_mlp.register_fake
-def _peer_mlp_fake(x, w1, w2, w3, activation, b1, b2, b3, act_args, filled):
+def _peer_mlp_fake(x, w1, w2, w3, activation, b1, b2, b3, act_args, filled, fused=False):
     _check(x, w1, w2, w3)
     return _empty_outputs(x, w1, w2, w3)
 
@@ -160,7 +177,7 @@ def _empty_outputs(x: Tensor, w1: Weights, w2: Weights, w3: Weights | None) -> t
 @torch.library.custom_op("moe::peer_mlp_backward", mutates_args=())
 def peer_mlp_backward(grad_y: Tensor, h1: Tensor, h3: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None,
                       activation: str, act_args: Sequence[float],
-                      filled: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                      filled: Tensor | None, fused: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(grad_x, grad_h1, grad_h3, h)`` per block from ``moe.peer_mlp``'s saved ``h1`` / ``h3``: the input
     gradient, the pre-activations' gradients (``grad_h3`` empty when ungated) and the activation's output
     for ``grad_W2`` (empty for an ungated ReLU, whose saved ``h1`` already is it)."""
@@ -170,6 +187,7 @@ def peer_mlp_backward(grad_y: Tensor, h1: Tensor, h3: Tensor, w1: Tensor, w2: Te
     grad_h1 = torch.empty_like(h1)
     grad_h3 = torch.empty_like(h3)
     h = grad_y.new_empty(0) if keep_output else torch.empty_like(h1)
+    kernels = _kernels(fused and w3 is not None, activation, act_args, grad_y.dtype, h1.shape[3])
     for p, e, n, (w1e, w2e, w3e) in _blocks(grad_y, filled, (w1, w2, w3)):
         if n < R:
             for t in (grad_x, grad_h1, *((grad_h3,) if w3 is not None else ()), *(() if keep_output else (h,))):
@@ -184,7 +202,7 @@ def peer_mlp_backward(grad_y: Tensor, h1: Tensor, h3: Tensor, w1: Tensor, w2: Te
         else:
             gh3 = grad_h3[p, e, :n] if w3 is not None else None
             _activation_vjp_(gh1, gh3, h[p, e, :n], h1[p, e, :n], h3[p, e, :n] if w3 is not None else None,
-                             activation, act_args)
+                             activation, act_args, kernels)
         out = grad_x[p, e, :n]
         torch.mm(gh1, w1e, out=out)
         if w3 is not None:
@@ -229,12 +247,16 @@ _GATED_CLOSED_FORM = {"swiglu_oai": _swiglu_oai_vjp_}
 
 
 def _activation_vjp_(gh1: Tensor, gh3: Tensor | None, h_out: Tensor, a: Tensor, c: Tensor | None,
-                     activation: str, act_args: Sequence[float]) -> None:
+                     activation: str, act_args: Sequence[float], kernels: GluKernels | None = None) -> None:
     """One block: ``gh1`` holds ``grad_h``; overwrite it with ``grad_h1`` (and write ``gh3``), and write the
     activation's output into ``h_out``. The plain activations (``act(a) [⊙ c]``) by the aten derivatives autograd
     calls for them, in its order (``mul``'s backward, then the activation's: the same values as autograd's), gpt-oss's
     SwiGLU by its own (:func:`_swiglu_oai_vjp_`), the others by autograd on the block (turned back on inside the
-    op): building a graph per block cost as much as the block's own elementwise work at small blocks."""
+    op): building a graph per block cost as much as the block's own elementwise work at small blocks. With
+    ``kernels`` (:mod:`.fused_glu`) a gated block is one pass."""
+    if usable(kernels, gh1, gh3, h_out, a, c):
+        kernels.vjp_(gh1, a, c, h_out, grad_c=gh3)
+        return
     gated = _GATED_CLOSED_FORM.get(activation)
     if gated is not None and c is not None:
         gated(gh1, gh3, h_out, a, c, *act_args)
@@ -262,7 +284,7 @@ def _activation_vjp_(gh1: Tensor, gh3: Tensor | None, h_out: Tensor, a: Tensor, 
 
 
 @peer_mlp_backward.register_fake
-def _peer_mlp_backward_fake(grad_y, h1, h3, w1, w2, w3, activation, act_args, filled):
+def _peer_mlp_backward_fake(grad_y, h1, h3, w1, w2, w3, activation, act_args, filled, fused=False):
     P, El, R, _ = grad_y.shape
     h = grad_y.new_empty(0) if _saves_output(activation, w3) else torch.empty_like(h1)
     return grad_y.new_empty(P, El, R, w1.shape[2]), torch.empty_like(h1), torch.empty_like(h3), h
@@ -288,7 +310,8 @@ def _accumulate_(out: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
 @torch.library.custom_op("moe::peer_mlp_grads", mutates_args=())
 def peer_mlp_grads(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None,
                    activation: str, act_args: Sequence[float], filled: Tensor | None, transposed: Sequence[bool],
-                   needs: Sequence[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                   needs: Sequence[bool], fused: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                     Tensor]:
     """Every gradient of ``moe.peer_mlp``, one block at a time: ``(grad_x, grad_w1, grad_w2, grad_w3, grad_b1,
     grad_b2, grad_b3)``, those not in ``needs`` (x, w1, w2, w3, b1, b2, b3) empty. Per expert ``e``, per peer
     ``p``, on the block's ``n = filled[p, e]`` routed rows (the right column of the module docstring, then)::
@@ -301,12 +324,12 @@ def peer_mlp_grads(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w1: Tensor
     ``transposed`` flag is set is written in the layout of a weight stored transposed (``Σ xᵀ grad_h1``, a
     ``[El, M, H]`` tensor, returned as its ``[El, H, M]`` view). The input gradient's padding rows are zero; an
     expert no row reached gets zero gradients."""
-    return grad_blocks(grad_y, x, h1, h3, w1, w2, w3, activation, act_args, filled, transposed, needs)
+    return grad_blocks(grad_y, x, h1, h3, w1, w2, w3, activation, act_args, filled, transposed, needs, fused)
 
 
 def grad_blocks(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w1: Weights, w2: Weights, w3: Weights | None,
                 activation: str, act_args: Sequence[float], filled: Tensor | None, transposed: Sequence[bool],
-                needs: Sequence[bool]) -> tuple:
+                needs: Sequence[bool], fused: bool = False) -> tuple:
     """``moe.peer_mlp_grads``' computation, on stacked weights or on lists of them (then each weight gradient is
     a list of the experts' own).
 
@@ -326,6 +349,7 @@ def grad_blocks(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w1: Weights, 
     counts = filled_counts(grad_y, filled)
     weight_grads = any(grad is not None for grad in stored) or any(needs[4:7])
     scratches = _master_scratches(stored, grad_y.dtype)
+    kernels = _kernels(fused and gated, activation, act_args, grad_y.dtype, H)
     for e in range(El):
         first, parts, offset = True, [], 0
         targets = [None if grad is None else grad[e] if scratch is None else scratch
@@ -346,7 +370,7 @@ def grad_blocks(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w1: Weights, 
                 torch.ops.aten.threshold_backward.grad_input(gh1, a, 0, grad_input=gh1)
             else:
                 h = h_scratch[rows]
-                _activation_vjp_(gh1, gh3, h, a, h3[p, e, :n] if gated else None, activation, act_args)
+                _activation_vjp_(gh1, gh3, h, a, h3[p, e, :n] if gated else None, activation, act_args, kernels)
             if needs[0]:
                 out = grad_x[p, e, :n]
                 torch.mm(gh1, w1e, out=out)
@@ -444,7 +468,8 @@ def _stored_grad(weight: Weights | None, transposed: bool, needed: bool) -> Weig
 
 
 @peer_mlp_grads.register_fake
-def _peer_mlp_grads_fake(grad_y, x, h1, h3, w1, w2, w3, activation, act_args, filled, transposed, needs):
+def _peer_mlp_grads_fake(grad_y, x, h1, h3, w1, w2, w3, activation, act_args, filled, transposed, needs,
+                         fused=False):
     grad_x, stored, biases = _empty_grads(grad_y, w1, w2, w3, transposed, needs)
     return grad_x, *_as_read(grad_y, stored, transposed), *biases
 
@@ -480,9 +505,9 @@ def _check(x: Tensor, w1: Weights, w2: Weights, w3: Weights | None) -> None:
 
 
 def _setup_context(ctx, inputs, output):
-    x, w1, w2, w3, activation, b1, b2, b3, act_args, filled = inputs
+    x, w1, w2, w3, activation, b1, b2, b3, act_args, filled, *fused = inputs
     _, h1, h3 = output
-    ctx.activation, ctx.act_args = activation, list(act_args)
+    ctx.activation, ctx.act_args, ctx.fused = activation, list(act_args), bool(fused and fused[0])
     ctx.bias_dtypes = tuple(b.dtype if b is not None else None for b in (b1, b2, b3))
     ctx.save_for_backward(x, h1, h3, w1, w2, w3, filled)
 
@@ -494,12 +519,12 @@ def _backward(ctx, grad_y, _grad_h1, _grad_h3):
         dtype is not None and needed for dtype, needed in zip(ctx.bias_dtypes, ctx.needs_input_grad[5:8])]
     if fuses_weight_grads(grad_y):
         grads = peer_mlp_grads(grad_y, x, h1, h3, w1, w2, w3, ctx.activation, ctx.act_args, filled,
-                               [_transposed(w) for w in (w1, w2, w3)], need)
+                               [_transposed(w) for w in (w1, w2, w3)], need, ctx.fused)
         grad_x, grad_w1, grad_w2, grad_w3, grad_b1, grad_b2, grad_b3 = (
             g if needed else None for g, needed in zip(grads, need))
     else:
         grad_x, grad_h1, grad_h3, h = peer_mlp_backward(grad_y, h1, h3, w1, w2, w3, ctx.activation, ctx.act_args,
-                                                        filled)
+                                                        filled, ctx.fused)
         if _saves_output(ctx.activation, w3):
             h = h1
         grad_w1 = _weight_grad(grad_h1, x, w1, filled) if need[1] else None
@@ -509,7 +534,8 @@ def _backward(ctx, grad_y, _grad_h1, _grad_h3):
                                      for rows, needed in zip((grad_h1, grad_y, grad_h3), need[4:]))
     grad_b1, grad_b2, grad_b3 = (g.to(dtype) if g is not None else None
                                  for g, dtype in zip((grad_b1, grad_b2, grad_b3), ctx.bias_dtypes))
-    return (grad_x if need[0] else None, grad_w1, grad_w2, grad_w3, None, grad_b1, grad_b2, grad_b3, None, None)
+    return (grad_x if need[0] else None, grad_w1, grad_w2, grad_w3, None, grad_b1, grad_b2, grad_b3, None, None,
+            None)
 
 
 def _transposed(weight: Tensor | None) -> bool:

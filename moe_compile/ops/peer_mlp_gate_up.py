@@ -32,7 +32,8 @@ import torch
 from torch import Tensor
 
 from .peer_bmm import filled_counts
-from .peer_mlp import _accumulate_, _activation_vjp_, _add_bias_, _as_read, _blocks, _glu, _stored_grad
+from .fused_glu import usable
+from .peer_mlp import _accumulate_, _activation_vjp_, _add_bias_, _as_read, _blocks, _glu, _kernels, _stored_grad
 
 __all__ = ["peer_mlp_gate_up", "peer_mlp_grads_gate_up"]
 
@@ -53,14 +54,18 @@ def _check(x: Tensor, w13: Tensor, w2: Tensor, step: int) -> None:
 
 @torch.library.custom_op("moe::peer_mlp_gate_up", mutates_args=())
 def peer_mlp_gate_up(x: Tensor, w13: Tensor, w2: Tensor, b13: Tensor | None, b2: Tensor | None, activation: str,
-                     act_args: Sequence[float], filled: Tensor | None, step: int) -> tuple[Tensor, Tensor, Tensor]:
+                     act_args: Sequence[float], filled: Tensor | None, step: int,
+                     fused: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """``(y, h1, h3)`` of ``moe.peer_mlp(x, w1, w2, w3, activation, b1, b2, b3, ...)`` with ``w1`` / ``w3`` the
-    gate / up rows of ``w13`` and ``b1`` / ``b3`` those of ``b13``."""
+    gate / up rows of ``w13`` and ``b1`` / ``b3`` those of ``b13``. ``fused``: the de-interleaving and the
+    activation in one pass of Inductor's (:mod:`.fused_glu`)."""
     _check(x, w13, w2, step)
     R, H = x.shape[2], w2.shape[2]
     y, h1, h3 = _outputs(x, w2)
     gate, up = _columns(2 * H, step)
     scratch = x.new_empty(R, 2 * H)
+    kernels = _kernels(fused, activation, act_args, x.dtype, H, step)
+    h_block = x.new_empty(R, H) if kernels is not None else None
     for p, e, n, _ in _blocks(x, filled):
         if n < R:
             for t in (y, h1, h3):
@@ -71,16 +76,21 @@ def peer_mlp_gate_up(x: Tensor, w13: Tensor, w2: Tensor, b13: Tensor | None, b2:
         torch.mm(x[p, e, :n], w13[e].t(), out=h13)
         _add_bias_(h13, b13, e)
         a, c = h1[p, e, :n], h3[p, e, :n]
-        a.copy_(h13[:, gate])
-        c.copy_(h13[:, up])
+        if usable(kernels, h13, a, c):
+            h = h_block[:n]
+            kernels.forward_(a, c, h, h13=h13)
+        else:
+            a.copy_(h13[:, gate])
+            c.copy_(h13[:, up])
+            h = _glu(a, c, activation, act_args)
         out = y[p, e, :n]
-        torch.mm(_glu(a, c, activation, act_args), w2[e].t(), out=out)
+        torch.mm(h, w2[e].t(), out=out)
         _add_bias_(out, b2, e)
     return y, h1, h3
 
 
 @peer_mlp_gate_up.register_fake
-def _peer_mlp_gate_up_fake(x, w13, w2, b13, b2, activation, act_args, filled, step):
+def _peer_mlp_gate_up_fake(x, w13, w2, b13, b2, activation, act_args, filled, step, fused=False):
     _check(x, w13, w2, step)
     return _outputs(x, w2)
 
@@ -95,8 +105,8 @@ def _outputs(x: Tensor, w2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 @torch.library.custom_op("moe::peer_mlp_grads_gate_up", mutates_args=())
 def peer_mlp_grads_gate_up(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w13: Tensor, w2: Tensor,
                            activation: str, act_args: Sequence[float], filled: Tensor | None, step: int,
-                           transposed: Sequence[bool], needs: Sequence[bool]) -> tuple[Tensor, Tensor, Tensor,
-                                                                                        Tensor, Tensor]:
+                           transposed: Sequence[bool], needs: Sequence[bool],
+                           fused: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(grad_x, grad_w13, grad_w2, grad_b13, grad_b2)`` of :func:`peer_mlp_gate_up`, one block at a time; those
     not in ``needs`` (x, w13, w2, b13, b2) empty; ``transposed`` (w13, w2): written in the stored layout of a
     weight read as a transposed view. An expert no row reached gets zero gradients; the input gradient's padding
@@ -107,6 +117,8 @@ def peer_mlp_grads_gate_up(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w1
     gate, up = _columns(2 * H, step)
     grad_x, stored, biases = _empty_grads(grad_y, w13, w2, transposed, needs)
     gh13_block, h_block = grad_y.new_empty(R, 2 * H), grad_y.new_empty(R, H)
+    kernels = _kernels(fused, activation, act_args, grad_y.dtype, H, step)
+    gh_block = grad_y.new_empty(R, H) if kernels is not None else None
     counts = filled_counts(grad_y, filled)
     for e in range(El):
         first = True
@@ -118,9 +130,13 @@ def peer_mlp_grads_gate_up(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w1
                 continue
             g, rows = grad_y[p, e, :n], x[p, e, :n]
             gh13, h = gh13_block[:n], h_block[:n]
-            gh1, gh3 = gh13[:, gate], gh13[:, up]
-            torch.mm(g, w2[e], out=gh1)                                   # grad_h = grad_y W2
-            _activation_vjp_(gh1, gh3, h, h1[p, e, :n], h3[p, e, :n], activation, act_args)
+            a, c = h1[p, e, :n], h3[p, e, :n]
+            if usable(kernels, a, c):                                     # grad_h = grad_y W2, then one pass
+                kernels.vjp_(torch.mm(g, w2[e], out=gh_block[:n]), a, c, h, grad_h13=gh13)
+            else:
+                gh1, gh3 = gh13[:, gate], gh13[:, up]
+                torch.mm(g, w2[e], out=gh1)                               # grad_h = grad_y W2
+                _activation_vjp_(gh1, gh3, h, a, c, activation, act_args)
             if needs[0]:
                 torch.mm(gh13, w13[e], out=grad_x[p, e, :n])              # grad_x = [gh1 gh3] W13
             for grad, t, (left, right) in zip(stored, transposed, ((gh13, rows), (g, h))):
@@ -152,7 +168,8 @@ def _empty_grads(grad_y: Tensor, w13: Tensor, w2: Tensor, transposed: Sequence[b
 
 
 @peer_mlp_grads_gate_up.register_fake
-def _peer_mlp_grads_gate_up_fake(grad_y, x, h1, h3, w13, w2, activation, act_args, filled, step, transposed, needs):
+def _peer_mlp_grads_gate_up_fake(grad_y, x, h1, h3, w13, w2, activation, act_args, filled, step, transposed, needs,
+                                 fused=False):
     _check(x, w13, w2, step)
     grad_x, stored, biases = _empty_grads(grad_y, w13, w2, transposed, needs)
     return grad_x, *_as_read(grad_y, stored, transposed), *(grad_y.new_empty(0) if b is None else b for b in biases)

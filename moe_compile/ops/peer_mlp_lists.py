@@ -36,13 +36,13 @@ __all__ = ["grad_index", "peer_mlp_grads_lists", "peer_mlp_lists"]
 @torch.library.custom_op("moe::peer_mlp_lists", mutates_args=())
 def peer_mlp_lists(x: Tensor, w1: Sequence[Tensor], w2: Sequence[Tensor], w3: Sequence[Tensor], activation: str,
                    b1: Tensor | None, b2: Tensor | None, b3: Tensor | None, act_args: Sequence[float],
-                   filled: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                   filled: Tensor | None, fused: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """``moe.peer_mlp`` with ``w1`` / ``w2`` / ``w3`` the experts' own weights (``w3 = []``: ungated)."""
-    return mlp_blocks(x, list(w1), list(w2), list(w3) or None, activation, b1, b2, b3, act_args, filled)
+    return mlp_blocks(x, list(w1), list(w2), list(w3) or None, activation, b1, b2, b3, act_args, filled, fused)
 
 
 @peer_mlp_lists.register_fake
-def _peer_mlp_lists_fake(x, w1, w2, w3, activation, b1, b2, b3, act_args, filled):
+def _peer_mlp_lists_fake(x, w1, w2, w3, activation, b1, b2, b3, act_args, filled, fused=False):
     w3 = list(w3) or None
     _check(x, list(w1), list(w2), w3)
     return _empty_outputs(x, list(w1), list(w2), w3)
@@ -51,14 +51,14 @@ def _peer_mlp_lists_fake(x, w1, w2, w3, activation, b1, b2, b3, act_args, filled
 @torch.library.custom_op("moe::peer_mlp_grads_lists", mutates_args=())
 def peer_mlp_grads_lists(grad_y: Tensor, x: Tensor, h1: Tensor, h3: Tensor, w1: Sequence[Tensor],
                          w2: Sequence[Tensor], w3: Sequence[Tensor], activation: str, act_args: Sequence[float],
-                         filled: Tensor | None, needs: Sequence[bool]) -> list[Tensor]:
+                         filled: Tensor | None, needs: Sequence[bool], fused: bool = False) -> list[Tensor]:
     """``moe.peer_mlp_grads`` with the weights and their gradients per expert, flat (see the module)."""
     return _flat(grad_y, len(w1), bool(w3), grad_blocks(grad_y, x, h1, h3, list(w1), list(w2), list(w3) or None,
-                                                        activation, act_args, filled, (False,) * 3, needs))
+                                                        activation, act_args, filled, (False,) * 3, needs, fused))
 
 
 @peer_mlp_grads_lists.register_fake
-def _peer_mlp_grads_lists_fake(grad_y, x, h1, h3, w1, w2, w3, activation, act_args, filled, needs):
+def _peer_mlp_grads_lists_fake(grad_y, x, h1, h3, w1, w2, w3, activation, act_args, filled, needs, fused=False):
     grad_x, stored, biases = _empty_grads(grad_y, list(w1), list(w2), list(w3) or None, (False,) * 3, needs)
     return _flat(grad_y, len(w1), bool(w3), (grad_x, *stored, *biases))
 

@@ -34,6 +34,14 @@ rows for ``combine_backward``, so there it is not fused.
 data-dependent size), so its CUDA kernel registration fills the buffer with the
 Triton encode kernel instead. A compressor without kernels (fp16, bf16, user
 compressors) keeps ``impl="torch"``.
+
+On CPU under the Inductor inner compiler, the per-block expert ops (``moe.peer_mlp`` and its
+backward, list and gate / up forms) take ``fused=True``: their gated activation and its
+derivative run as one-pass kernels Inductor compiles (``ops/fused_glu.py``), as it fuses the
+model's own activation, instead of an aten op per step (Inductor cannot fuse into the op)::
+
+    y, h1, h3 = moe.peer_mlp(x, w1, w2, w3, "silu", ..., filled)
+    →  y, h1, h3 = moe.peer_mlp(x, w1, w2, w3, "silu", ..., filled, fused=True)
 """
 from __future__ import annotations
 
@@ -41,6 +49,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..config import MoECompileConfig
+from ..counters import counters
 from ..debug import log
 from .graph_utils import example_value, on_cuda
 from .manager import PassResult
@@ -57,13 +66,15 @@ class Lower:
 
     name = "lower"
 
-    def __init__(self, cfg: MoECompileConfig):
+    def __init__(self, cfg: MoECompileConfig, inner: str = "eager"):
         self.cfg = cfg
+        self.inner = inner
 
     def __call__(self, gm: GraphModule) -> PassResult:
         cuda = on_cuda(example_value(node) for node in gm.graph.nodes)
+        fused = _fuse_activations(gm) if self.inner == "inductor" and not cuda else 0
         if self.cfg.kernels == "torch" or (self.cfg.kernels == "auto" and not cuda):
-            return PassResult(gm, False)
+            return PassResult(gm, bool(fused))
         from .. import triton_kernels
 
         if not triton_kernels.available("cuda" if cuda else "cpu"):
@@ -90,7 +101,30 @@ class Lower:
             swaps += 1
         if swaps:
             log.info("lowered %d ops to Triton kernels", swaps)
-        return PassResult(gm, bool(swaps))
+        return PassResult(gm, bool(swaps or fused))
+
+
+def _per_block_experts() -> tuple:
+    moe = torch.ops.moe
+    return (moe.peer_mlp.default, moe.peer_mlp_backward.default, moe.peer_mlp_grads.default,
+            moe.peer_mlp_lists.default, moe.peer_mlp_grads_lists.default, moe.peer_mlp_gate_up.default,
+            moe.peer_mlp_grads_gate_up.default)
+
+
+def _fuse_activations(gm: GraphModule) -> int:
+    """``fused=True`` on the per-block expert ops stage 1 built (module docstring); how many."""
+    targets = _per_block_experts()
+    fused = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in targets and built(node):
+            at = [arg.name for arg in node.target._schema.arguments].index("fused")
+            if len(node.args) > at:
+                node.args = (*node.args[:at], True, *node.args[at + 1:])
+            else:
+                node.kwargs = {**node.kwargs, "fused": True}
+            fused += 1
+    counters["activations_fused"] += fused
+    return fused
 
 
 def _fuse_int8_decode(gm: GraphModule) -> int:

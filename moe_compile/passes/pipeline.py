@@ -67,9 +67,11 @@ def stage1_passes(cfg: MoECompileConfig, body: bool = False) -> list:
     return passes
 
 
-def stage2_passes(cfg: MoECompileConfig, grad_sync: GradSyncPlan | None = None) -> list:
+def stage2_passes(cfg: MoECompileConfig, grad_sync: GradSyncPlan | None = None, inner: str = "eager") -> list:
     """The built-in stage-2 passes for ``cfg``; ``grad_sync``: the graph's data-parallel gradients
-    (:func:`.grad_sync.plan_grad_sync`), None = no ``dp_group``."""
-    passes = [DropDeadCollectives(), SchedulePass(cfg.schedule), Lower(cfg), StreamsPass(), GradSync(grad_sync)]
+    (:func:`.grad_sync.plan_grad_sync`), None = no ``dp_group``; ``inner``: the inner compiler the graphs go to
+    ("eager" or "inductor")."""
+    passes = [DropDeadCollectives(), SchedulePass(cfg.schedule), Lower(cfg, inner), StreamsPass(),
+              GradSync(grad_sync)]
     assert tuple(p.name for p in passes) == STAGE2
     return passes
