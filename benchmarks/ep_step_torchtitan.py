@@ -45,6 +45,9 @@ Variants (P = 1 / P > 1):
     the same, then ``layer.compile(fullgraph=True)`` as above.
 ``compiled, 1 process`` (P = 1)
     ``torch.compile(layer, backend="moe", fullgraph=True)``: no group.
+``compiled, 1 process, aten activation`` (P = 1, ``--aten-activation``)
+    the same with ``options["fused_activations"] = False``: with ``--inner inductor``, the expert
+    activation as aten ops instead of Inductor's one-pass kernels (``moe_compile/ops/fused_glu.py``).
 ``compiled EP, replicated`` (P > 1)
     ``torch.compile(layer, backend="moe", fullgraph=True, options={"ep_group": "world"})``:
     every rank holds all E experts and uses its E/P.
@@ -104,13 +107,14 @@ from moe_compile.testing import spawn  # noqa: E402
 TT_EAGER_1 = "torchtitan eager"
 TT_INDUCTOR_1 = "torchtitan inductor"
 COMPILED_1 = "compiled, 1 process"
+COMPILED_1_ATEN = "compiled, 1 process, aten activation"
 DENSE = "eager layer, all experts local"
 TT_EP = "torchtitan EP, eager"
 TT_EP_INDUCTOR = "torchtitan EP, inductor"
 REPLICATED = "compiled EP, replicated"
 SHARDED = "compiled EP, sharded"
-COMPILED = {TT_INDUCTOR_1, COMPILED_1, TT_EP_INDUCTOR, REPLICATED, SHARDED}
-MOE_BACKEND = {COMPILED_1, REPLICATED, SHARDED}
+COMPILED = {TT_INDUCTOR_1, COMPILED_1, COMPILED_1_ATEN, TT_EP_INDUCTOR, REPLICATED, SHARDED}
+MOE_BACKEND = {COMPILED_1, COMPILED_1_ATEN, REPLICATED, SHARDED}
 #: the peer each row is measured against, per P
 PEER = {1: TT_INDUCTOR_1}
 PEER_EP = TT_EP_INDUCTOR
@@ -210,6 +214,10 @@ def _build(rank: int, world_size: int, args: argparse.Namespace, dtype: torch.dt
         builders[TT_INDUCTOR_1] = lambda: torchtitan_compile(copy.deepcopy(reference))
         builders[COMPILED_1] = lambda: torch.compile(copy.deepcopy(reference), backend="moe", fullgraph=True,
                                                      options=options)
+        if args.aten_activation:
+            builders[COMPILED_1_ATEN] = lambda: torch.compile(copy.deepcopy(reference), backend="moe",
+                                                              fullgraph=True,
+                                                              options={**options, "fused_activations": False})
     else:
         reference_name = DENSE
         ep_options = {**options, "ep_group": "world"}
@@ -313,7 +321,7 @@ def _run_dtype(rank: int, world_size: int, args: argparse.Namespace, dtype_name:
         rec["max_abs_diff_grad_x"] = float((grad.float() - ref_grad.float()).abs().max())
         problem = None
         if name in MOE_BACKEND:
-            want = 1 if name != COMPILED_1 else 0
+            want = 1 if name not in (COMPILED_1, COMPILED_1_ATEN) else 0
             if rec["regions_rewritten"] != 1 or rec["regions_expert_parallel"] != want:
                 problem = f"expected 1 region rewritten ({want} expert-parallel), counters {dict(moe_compile.counters)}"
         if problem is None:
@@ -480,6 +488,9 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant after the first")
     parser.add_argument("--inner", choices=["auto", "eager", "inductor"], default="auto",
                         help="options['inner'] of backend 'moe' (auto = eager on CPU)")
+    parser.add_argument("--aten-activation", action="store_true",
+                        help="at P = 1 also the 1-process layer with options['fused_activations']=False (with --inner "
+                             "inductor: the expert activation as aten ops instead of Inductor's one-pass kernels)")
     parser.add_argument("--no-dense", dest="dense", action="store_false",
                         help="with P > 1, leave the eager layer (all experts local) out of the timing "
                              "(still checked against)")

@@ -120,6 +120,11 @@ class MoECompileConfig:
     #: code is checked against the eager inner compiler's (moe_compile/tiered.py: graphs with static shapes and
     #: no collective). 0 = at the second call; None = never (the eager inner compiler all along).
     tier_up_after: float | None = 60.0
+    #: Under the Inductor inner compiler on CPU: the per-block expert ops (``moe.peer_mlp`` and its forms) run
+    #: their gated activation and its derivative as one-pass kernels Inductor compiles
+    #: (moe_compile/ops/fused_glu.py; bf16 computed in fp32, rounded once per output). False keeps an aten op per
+    #: step, rounded at each.
+    fused_activations: bool = True
     #: Find MoE layers and rewrite them into the canonical ``moe.*`` ops. False hands
     #: every graph to the inner compiler untouched.
     rewrite: bool = True
@@ -295,7 +300,7 @@ class MoECompileConfig:
         rpn = self.ranks_per_node
         if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1):
             raise ConfigError(f"options['ranks_per_node']={rpn!r}: expected an integer >= 1 or None")
-        for name in ("rewrite", "verify_regions", "nan_check", "verify_collectives", "dp_slice_gradients",
+        for name in ("rewrite", "fused_activations", "verify_regions", "nan_check", "verify_collectives", "dp_slice_gradients",
                      "agree_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"options[{name!r}]={getattr(self, name)!r}: expected True or False")

@@ -227,6 +227,7 @@ BAD_VALUES = {
     "inner": ["tvm", 1, None],
     "tier_up_after": [-1, True, "10", float("nan"), float("inf"), [1.0]],
     "rewrite": [1, "yes", None],
+    "fused_activations": [1, "yes", None],
     "capacity_factor": ["1", True, float("nan"), float("inf"), -float("inf"), [1.0]],
     "verify_regions": [0, "no"],
     "agree_layers": [1, "yes", None],

@@ -72,7 +72,7 @@ class Lower:
 
     def __call__(self, gm: GraphModule) -> PassResult:
         cuda = on_cuda(example_value(node) for node in gm.graph.nodes)
-        fused = _fuse_activations(gm) if self.inner == "inductor" and not cuda else 0
+        fused = _fuse_activations(gm) if self.inner == "inductor" and self.cfg.fused_activations and not cuda else 0
         if self.cfg.kernels == "torch" or (self.cfg.kernels == "auto" and not cuda):
             return PassResult(gm, bool(fused))
         from .. import triton_kernels

@@ -85,19 +85,22 @@ def test_the_gate_up_forms_fuse_their_de_interleaving(activation, step):
 
 
 def test_lower_fuses_the_activation_under_the_inductor_inner_compiler_only():
+    """Under Inductor the forward's ``peer_mlp`` and the backward's ``peer_mlp_grads`` take ``fused=True``;
+    not under the eager inner compiler, nor with ``options["fused_activations"] = False``."""
     x = torch.randn(2, 8, 16)
-    for inner, fused in (("inductor", 2), ("eager", 0)):   # the forward's peer_mlp, the backward's peer_mlp_grads
+    for options, fused in (({"inner": "inductor"}, 2), ({"inner": "eager"}, 0),
+                           ({"inner": "inductor", "fused_activations": False}, 0)):
         torch._dynamo.reset()
         moe_compile.counters.clear()
         torch.manual_seed(0)
         model = SortMoE(16, 24, 4, top_k=2)
         reference = SortMoE(16, 24, 4, top_k=2)
         reference.load_state_dict(model.state_dict())
-        compiled = torch.compile(model, backend="moe", fullgraph=True, options={"inner": inner})
+        compiled = torch.compile(model, backend="moe", fullgraph=True, options=options)
         xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
         compiled(xa).square().sum().backward()
         reference(xb).square().sum().backward()
-        assert moe_compile.counters["activations_fused"] == fused, inner
+        assert moe_compile.counters["activations_fused"] == fused, options
         torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-5, atol=1e-5)
         for p, q in zip(model.parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5)
