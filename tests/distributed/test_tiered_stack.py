@@ -14,9 +14,7 @@ process-wide patch of ``torch.nn.Module.__call__`` here, and the compiled blocks
 from __future__ import annotations
 
 import copy
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,20 +23,10 @@ from moe_compile.testing import spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900)]
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
 #: Inductor's fused kernels sum in another order than eager: fp32 rounding, through 4 SGD steps
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 STEPS = 4
 OPTIONS = {"tier_up_after": 0}
-
-
-def _example():
-    spec = importlib.util.spec_from_file_location("moe_transformer", EXAMPLES / "moe_transformer.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("moe_transformer", module)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _ddp(model, compiled: bool):
@@ -85,7 +73,10 @@ def _run(rank: int, world_size: int) -> list[str]:
     import moe_compile
 
     torch._dynamo.config.optimize_ddp = False
-    example = _example()
+    from tests.helpers import example_transformer
+
+    example = example_transformer()
+    sys.modules.setdefault("moe_transformer", example)   # Dynamo reads the blocks' globals through it
     done = []
     for name, wrap in (("ddp", _ddp), ("fsdp2+ac", _fsdp2)):
         torch._dynamo.reset()
