@@ -300,8 +300,8 @@ class MoECompileConfig:
         rpn = self.ranks_per_node
         if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1):
             raise ConfigError(f"options['ranks_per_node']={rpn!r}: expected an integer >= 1 or None")
-        for name in ("rewrite", "fused_activations", "verify_regions", "nan_check", "verify_collectives", "dp_slice_gradients",
-                     "agree_layers"):
+        for name in ("rewrite", "fused_activations", "verify_regions", "nan_check", "verify_collectives",
+                     "dp_slice_gradients", "agree_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"options[{name!r}]={getattr(self, name)!r}: expected True or False")
         cf = self.capacity_factor

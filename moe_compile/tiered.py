@@ -126,7 +126,6 @@ class TieredGraph:
         self._after = after
         self._spent = 0.0
         self._calls = 0
-        self._tried = False
         self.name = name
 
     def __call__(self, *args):
@@ -134,12 +133,11 @@ class TieredGraph:
         if second is not None:
             counters["calls_on_inductor"] += 1
             return second(*args)
-        if not self._tried and self._calls and self._spent >= self._after:
-            self._tried = True   # the call after the graph got hot: compiled on this thread, then both tiers
-            second = self._compile()
+        if self._compile_second is not None and self._calls and self._spent >= self._after:
+            second = self._compile()   # the call after the graph got hot: compiled on this thread, then both tiers
             if second is not None:
                 return self._switch(second, args)
-        if self._tried:
+        if self._compile_second is None:   # compiled (or failed to) and not switched: the first tier for good
             return self.first(*args)
         self._calls += 1
         start = time.perf_counter()
@@ -242,7 +240,8 @@ def _difference(want: Any, got: Any, what: str) -> str | None:
         w, g = w.detach().double().nan_to_num(), g.detach().double().nan_to_num()
         apart, norm = float((g - w).norm()), float(w.norm())
         if apart > AGREE * norm:
-            return f"{what} {i} {_describe(g)}: its difference is {apart / norm if norm else float('inf'):.3g} of its norm"
+            share = apart / norm if norm else float("inf")
+            return f"{what} {i} {_describe(g)}: its difference is {share:.3g} of its norm"
     return None
 
 

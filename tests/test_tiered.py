@@ -44,13 +44,18 @@ class Counting(torch.nn.Module):
         return self.moe(x)
 
 
-@pytest.mark.slow
-def test_a_hot_graph_runs_inductors_code_equal_to_eager():
-    model = Counting()
+def _tiering(model):
+    """``model`` compiled to tier up at its second call, an input, and eager's step on it."""
     eager = copy.deepcopy(model)
     compiled = torch.compile(model, backend="moe", fullgraph=True, options={"tier_up_after": 0})
     x = torch.randn(2, 8, 16)
-    want = _step(eager, x)
+    return compiled, x, _step(eager, x)
+
+
+@pytest.mark.slow
+def test_a_hot_graph_runs_inductors_code_equal_to_eager():
+    model = Counting()
+    compiled, x, want = _tiering(model)
     _assert_equal(_step(compiled, x), want)
     assert not moe_compile.counters["tier_up_compiles"]   # compiled at the call after: the first step runs alone
     torch._inductor.metrics.reset()
@@ -109,11 +114,7 @@ def test_a_broken_inductor_tier_is_named_and_never_used(broken, says, monkeypatc
     on the call that runs both (here, perturbed): one WARNING, and every call keeps the eager inner compiler's
     values."""
     monkeypatch.setattr(backend, "_compile_ahead", broken(backend._compile_ahead))
-    model = SortMoE(16, 24, 4, top_k=2)
-    eager = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="moe", fullgraph=True, options={"tier_up_after": 0})
-    x = torch.randn(2, 8, 16)
-    want = _step(eager, x)
+    compiled, x, want = _tiering(SortMoE(16, 24, 4, top_k=2))
     with caplog.at_level(logging.WARNING, logger="moe_compile"):
         for _ in range(4):
             _assert_equal(_step(compiled, x), want)
@@ -209,11 +210,7 @@ class Checkpointed(torch.nn.Module):
 
 @pytest.mark.slow
 def test_an_activation_checkpointed_graph_tiers_up_equal_to_eager():
-    model = Checkpointed()
-    eager = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="moe", fullgraph=True, options={"tier_up_after": 0})
-    x = torch.randn(2, 8, 16)
-    want = _step(eager, x)
+    compiled, x, want = _tiering(Checkpointed())
     for _ in range(3):
         _assert_equal(_step(compiled, x), want)
     assert moe_compile.counters["tiered_up"] == 1 and moe_compile.counters["calls_on_inductor"] == 1

@@ -17,8 +17,8 @@ size::
 
 Every kernel computes bf16 / fp16 blocks in fp32 and rounds each output once, as Inductor's kernel for the
 model's own activation does (the aten ops of the eager inner compiler round each step); in fp32 / fp64 the values
-are the aten ops' up to their order. Its inputs are contiguous ``[n, ·]`` blocks (the ops' buffers are), the outputs written in
-place. A compile that fails leaves the aten ops, named once at WARNING.
+are the aten ops' up to their order. Its inputs are contiguous ``[n, ·]`` blocks (the ops' buffers are), the
+outputs written in place. A compile that fails leaves the aten ops, named once at WARNING.
 """
 from __future__ import annotations
 

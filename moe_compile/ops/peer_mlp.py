@@ -505,9 +505,9 @@ def _check(x: Tensor, w1: Weights, w2: Weights, w3: Weights | None) -> None:
 
 
 def _setup_context(ctx, inputs, output):
-    x, w1, w2, w3, activation, b1, b2, b3, act_args, filled, *fused = inputs
+    x, w1, w2, w3, activation, b1, b2, b3, act_args, filled, fused = inputs
     _, h1, h3 = output
-    ctx.activation, ctx.act_args, ctx.fused = activation, list(act_args), bool(fused and fused[0])
+    ctx.activation, ctx.act_args, ctx.fused = activation, list(act_args), fused
     ctx.bias_dtypes = tuple(b.dtype if b is not None else None for b in (b1, b2, b3))
     ctx.save_for_backward(x, h1, h3, w1, w2, w3, filled)
 
