@@ -59,7 +59,7 @@ class InnerCompiler(_StrOption):
 class Kernels(_StrOption):
     """``options["kernels"]``: the implementation the ``lower`` pass gives encode/decode and (de)quantization."""
 
-    AUTO = "auto"      # the Triton kernels for graphs on CUDA, else the torch references
+    AUTO = "auto"      # the Triton kernels for graphs on CUDA; on CPU under Inductor, aten forms it fuses
     TRITON = "triton"  # always the kernels (on CPU they need TRITON_INTERPRET=1)
     TORCH = "torch"    # always the torch references
 
@@ -161,7 +161,9 @@ class MoECompileConfig:
     #: instead of letting the compressor propagate them as NaN. Costs a host sync per exchange.
     nan_check: bool = False
     #: Which implementation the ``lower`` pass gives encode/decode and (de)quantization:
-    #: "auto" = the Triton kernels for graphs on CUDA, else the torch references;
+    #: "auto" = the Triton kernels for graphs on CUDA; on CPU under the Inductor inner compiler, decode and the
+    #: adjoints of encode / decode as aten ops Inductor fuses (moe_compile/ops/dispatch_aten.py); else the torch
+    #: references;
     #: "triton" = always the kernels (on CPU they need TRITON_INTERPRET=1); "torch" = never.
     kernels: Kernels = Kernels.AUTO
     #: Algorithm of the expert-parallel all-to-all: "flat" (one all_to_all_single), "1dh",

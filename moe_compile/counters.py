@@ -6,7 +6,9 @@ check answered from an earlier identical one), ``views_reshaped`` (the eager inn
 ``aten.view`` nodes turned into ``reshape``, ``passes/safe_views.py``), ``tiled_grads_joined`` (the eager
 inner compiler's sums of zero-padded gradient pieces joined by one ``stack`` / ``cat``,
 ``passes/tiled_grads.py``), ``activations_fused`` (per-block expert ops
-whose gated activation runs as Inductor's one-pass kernels, ``passes/lower.py``), ``tier_up_compiles`` /
+whose gated activation runs as Inductor's one-pass kernels, ``passes/lower.py``), ``routing_inlined``
+(``moe.combine`` / ``moe.dispatch_backward`` / ``moe.combine_backward`` calls replaced by their aten forms for
+Inductor to fuse, CPU, ``passes/lower.py``), ``tier_up_compiles`` /
 ``tiered_up`` / ``tier_up_failed`` / ``calls_on_inductor`` (CPU graphs Inductor compiled once hot, switched to its code, whose compile failed or whose code
 disagreed with the eager inner compiler's, and calls its code served,
 ``tiered.py``), ``normalize:<rule>`` per spelling

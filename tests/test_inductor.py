@@ -58,7 +58,8 @@ def test_no_partitioner_where_inductor_has_no_such_setting(monkeypatch):
 def test_inductor_inner_reads_gate_up_weights_whole(family):
     """transformers' ``gate_up_proj`` (Mixtral ``[E, 2H, M]``; GPT-OSS ``[E, M, 2H]`` interleaved, with biases) read
     as stored with the Inductor inner too (``passes/weight_lists.py`` in its partitioner): no stride-2 weight
-    slice copied per block, and the logits and every gradient equal to eager."""
+    slice copied per block, and the logits and every gradient equal to eager, with the activation kernels and the
+    inlined decode."""
     from tests.models.hf_families import build
 
     torch._dynamo.reset()
@@ -69,3 +70,6 @@ def test_inductor_inner_reads_gate_up_weights_whole(family):
         compile_and_compare(model, ids, options={"inner": "inductor", "verify_regions": False})
     assert moe_compile.counters["regions_rewritten"] >= 1
     assert moe_compile.counters["weights_read_in_place"] == 2 * moe_compile.counters["regions_rewritten"]
+    # the gated activation as Inductor's kernels, forward and backward; decode and its adjoints inlined
+    assert moe_compile.counters["activations_fused"] == 2 * moe_compile.counters["regions_rewritten"]
+    assert moe_compile.counters["routing_inlined"] == 3 * moe_compile.counters["regions_rewritten"]

@@ -2,10 +2,10 @@
 
 Runs on the AOTAutograd forward and backward graphs, after autograd is settled,
 so a swap only has to compute the same values (docs/design.md "Triton kernels").
-``config.kernels``: ``"auto"`` lowers graphs whose tensors are on CUDA,
-``"triton"`` lowers every graph (on CPU the kernels then run in Triton's
-interpreter, which is how the tests check the lowered graphs), ``"torch"``
-never lowers.
+``config.kernels``: ``"auto"`` lowers graphs whose tensors are on CUDA (and on CPU
+under the Inductor inner compiler inlines the aten forms, below), ``"triton"``
+lowers every graph (on CPU the kernels then run in Triton's interpreter, which
+is how the tests check the lowered graphs), ``"torch"`` never lowers.
 
 Before::
 
@@ -34,6 +34,17 @@ rows for ``combine_backward``, so there it is not fused.
 data-dependent size), so its CUDA kernel registration fills the buffer with the
 Triton encode kernel instead. A compressor without kernels (fp16, bf16, user
 compressors) keeps ``impl="torch"``.
+
+On CPU under the Inductor inner compiler (``kernels="auto"``), decode and the adjoints are inlined
+instead: each call is replaced by its aten form (``ops/dispatch_aten.py``, traced by
+``passes/inline.py``), which Inductor compiles into one or two loops of indirect loads, as it does
+the model's own gathers, where the torch reference makes a pass over ``[T, M]`` per step::
+
+    y = moe.combine(expert_out, ids, loc, w)
+    →  s = aten.sym_size.int(expert_out, 1); slots = ids * s + loc.clamp(0); ...   (its aten ops)
+
+A call whose batch may be empty (a static 0 or an unbacked size) keeps the op. ``moe.dispatch``
+stays an op there too.
 
 On CPU under the Inductor inner compiler, the per-block expert ops (``moe.peer_mlp`` and its
 backward, list and gate / up forms) take ``fused=True``: their gated activation and its
@@ -73,6 +84,8 @@ class Lower:
     def __call__(self, gm: GraphModule) -> PassResult:
         cuda = on_cuda(example_value(node) for node in gm.graph.nodes)
         fused = _fuse_activations(gm) if self.inner == "inductor" and self.cfg.fused_activations and not cuda else 0
+        if self.inner == "inductor" and self.cfg.kernels == "auto" and not cuda:
+            fused += _inline_routing(gm)
         if self.cfg.kernels == "torch" or (self.cfg.kernels == "auto" and not cuda):
             return PassResult(gm, bool(fused))
         from .. import triton_kernels
@@ -125,6 +138,41 @@ def _fuse_activations(gm: GraphModule) -> int:
             fused += 1
     counters["activations_fused"] += fused
     return fused
+
+
+def _inline_routing(gm: GraphModule) -> int:
+    """``moe.combine``, ``moe.dispatch_backward`` and ``moe.combine_backward`` (stage 1's) replaced by their aten
+    forms (``ops/dispatch_aten.py``), for Inductor to fuse (module docstring); how many. A call whose batch
+    may be empty keeps the op (its weights' padding has no row to read)."""
+    from ..ops.dispatch_aten import combine_aten, combine_backward_aten, dispatch_backward_aten
+    from .inline import inline_call
+
+    moe = torch.ops.moe
+    forms = {moe.combine.default: combine_aten, moe.dispatch_backward.default: dispatch_backward_aten,
+             moe.combine_backward.default: combine_backward_aten}
+    inlined = 0
+    for node in list(gm.graph.nodes):
+        form = forms.get(node.target) if node.op == "call_function" else None
+        if form is None or not built(node) or not _never_empty(node):
+            continue
+        inlined += inline_call(node, form)
+    if inlined:
+        counters["routing_inlined"] += inlined
+        log.info("inlined %d encode / decode ops for Inductor to fuse", inlined)
+    return inlined
+
+
+def _never_empty(node: Node) -> bool:
+    """Is the batch of this combine / dispatch_backward / combine_backward (its ``expert_ids``' rows) at least
+    one token: a static size > 0, or a backed symbolic one (Dynamo specializes sizes 0 and 1)?"""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    ids = node.args[2 if node.target is torch.ops.moe.combine_backward.default else 1]
+    value = ids.meta.get("val") if isinstance(ids, Node) else None
+    if not isinstance(value, torch.Tensor) or value.dim() != 2:
+        return False
+    tokens = value.shape[0]
+    return tokens > 0 if isinstance(tokens, int) else not free_unbacked_symbols(tokens)
 
 
 def _fuse_int8_decode(gm: GraphModule) -> int:

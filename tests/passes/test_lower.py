@@ -53,3 +53,46 @@ def test_int8_return_exchange_fuses_decompress_and_combine_in_inference(tmp_path
     assert code.count("torch.ops.moe.decode_int8_triton.default(") == 1
     assert code.count("torch.ops.moe.decompress.default(") == 1  # the dispatch exchange's, now impl='triton'
     assert "'triton')" in code and "moe.combine.default(" not in code
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", [GShardMoE(16, 32, 4, top_k=2), SortMoE(16, 32, 4, top_k=2)],
+                         ids=["gshard-capacity", "sort-dropless"])
+def test_inductor_inner_on_cpu_inlines_encode_decode(model, tmp_path):
+    """Under the Inductor inner compiler on CPU, combine, dispatch's backward and combine's backward become aten
+    ops Inductor fuses (``ops/dispatch_aten.py``): none of the three custom ops is left in the graphs Inductor
+    compiles, and the forward and every gradient equal eager (a fixed capacity that drops, and a data-dependent
+    one, a symbolic size in the inlined ops)."""
+    import moe_compile
+
+    torch._dynamo.reset()
+    moe_compile.counters.clear()
+    x = torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(0))
+    compile_and_compare(model, x, options={"inner": "inductor", "debug_dir": str(tmp_path)})
+    assert moe_compile.counters["routing_inlined"] == 3
+    forward = next(tmp_path.glob("rank0/graph*/*_fw_lower_after.py")).read_text()
+    backward = next(tmp_path.glob("rank0/graph*/*_bw_lower_after.py")).read_text()
+    assert "moe.combine.default(" not in forward and "aten.index.Tensor" in forward
+    assert "moe.combine_backward.default(" not in backward and "moe.dispatch_backward.default(" not in backward
+    assert "moe.dispatch.default(" in forward   # its capacity is computed inside the op
+
+
+def test_encode_decode_stay_ops_where_the_batch_may_be_empty():
+    """The aten forms read the weights' padding from row 0: a batch of no token (a static 0, or an unbacked
+    size) keeps the custom op."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from moe_compile.passes.lower import _never_empty
+
+    shape_env = ShapeEnv()
+    with FakeTensorMode(shape_env=shape_env):
+        unbacked = torch.empty(shape_env.create_unbacked_symint(), 2, dtype=torch.long)
+        values = {"empty": torch.empty(0, 2, dtype=torch.long), "unbacked": unbacked,
+                  "tokens": torch.empty(6, 2, dtype=torch.long)}
+    graph = torch.fx.Graph()
+    for name, value in values.items():
+        ids = graph.placeholder(f"ids_{name}")
+        ids.meta["val"] = value
+        combine = graph.call_function(torch.ops.moe.combine.default, (graph.placeholder(f"o_{name}"), ids, ids, ids))
+        assert _never_empty(combine) is (name == "tokens"), name
