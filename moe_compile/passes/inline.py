@@ -20,8 +20,9 @@ After (``fn`` = :func:`moe_compile.ops.dispatch_aten.combine_aten`)::
     y'   = aten._to_copy(sum, dtype=bfloat16)
     z    = aten.add(y', x)
 
-A call whose tensor inputs have no fake value, or whose non-tensor arguments are graph values (a ``SymInt``
-node), is left as it is (:func:`inline_call` returns False).
+A call whose tensor inputs have no fake value or are not contiguous (the trace's fakes are, so its ``reshape``
+may be a ``view``), or whose non-tensor arguments are graph values (a ``SymInt`` node), is left as it is
+(:func:`inline_call` returns False).
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def inline_call(node: Node, fn: Callable) -> bool:
         return False
     inputs = [a for a in arguments if isinstance(a, Node)]
     values = [input.meta.get("val") for input in inputs]
-    if not all(isinstance(v, torch.Tensor) for v in values):
+    if not all(isinstance(v, torch.Tensor) and _contiguous(v) for v in values):
         return False
     traced = _trace(fn, arguments, values)
     graph = node.graph
@@ -84,6 +85,17 @@ def inline_call(node: Node, fn: Callable) -> bool:
         node.replace_all_uses_with(result)
     graph.erase_node(node)
     return True
+
+
+def _contiguous(value: torch.Tensor) -> bool:
+    """Is ``value`` known to be contiguous? The trace's fakes are, so its ``reshape`` may be a ``view``: a strided
+    input keeps the call."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    try:
+        return bool(guard_or_false(value.is_contiguous()))
+    except Exception:   # a stride the shape environment cannot decide
+        return False
 
 
 def _arguments(node: Node) -> list | None:

@@ -167,7 +167,8 @@ def _never_empty(node: Node) -> bool:
     one token: a static size > 0, or a backed symbolic one (Dynamo specializes sizes 0 and 1)?"""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-    ids = node.args[2 if node.target is torch.ops.moe.combine_backward.default else 1]
+    position = 2 if node.target is torch.ops.moe.combine_backward.default else 1
+    ids = node.args[position] if len(node.args) > position else node.kwargs.get("expert_ids")
     value = ids.meta.get("val") if isinstance(ids, Node) else None
     if not isinstance(value, torch.Tensor) or value.dim() != 2:
         return False
