@@ -43,6 +43,13 @@ Variants (P = 1 / P > 1):
     ``"partial_dtensor"`` (``torchtitan.distributed.utils.set_spmd_backend``).
 ``torchtitan EP, inductor`` (P > 1)
     the same, then ``layer.compile(fullgraph=True)`` as above.
+``torchtitan inductor, again`` (P = 1) / ``torchtitan EP, inductor, again`` (P > 1)
+    the control (``--no-control`` leaves it out): the torchtitan Inductor variant built and
+    compiled a second time and timed as a variant of its own. Two copies of the same code
+    in one process differ by the place their weights and buffers got in memory; on the
+    2-vCPU host of benchmarks/README.md two copies of a whole model under Inductor measured
+    1.5-4 % apart in their GEMMs alone. The verdict states the control's ratio to the
+    peer: a smaller difference between the backend and the peer is not resolved.
 ``compiled, 1 process`` (P = 1)
     ``torch.compile(layer, backend="moe", fullgraph=True)``: no group.
 ``compiled, 1 process, aten activation`` (P = 1, ``--aten-activation``)
@@ -111,9 +118,12 @@ COMPILED_1_ATEN = "compiled, 1 process, aten activation"
 DENSE = "eager layer, all experts local"
 TT_EP = "torchtitan EP, eager"
 TT_EP_INDUCTOR = "torchtitan EP, inductor"
+#: the peer built and compiled a second time (``--control``): the A/A spread of this run
+CONTROL = {1: "torchtitan inductor, again"}
+CONTROL_EP = "torchtitan EP, inductor, again"
 REPLICATED = "compiled EP, replicated"
 SHARDED = "compiled EP, sharded"
-COMPILED = {TT_INDUCTOR_1, COMPILED_1, COMPILED_1_ATEN, TT_EP_INDUCTOR, REPLICATED, SHARDED}
+COMPILED = {TT_INDUCTOR_1, COMPILED_1, COMPILED_1_ATEN, TT_EP_INDUCTOR, REPLICATED, SHARDED, CONTROL[1], CONTROL_EP}
 MOE_BACKEND = {COMPILED_1, COMPILED_1_ATEN, REPLICATED, SHARDED}
 #: the peer each row is measured against, per P
 PEER = {1: TT_INDUCTOR_1}
@@ -212,6 +222,8 @@ def _build(rank: int, world_size: int, args: argparse.Namespace, dtype: torch.dt
         reference_name = TT_EAGER_1
         builders[TT_EAGER_1] = lambda: reference
         builders[TT_INDUCTOR_1] = lambda: torchtitan_compile(copy.deepcopy(reference))
+        if args.control:
+            builders[CONTROL[1]] = lambda: torchtitan_compile(copy.deepcopy(reference))
         builders[COMPILED_1] = lambda: torch.compile(copy.deepcopy(reference), backend="moe", fullgraph=True,
                                                      options=options)
         if args.aten_activation:
@@ -238,6 +250,9 @@ def _build(rank: int, world_size: int, args: argparse.Namespace, dtype: torch.dt
         builders[TT_EP] = lambda: torchtitan_ep_layer(reference, parallel_dims(), args, dtype)
         builders[TT_EP_INDUCTOR] = lambda: torchtitan_compile(
             torchtitan_ep_layer(reference, parallel_dims(), args, dtype))
+        if args.control:
+            builders[CONTROL_EP] = lambda: torchtitan_compile(
+                torchtitan_ep_layer(reference, parallel_dims(), args, dtype))
         builders[REPLICATED] = lambda: torch.compile(copy.deepcopy(reference), backend="moe", fullgraph=True,
                                                      options=ep_options)
         builders[SHARDED] = sharded
@@ -454,6 +469,12 @@ def verdict(rows: list[dict]) -> list[str]:
         if peer is None or "median_ms" not in peer:
             lines.append(f"{key[0]} P={key[1]}: no torchtitan inductor row to compare with")
             continue
+        control = group.get(CONTROL.get(key[1], CONTROL_EP))
+        if control is not None and "median_ms" in control:
+            spread = control["median_ms"] / peer["median_ms"]
+            lines.append(f"{key[0]} P={key[1]}: control: {control['variant']} {control['median_ms']:.1f} ms vs "
+                         f"{peer['median_ms']:.1f} ms ({spread:.2f}x): the same layer and compiler twice, so a "
+                         f"ratio within {abs(spread - 1):.0%} of 1 is not resolved by this run")
         for name in (COMPILED_1, REPLICATED, SHARDED):
             r = group.get(name)
             if r is None:
@@ -491,6 +512,9 @@ def parse_args(argv=None):
     parser.add_argument("--aten-activation", action="store_true",
                         help="at P = 1 also the 1-process layer with options['fused_activations']=False (with --inner "
                              "inductor: the expert activation as aten ops instead of Inductor's one-pass kernels)")
+    parser.add_argument("--no-control", dest="control", action="store_false",
+                        help="leave out the control: torchtitan's layer (EP at P > 1) under Inductor built and "
+                             "compiled a second time, timed as a variant of its own")
     parser.add_argument("--no-dense", dest="dense", action="store_false",
                         help="with P > 1, leave the eager layer (all experts local) out of the timing "
                              "(still checked against)")
