@@ -201,6 +201,9 @@ class _Memory:
     reads: dict[str, int] = dataclasses.field(default_factory=dict)
     recorded: set[str] = dataclasses.field(default_factory=set)
     label: str = "input"
+    #: the storage it was seen with (``StorageWeakRef``): expired, the address holds an allocation the checker
+    #: did not see (Inductor's buffers come from ``empty_strided_cpu``, outside the dispatcher)
+    storage: Any = None
 
 
 COMPUTE = "compute"
@@ -217,6 +220,12 @@ def _is_issue(func) -> bool:
 def _tensors(tree: Any) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(tree)
     return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+def _weak_storage(tensor: torch.Tensor):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(tensor.untyped_storage())
 
 
 def _key(tensor: torch.Tensor) -> int | None:
@@ -236,7 +245,10 @@ class CheckedStreams(Streams):
     3. a tensor used on a stream other than the one it was allocated on needs
        ``record(tensor, that stream)`` — checked when its memory is handed out again on
        the allocating stream (the CUDA caching allocator's reuse), and for every tensor at
-       the end of :meth:`tracking` and after each ``moe.on_stream`` call;
+       the end of :meth:`tracking` and after each ``moe.on_stream`` call; memory is known by its
+       address, and an address the host allocator hands out again to an allocation the checker
+       does not see (Inductor's buffers, from ``empty_strided_cpu``) starts a new allocation on
+       the compute stream once the freed one's uses are checked;
     4. a collective issued on S reads its input after everything queued on S so far and
        writes its output on a stream of its own; ``wait_tensor`` on S' makes S' wait for it
        (NCCL's semantics);
@@ -330,7 +342,8 @@ class CheckedStreams(Streams):
                 continue
             if fresh:
                 self._reuse(key, allocated_on or stream.name, label)
-                self._memory[key] = _Memory(allocated_on or stream.name, (stream.name, stream.now()), label=label)
+                self._memory[key] = _Memory(allocated_on or stream.name, (stream.name, stream.now()), label=label,
+                                            storage=_weak_storage(tensor))
                 continue
             memory = self._memory_of(tensor, key)
             for reader, time in memory.reads.items():
@@ -346,12 +359,15 @@ class CheckedStreams(Streams):
     def verify(self) -> None:
         """Raise if a tensor was used on a stream it was not ``record``-ed for (rule 3)."""
         for memory in self._memory.values():
-            missing = self._unrecorded(memory)
-            if missing:
-                raise StreamRaceError(
-                    f"{memory.label} (allocated on stream {memory.allocated_on!r}) is used on {sorted(missing)} "
-                    f"but was never record()ed for it: the caching allocator could reuse its memory too early"
-                )
+            self._check_recorded(memory)
+
+    def _check_recorded(self, memory: _Memory) -> None:
+        missing = self._unrecorded(memory)
+        if missing:
+            raise StreamRaceError(
+                f"{memory.label} (allocated on stream {memory.allocated_on!r}) is used on {sorted(missing)} "
+                f"but was never record()ed for it: the caching allocator could reuse its memory too early"
+            )
 
     @contextlib.contextmanager
     def tracking(self) -> Iterator[CheckedStreams]:
@@ -376,9 +392,16 @@ class CheckedStreams(Streams):
     # -- internals
 
     def _memory_of(self, tensor: torch.Tensor, key: int) -> _Memory:
-        if key not in self._memory:   # never seen: an input of the graph, written on compute before it ran
-            self._memory[key] = _Memory(COMPUTE, (COMPUTE, 0), label=f"input{tuple(tensor.shape)}")
-        return self._memory[key]
+        old = self._memory.get(key)
+        if old is not None and old.storage is not None and old.storage.expired():
+            # freed, and its address handed out again without the checker seeing it (by Inductor's generated code,
+            # which allocates on the compute stream): the old allocation's life ends here, checked as verify() would
+            self._check_recorded(old)
+            old = None
+        if old is None:   # never seen: an input of the graph, or an unseen allocation, written on compute before
+            old = self._memory[key] = _Memory(COMPUTE, (COMPUTE, 0), label=f"input{tuple(tensor.shape)}",
+                                              storage=_weak_storage(tensor))
+        return old
 
     def _unrecorded(self, memory: _Memory) -> set[str]:
         used = set(memory.reads) | {memory.written[0]}

@@ -22,7 +22,8 @@ After (``fn`` = :func:`moe_compile.ops.dispatch_aten.combine_aten`)::
 
 A call whose tensor inputs have no fake value or are not contiguous (the trace's fakes are, so its ``reshape``
 may be a ``view``), or whose non-tensor arguments are graph values (a ``SymInt`` node), is left as it is
-(:func:`inline_call` returns False).
+(:func:`inline_call` returns False); so is one whose aten form fails to trace, named at WARNING, the graph as
+it was.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from collections.abc import Callable
 import torch
 from torch.fx import Node
 
+from ..debug import log
 from .fake_values import fake_mode_of, propagate
 
 __all__ = ["inline_call"]
@@ -56,29 +58,42 @@ def inline_call(node: Node, fn: Callable) -> bool:
     values = [input.meta.get("val") for input in inputs]
     if not all(isinstance(v, torch.Tensor) and _contiguous(v) for v in values):
         return False
-    traced = _trace(fn, arguments, values)
+    tuple_out = len(node.target._schema.returns) > 1
+    if tuple_out and not all(u.op == "call_function" and u.target is operator.getitem for u in node.users):
+        return False   # a tuple read other than item by item: nothing to map the traced outputs onto
     graph = node.graph
-    mapping = dict(zip(traced.graph.find_nodes(op="placeholder"), inputs))
-    meta = {k: v for k, v in node.meta.items() if k not in ("val", "example_value", "tensor_meta",
-                                                            "unbacked_bindings")}
-    result = None
-    with graph.inserting_before(node):
-        for inner in traced.graph.nodes:
-            if inner.op == "placeholder":
-                continue
-            if inner.op == "output":
-                result = torch.fx.node.map_arg(inner.args[0], mapping.__getitem__)
-                break
-            copy = graph.node_copy(inner, mapping.__getitem__)
-            for key in _TRACE_KEYS:
-                copy.meta.pop(key, None)
-            copy.meta.update(meta)
-            propagate(copy)
-            mapping[inner] = copy
-    if isinstance(result, (tuple, list)):
+    inserted: list[Node] = []
+    try:
+        traced = _trace(fn, arguments, values)
+        mapping = dict(zip(traced.graph.find_nodes(op="placeholder"), inputs))
+        meta = {k: v for k, v in node.meta.items() if k not in ("val", "example_value", "tensor_meta",
+                                                                "unbacked_bindings")}
+        result = None
+        with graph.inserting_before(node):
+            for inner in traced.graph.nodes:
+                if inner.op == "placeholder":
+                    continue
+                if inner.op == "output":
+                    result = torch.fx.node.map_arg(inner.args[0], mapping.__getitem__)
+                    break
+                copy = graph.node_copy(inner, mapping.__getitem__)
+                inserted.append(copy)
+                for key in _TRACE_KEYS:
+                    copy.meta.pop(key, None)
+                copy.meta.update(meta)
+                propagate(copy)
+                mapping[inner] = copy
+        if isinstance(result, (tuple, list)) != tuple_out:
+            raise TypeError(f"{getattr(fn, '__name__', fn)} returns {type(result).__name__}, the op "
+                            f"{len(node.target._schema.returns)} value(s)")
+    except Exception as error:   # the graph as it came: the op stays, named at WARNING
+        for copy in reversed(inserted):
+            graph.erase_node(copy)
+        log.warning("%s stays a custom op for the inner compiler: its aten form %s could not be traced into the "
+                    "graph (%s: %s)", node.target, getattr(fn, "__name__", fn), type(error).__name__, error)
+        return False
+    if tuple_out:
         for user in list(node.users):
-            if user.op != "call_function" or user.target is not operator.getitem:
-                raise AssertionError(f"inline_call: {node.name} returns a tuple read by {user.format_node()}")
             user.replace_all_uses_with(result[user.args[1]])
             graph.erase_node(user)
     else:

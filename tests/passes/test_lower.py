@@ -96,25 +96,3 @@ def test_encode_decode_stay_ops_where_the_batch_may_be_empty():
         ids.meta["val"] = value
         combine = graph.call_function(torch.ops.moe.combine.default, (graph.placeholder(f"o_{name}"), ids, ids, ids))
         assert _never_empty(combine) is (name == "tokens"), name
-
-
-def test_inline_leaves_a_call_with_a_strided_input():
-    """The trace's fakes are contiguous (its ``reshape`` may become a ``view``): a call reading a strided tensor
-    keeps the op."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from moe_compile.ops.dispatch_aten import dispatch_backward_aten
-    from moe_compile.passes.inline import inline_call
-
-    graph = torch.fx.Graph()
-    with FakeTensorMode():
-        values = {"buffer": torch.empty(6, 4, 3).transpose(0, 1), "ids": torch.empty(5, 2, dtype=torch.long),
-                  "loc": torch.empty(5, 2, dtype=torch.long)}
-    nodes = []
-    for name, value in values.items():
-        nodes.append(graph.placeholder(name))
-        nodes[-1].meta["val"] = value
-    call = graph.call_function(torch.ops.moe.dispatch_backward.default, tuple(nodes))
-    graph.output(call)
-    assert not inline_call(call, dispatch_backward_aten)
-    assert call in graph.nodes

@@ -454,6 +454,40 @@ def test_inductor_holds_the_buffer_each_issue_reads_in_a_layer(fake_group, monke
 # --------------------------------------------------------------------------- the checker catches broken programs
 
 
+def _reused_address(monkeypatch, use_on_compute: bool) -> None:
+    """A tensor allocated on the side stream "comm" (read on compute when ``use_on_compute``, never recorded),
+    freed; then an allocation the checker did not see (as Inductor's ``empty_strided_cpu``) at its address,
+    written on compute. The host allocator's reuse is made certain: both storages have the same key."""
+    import moe_compile.streams as streams
+
+    monkeypatch.setattr(streams, "_key", lambda tensor: 1)
+    checked = CheckedStreams()
+    comm = checked.side("comm")
+    first = torch.ones(8)
+    checked.on_write([first], comm, "first", fresh=True)
+    if use_on_compute:
+        checked.wait(checked.compute, comm)
+        checked.on_read([first], checked.compute, "a read of first")
+    del first
+    second = torch.zeros(8)
+    checked.on_write([second], checked.compute, "a kernel writing second", fresh=False)
+    checked.verify()
+
+
+def test_checker_takes_an_unseen_allocation_at_a_freed_address_for_a_new_one(monkeypatch):
+    """Inductor's buffers come from outside the dispatcher: one at the address of a freed side-stream tensor is
+    a new compute allocation, not a use of the freed one on the compute stream (on a GPU the caching allocator
+    keeps blocks per stream)."""
+    _reused_address(monkeypatch, use_on_compute=False)
+
+
+def test_checker_still_names_a_freed_tensor_used_unrecorded_when_its_address_is_reused(monkeypatch):
+    with pytest.raises(StreamRaceError, match="first .*never record"):
+        _reused_address(monkeypatch, use_on_compute=True)
+
+
+
+
 class _SkipJoin(CheckedStreams):
     """Broken: the compute stream never waits for the side stream (the receive group's ``current.wait(side)``)."""
 
