@@ -131,14 +131,10 @@ def _inductor(fn: Callable, widths: Sequence[int], dtype: torch.dtype) -> Callab
     """``fn`` traced on ``[n, width]`` blocks (``n`` symbolic, the widths static) and compiled by Inductor."""
     from torch._dispatch.python import no_python_dispatcher
     from torch._inductor.compile_fx import compile_fx
-    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-    from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from ..fake_trace import trace_on_fakes
 
     with unset_fake_temporarily(), no_python_dispatcher():
-        mode = FakeTensorMode(shape_env=ShapeEnv())
-        rows = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
-        fakes = [mode.from_tensor(torch.empty(64, width, dtype=dtype), symbolic_context=rows) for width in widths]
-        with mode:
-            gm = make_fx(fn)(*fakes)
+        gm = trace_on_fakes(fn, [((None, width), dtype, "cpu") for width in widths])
         return compile_fx(gm, [node.meta["val"] for node in gm.graph.find_nodes(op="placeholder")])

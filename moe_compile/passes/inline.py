@@ -2,7 +2,7 @@
 
 A stage-2 pass that wants the inner compiler to see inside one of the canonical ops (Inductor cannot fuse into
 a custom op) traces a function of plain torch ops, on fakes shaped as the call's inputs, into aten ops
-(``make_fx``, with Inductor's decompositions), and splices that graph in place of the call. A size that is
+(``moe_compile.fake_trace``: ``make_fx``, with Inductor's decompositions), and splices that graph in place of the call. A size that is
 symbolic in the graph is symbolic in the trace too, so the traced graph reads it from the call's inputs
 (``sym_size``) and holds for every value the graph does; static sizes stay constants. Every node inserted gets
 the call's ``meta`` (its provenance, module stack, ``seq_nr``) and its own fake value in the graph's fake mode
@@ -41,11 +41,6 @@ __all__ = ["inline_call"]
 #: meta keys of a traced node that belong to the trace, not to the graph it is spliced into
 _TRACE_KEYS = ("val", "example_value", "tensor_meta", "unbacked_bindings", "stack_trace", "source_fn_stack",
                "original_aten", "from_node", "seq_nr", "nn_module_stack")
-
-#: the example size of a dimension that is symbolic in the graph (any value above 1: the trace must not
-#: specialize on it, and does not branch on it)
-_SYMBOLIC_EXAMPLE = 64
-
 
 def inline_call(node: Node, fn: Callable) -> bool:
     """Replace ``node`` (a ``call_function`` of an op with a schema) by ``fn(*its arguments)`` traced into aten
@@ -136,26 +131,14 @@ def _arguments(node: Node) -> list | None:
 def _trace(fn: Callable, arguments: list, values: list[torch.Tensor]) -> torch.fx.GraphModule:
     """``fn`` traced into aten ops on fresh fakes shaped as ``values`` (symbolic where they are), the non-tensor
     ``arguments`` as constants."""
-    from torch._dispatch.python import no_python_dispatcher
     from torch._inductor.decomposition import select_decomp_table
-    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-    from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-    with unset_fake_temporarily(), no_python_dispatcher():
-        mode = FakeTensorMode(shape_env=ShapeEnv())
-        fakes = []
-        for value in values:
-            symbolic = [isinstance(size, torch.SymInt) for size in value.shape]
-            context = StatelessSymbolicContext(
-                dynamic_sizes=[DimDynamic.DYNAMIC if s else DimDynamic.STATIC for s in symbolic])
-            example = torch.empty([_SYMBOLIC_EXAMPLE if s else int(size) for s, size in zip(symbolic, value.shape)],
-                                  dtype=value.dtype, device=value.device)
-            fakes.append(mode.from_tensor(example, symbolic_context=context))
+    from ..fake_trace import trace_on_fakes
 
-        def call(*tensors):
-            supplied = iter(tensors)
-            return fn(*(next(supplied) if isinstance(a, Node) else a for a in arguments))
+    def call(*tensors):
+        supplied = iter(tensors)
+        return fn(*(next(supplied) if isinstance(a, Node) else a for a in arguments))
 
-        with mode:
-            return make_fx(call, decomposition_table=select_decomp_table())(*fakes)
+    inputs = [([None if isinstance(size, torch.SymInt) else int(size) for size in value.shape], value.dtype,
+               value.device) for value in values]
+    return trace_on_fakes(call, inputs, select_decomp_table())

@@ -83,11 +83,11 @@ class Lower:
 
     def __call__(self, gm: GraphModule) -> PassResult:
         cuda = on_cuda(example_value(node) for node in gm.graph.nodes)
-        fused = _fuse_activations(gm) if self.inner == "inductor" and self.cfg.fused_activations and not cuda else 0
+        changed = _fuse_activations(gm) if self.inner == "inductor" and self.cfg.fused_activations and not cuda else 0
         if self.inner == "inductor" and self.cfg.kernels == "auto" and not cuda:
-            fused += _inline_routing(gm)
+            changed += _inline_routing(gm)
         if self.cfg.kernels == "torch" or (self.cfg.kernels == "auto" and not cuda):
-            return PassResult(gm, bool(fused))
+            return PassResult(gm, bool(changed))
         from .. import triton_kernels
 
         if not triton_kernels.available("cuda" if cuda else "cpu"):
@@ -114,7 +114,7 @@ class Lower:
             swaps += 1
         if swaps:
             log.info("lowered %d ops to Triton kernels", swaps)
-        return PassResult(gm, bool(swaps or fused))
+        return PassResult(gm, bool(swaps or changed))
 
 
 def _per_block_experts() -> tuple:
