@@ -152,7 +152,8 @@ def _tiered(cfg: MoECompileConfig, context: CompileContext, gm: torch.fx.GraphMo
     if reason is not None:
         log.info("graph %s stays on the eager inner compiler (no tier-up to Inductor): %s", context.graph_id, reason)
         return compiled
-    second = _copy(gm)   # Inductor traces its own copy
+    second = _copy(gm)   # Inductor traces its own copy, whose nodes stage 2 must know as stage 1's
+    context.record_copy(gm, second)
     # Dynamo's fake inputs (the real ones are the first call's, and its list is emptied after the compile):
     # their ShapeEnv is the one that named the graph's unbacked sizes
     fakes = [node.meta.get("example_value", node.meta.get("val")) for node in gm.graph.find_nodes(op="placeholder")]

@@ -50,6 +50,13 @@ class CompileContext:
         self.summary["passes"][f"stage1:{name}"] = _pass_records(effects)
         self.bodies.append((name, body))
 
+    def record_copy(self, original: GraphModule, copy: GraphModule) -> None:
+        """``copy`` (a node-for-node copy of the stage-1 graph ``original``, compiled again by the tier-up) is
+        this graph's too: its AOTAutograd graphs get the same provenance and sites as ``original``'s, so the
+        stage-2 passes act on the nodes stage 1 built in either."""
+        self.provenance.record_copy(original.graph, copy.graph)
+        self.sites.record_copy(original.graph, copy.graph)
+
     def stage_done(self, prefix: str, effects: Sequence[tuple[str, bool, float]], gm: GraphModule) -> None:
         """After a stage ran (``prefix`` "" = stage 1, "fw_" / "bw_" = stage 2): note the passes and their
         effect, carry the layers' sites to the AOTAutograd graph (``moe_compile.faults``), and rewrite

@@ -38,9 +38,10 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, GraphModule, Node
 
 from .collectives.nodes import is_wait
+from .passes.provenance import copied_nodes
 from .passes.state import moe_state
 from .tasks import task_label
 
@@ -113,6 +114,14 @@ class CollectiveSites:
                     site = _neighbour_site(node)   # the capacity all_reduce is emitted untagged
                 if site is not None:
                     self.stage1[(id(graph), node.name)] = site
+
+    def record_copy(self, original: Graph, copy: Graph) -> None:
+        """Also the sites of ``copy``, a node-for-node copy of the stage-1 graph ``original`` (the graph the
+        tier-up compiles again: :mod:`moe_compile.tiered`)."""
+        for old, new in copied_nodes(original, copy):
+            site = self.stage1.get((id(original), old.name))
+            if site is not None:
+                self.stage1[(id(copy), new.name)] = site
 
     def annotate(self, gm: GraphModule, *, backward: bool) -> dict[str, Site]:
         """``gm.meta["moe"].sites``: the site of every node of an AOTAutograd graph that has one."""

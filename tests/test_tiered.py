@@ -70,6 +70,31 @@ def test_a_hot_graph_runs_inductors_code_equal_to_eager():
     assert model.calls.item() == 4   # the buffer updated once per call, the checked call's copy aside
 
 
+#: the stage-2 lowering the Inductor inner compiler gets on CPU (passes/lower.py)
+LOWERED = ("activations_fused", "routing_inlined")
+
+
+@pytest.mark.slow
+def test_the_tier_up_compile_lowers_as_the_inductor_inner_compiler_does():
+    """Inductor's code of a tiered-up graph runs the same lowered graph as ``inner="inductor"``: the tier-up
+    compiles a copy of the stage-1 graph, whose nodes stage 2 must still know as the ones stage 1 built."""
+    model = Counting()
+    direct = torch.compile(copy.deepcopy(model), backend="moe", fullgraph=True, options={"inner": "inductor"})
+    x = torch.randn(2, 8, 16)
+    _step(direct, x)
+    want = {key: moe_compile.counters[key] for key in LOWERED}
+    assert all(want.values()), want
+    moe_compile.counters.clear()
+    compiled, x, eager = _tiering(model)
+    _step(compiled, x)
+    assert not any(moe_compile.counters[key] for key in LOWERED)   # the eager inner compiler's graph
+    _assert_equal(_step(compiled, x), eager)
+    assert moe_compile.counters["tiered_up"] == 1
+    assert {key: moe_compile.counters[key] for key in LOWERED} == want
+    _assert_equal(_step(compiled, x), eager)
+    assert moe_compile.counters["calls_on_inductor"] == 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["autocast", "no_grad"])
 def test_the_tier_up_compile_traces_under_the_graphs_modes(mode):

@@ -34,7 +34,7 @@ from collections.abc import Iterable
 
 from torch.fx import Graph, GraphModule, Node
 
-__all__ = ["BUILT", "Provenance", "built", "graph_is_built", "mark_built"]
+__all__ = ["BUILT", "Provenance", "built", "copied_nodes", "graph_is_built", "mark_built"]
 
 #: ``node.meta`` key: True on a node this package built (stage 1) or traced from one (stage 2)
 BUILT = "moe_built"
@@ -61,6 +61,15 @@ def mark_built(graphs: Iterable[Graph], received: set[Node]) -> int:
     return count
 
 
+def copied_nodes(original: Graph, copy: Graph) -> list[tuple[Node, Node]]:
+    """The nodes of ``copy`` (``Graph.graph_copy`` of ``original``) beside those they copy, in graph order."""
+    pairs = list(zip(original.nodes, copy.nodes, strict=True))
+    mismatched = [(old.name, new.name) for old, new in pairs if old.op != new.op or old.target != new.target]
+    if mismatched:
+        raise ValueError(f"not a node-for-node copy of the graph: {mismatched[:3]}")
+    return pairs
+
+
 class Provenance:
     """The built nodes of one Dynamo graph's stage 1, carried to its AOTAutograd forward and backward graphs."""
 
@@ -72,6 +81,12 @@ class Provenance:
     def record_stage1(self, graphs: Iterable[Graph]) -> None:
         """The built nodes of the stage-1 graph and its activation-checkpoint bodies."""
         self.stage1 = {(id(graph), n.name) for graph in graphs for n in graph.nodes if built(n)}
+
+    def record_copy(self, original: Graph, copy: Graph) -> None:
+        """Also the built nodes of ``copy``, a node-for-node copy of the stage-1 graph ``original`` (the graph
+        the tier-up compiles again: :mod:`moe_compile.tiered`), whose AOTAutograd graphs trace from ``copy``."""
+        self.stage1 |= {(id(copy), new.name) for old, new in copied_nodes(original, copy)
+                        if (id(original), old.name) in self.stage1}
 
     def carry(self, gm: GraphModule, backward: bool) -> None:
         """Mark ``gm``'s nodes (an AOTAutograd graph) that stage 1 built (forward graphs first)."""
