@@ -62,12 +62,19 @@ compile the second step took; "failed" where it failed or its code disagreed wit
 compiler's on the call that checks it), ``rewritten`` (MoE layers the backend
 rewrote), ``recompiles`` (graphs compiled while timing).
 
+``--repeats N`` runs each (style, P) N times, each in fresh processes (new memory placement of every
+variant, a new compile): a row is then the median over the runs of each run's median step and of its
+``vs best`` (each run against its own faster of eager and Inductor), ``runs' vs best`` the smallest and
+largest of a run. Within one process the control measures how far two copies of one code drift; across
+runs its range shows how far that drift moves: a difference inside the control's range is not resolved.
+
 Peers that shard experts their own way (torchtitan's EP, Tutel, DeepSpeed-MoE) run in
 ``benchmarks/ep_step.py`` and ``benchmarks/ep_step_torchtitan.py``, on one layer.
 
     python benchmarks/model_step.py                       # every style, P = 1 and 2
     python benchmarks/model_step.py --quick               # small sizes, P = 1, 3 steps
     python benchmarks/model_step.py --styles loop mixtral --world-sizes 1
+    python benchmarks/model_step.py --world-sizes 1 --repeats 3 --variants eager inductor inductor-again moe
 """
 from __future__ import annotations
 
@@ -373,20 +380,59 @@ def summarize(style: str, world_size: int, ranks: list[dict]) -> list[dict]:
     return rows
 
 
+def pool(runs: list[list[dict]]) -> list[dict]:
+    """One row per variant from the rows of ``--repeats`` runs of one (style, P), each in fresh processes: the
+    median over the runs of each run's median step, of its ``vs best`` (each run against its own best) and of
+    its first step; ``peak_mib`` the largest; ``vs_best_range`` the smallest and largest ``vs best`` of a run (the control's range is the
+    resolution of the whole measurement); ``p90_ms`` over every run's steps. A variant that failed in any run is
+    that run's error."""
+    if len(runs) == 1:
+        return runs[0]
+    rows = []
+    for name in [r["variant"] for r in runs[0]]:
+        recs = [next(r for r in run if r["variant"] == name) for run in runs]
+        errors = [r["error"] for r in recs if "error" in r]
+        if errors:
+            rows.append({**recs[0], "error": errors[0]})
+            continue
+        steps = [t for r in recs for t in r["steps_ms"]]
+        ratios = [r["vs_best"] for r in recs if "vs_best" in r]
+        row = {**recs[0], "median_ms": statistics.median(r["median_ms"] for r in recs),
+               "p90_ms": _percentile(steps, 0.9), "steps_ms": steps, "run_medians_ms": [r["median_ms"] for r in recs],
+               "first_s": statistics.median(r["first_s"] for r in recs), "repeats": len(recs),
+               "max_rel_diff": max(r["max_rel_diff"] for r in recs),
+               "peak_mib": max((r["peak_mib"] for r in recs if r["peak_mib"] is not None), default=None),
+               "recompiles": max(r["recompiles"] for r in recs),
+               "tier_up_failed": max(r["tier_up_failed"] for r in recs)}
+        tier_ups = [r["tier_up_s"] for r in recs if r.get("tier_up_s") is not None]
+        row["tier_up_s"] = statistics.median(tier_ups) if tier_ups else None
+        if ratios:
+            row["vs_best"], row["vs_best_range"] = statistics.median(ratios), (min(ratios), max(ratios))
+        rows.append(row)
+    return rows
+
+
 def _fmt(value, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
 
+def _range(r: dict) -> str:
+    low_high = r.get("vs_best_range")
+    return "–" if low_high is None else f"{low_high[0]:.3f}-{low_high[1]:.3f}"
+
+
 def table(rows: list[dict]) -> None:
-    header = ["style", "P", "variant", "median ms", "p90 ms", "vs best", "first s", "tier-up s", "peak MiB",
-              "rewritten", "recompiles"]
+    repeated = any("vs_best_range" in r for r in rows)
+    header = ["style", "P", "variant", "median ms", "p90 ms", "vs best", *(["runs' vs best"] if repeated else []),
+              "first s", "tier-up s", "peak MiB", "rewritten", "recompiles"]
     body = []
     for r in rows:
         if "error" in r:
-            body.append([r["style"], str(r["P"]), r["variant"], r["error"][:60], *[""] * 7])
+            body.append([r["style"], str(r["P"]), r["variant"], r["error"][:60], *[""] * (len(header) - 4)])
             continue
         body.append([r["style"], str(r["P"]), r["variant"], _fmt(r["median_ms"], ".1f"), _fmt(r["p90_ms"], ".1f"),
-                     _fmt(r.get("vs_best"), ".2f"), _fmt(r["first_s"], ".1f"),
+                     _fmt(r.get("vs_best"), ".3f" if repeated else ".2f"), *([_range(r)] if repeated else []),
+                     _fmt(r["first_s"], ".1f"),
                      "failed" if r.get("tier_up_failed") else _fmt(r.get("tier_up_s"), ".1f"), _fmt(r["peak_mib"], ".0f"),
                      str(r["rewritten"]), str(r["recompiles"])])
     print_table("one training step of a whole MoE model", header, body, left={"style", "variant"})
@@ -422,6 +468,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=256, help="tokens per rank = batch x seq")
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each (style, P), each in fresh processes; the table pools them (pool())")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--inner", default="auto", choices=("auto", "eager", "inductor"),
@@ -450,15 +498,19 @@ def main(argv=None) -> list[dict]:
     rows = []
     for style in args.styles:
         for world_size in args.world_sizes:
-            start = time.perf_counter()
-            try:
-                ranks = spawn(run_rank, world_size, style, args, timeout=args.timeout)
-            except Exception as error:
-                print(f"{style}, P={world_size}: {type(error).__name__}: {error}", flush=True)
-                rows.append({"style": style, "P": world_size, "variant": "all", "error": str(error)[:200]})
-                continue
-            rows.extend(summarize(style, world_size, ranks))
-            print(f"{style}, P={world_size}: done in {time.perf_counter() - start:.0f} s", flush=True)
+            runs = []
+            for repeat in range(args.repeats):
+                start = time.perf_counter()
+                try:
+                    ranks = spawn(run_rank, world_size, style, args, timeout=args.timeout)
+                except Exception as error:
+                    print(f"{style}, P={world_size}: {type(error).__name__}: {error}", flush=True)
+                    runs = [[{"style": style, "P": world_size, "variant": "all", "error": str(error)[:200]}]]
+                    break
+                runs.append(summarize(style, world_size, ranks))
+                run = f" (run {repeat + 1} of {args.repeats})" if args.repeats > 1 else ""
+                print(f"{style}, P={world_size}: done in {time.perf_counter() - start:.0f} s{run}", flush=True)
+            rows.extend(pool(runs))
     table(rows)
     print(markdown(rows))
     args.json.parent.mkdir(parents=True, exist_ok=True)
