@@ -17,6 +17,11 @@ real step. Model styles (``--styles``):
 ``torchtitan``
     torchtitan's Qwen3-MoE ``debugmodel_moe`` with its SDPA attention
     (``tests/integrations/torchtitan_models.py``; its own sizes, the first two blocks).
+``--model FILE:FUNCTION``
+    a model of your own, timed the same way as a style named ``FUNCTION``: ``FUNCTION(args)``
+    in the Python file ``FILE`` returns ``(model, kind)``, ``kind`` "hidden" for a model of
+    ``[batch, seq, model_dim]`` hidden states, "ids" for one of token ids; ``args`` carries the
+    sizes below.
 
 Sizes (``--model-dim``, ``--expert-dim``, ``--experts``, ``--top-k``, ``--layers``): one
 ``--batch`` × ``--seq`` batch, every rank its own (seeded by the rank). The step is
@@ -75,6 +80,7 @@ Peers that shard experts their own way (torchtitan's EP, Tutel, DeepSpeed-MoE) r
     python benchmarks/model_step.py --quick               # small sizes, P = 1, 3 steps
     python benchmarks/model_step.py --styles loop mixtral --world-sizes 1
     python benchmarks/model_step.py --world-sizes 1 --repeats 3 --variants eager inductor inductor-again moe
+    python benchmarks/model_step.py --model my_model.py:build --world-sizes 1   # a model of your own
 """
 from __future__ import annotations
 
@@ -169,6 +175,8 @@ def _hf_config(style: str, args: argparse.Namespace):
 
 def build(style: str, args: argparse.Namespace, seed: int = 0) -> tuple[nn.Module, str]:
     """The model of ``style`` (the same on every rank) and its input kind: "ids" or "hidden"."""
+    if style in getattr(args, "models", {}):
+        return _own_model(args.models[style], args, seed)
     torch.manual_seed(seed)
     if style in ("loop", "gshard"):
         from tests.models.gshard import GShardMoE
@@ -198,6 +206,25 @@ def build(style: str, args: argparse.Namespace, seed: int = 0) -> tuple[nn.Modul
         model.vocab = vocab
         return model, "ids"
     raise ValueError(f"unknown style {style!r}; choose from {', '.join(STYLES)}")
+
+
+def _own_model(spec: str, args: argparse.Namespace, seed: int) -> tuple[nn.Module, str]:
+    """``--model FILE:FUNCTION``: ``FUNCTION(args)`` of the Python file ``FILE``, seeded, returns ``(model,
+    kind)``: a model of the user's own, ``kind`` "hidden" (it takes ``[batch, seq, model_dim]``) or "ids" (token
+    ids below ``--vocab``), built from this run's sizes (``args.model_dim``, ``args.expert_dim``, ...)."""
+    import importlib.util
+
+    path, _, function = spec.rpartition(":")
+    module_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    if not path or module_spec is None:
+        raise ValueError(f"--model {spec!r}: FILE:FUNCTION expected, FILE a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    torch.manual_seed(seed)
+    model, kind = getattr(module, function)(args)
+    if kind not in ("hidden", "ids"):
+        raise ValueError(f"--model {spec!r}: the input kind must be 'hidden' or 'ids', got {kind!r}")
+    return model, kind
 
 
 def batch(style: str, kind: str, model: nn.Module, rank: int, args: argparse.Namespace) -> torch.Tensor:
@@ -444,7 +471,8 @@ def markdown(rows: list[dict]) -> str:
     out = ["| style | P | " + " | ".join(f"{v} ms" for v in shown)
            + " | first s: inductor / moe / moe+inductor | moe tier-up s |",
            "|---|---|" + "---|" * (len(shown) + 2)]
-    keys = sorted({(r["style"], r["P"]) for r in rows}, key=lambda k: (STYLES.index(k[0]), k[1]))
+    order = lambda style: STYLES.index(style) if style in STYLES else len(STYLES)  # noqa: E731
+    keys = sorted({(r["style"], r["P"]) for r in rows}, key=lambda k: (order(k[0]), k[0], k[1]))
     for style, world_size in keys:
         got = {r["variant"]: r for r in rows if (r["style"], r["P"]) == (style, world_size)}
         cell = lambda v, key, spec: _fmt(got[v].get(key), spec) if v in got and key in got[v] else "–"  # noqa: E731
@@ -456,7 +484,11 @@ def markdown(rows: list[dict]) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--styles", nargs="+", default=list(STYLES), choices=STYLES)
+    p.add_argument("--styles", nargs="+", default=None, choices=STYLES,
+                   help="default: every style, none when --model is given")
+    p.add_argument("--model", action="append", default=[], metavar="FILE:FUNCTION",
+                   help="a model of your own, timed as a style named FUNCTION: FUNCTION(args) -> (model, 'hidden' | "
+                        "'ids'), from the Python file FILE (repeatable)")
     p.add_argument("--world-sizes", nargs="+", type=int, default=None, help="default 1 2 (with --quick, 1)")
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS)
     p.add_argument("--model-dim", type=int, default=512)
@@ -484,6 +516,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="M = 128, 512 tokens, 3 steps, P = 1")
     p.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "model_step.json")
     args = p.parse_args(argv)
+    args.models = {spec.rpartition(":")[2]: spec for spec in args.model}
+    if args.styles is None:
+        args.styles = [] if args.models else list(STYLES)
+    args.styles = [*args.styles, *args.models]
     if args.quick:
         args.model_dim, args.expert_dim, args.batch, args.seq, args.steps, args.warmup = 128, 128, 4, 128, 3, 1
     if args.world_sizes is None:

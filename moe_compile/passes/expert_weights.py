@@ -613,8 +613,9 @@ def routed_output(region: list[Node], topk: Node, output: Node, experts: ExpertM
 
     An in-place op writes into the tensor it mutates: the output depends on it (Llama 4's
     ``out = shared(x); out.add_(routed.sum(0))`` returns ``out``, its ``add_`` unused in the graph). A
-    routed result accumulated in place into a tensor that holds other values (a shared expert's output)
-    must funnel through one node before that op, or the layer is not matched.
+    routed result accumulated in place into a tensor that holds other values (a shared expert's output),
+    or written out of place onto one (``out = shared(x); out = out.index_add(0, rows, y)``: the result keeps
+    the shared output's values), must funnel through one node before that op, or the layer is not matched.
 
     A shared expert gated by the router's own weights (Inkling: ``shared(x) * gammas``, the gammas
     normalised together with the routed weights) is downstream of the ``topk`` too, but reads the expert
@@ -629,7 +630,11 @@ def routed_output(region: list[Node], topk: Node, output: Node, experts: ExpertM
     in_place = [node for node in region if node in after_down and is_inplace(node) and node.args
                 and isinstance(node.args[0], Node) and node.args[0] not in downstream]
     zeros = lambda n: is_call(n, torch.zeros_like, torch.zeros, torch.empty_like, method=("new_zeros", "zero_"))  # noqa: E731
-    into_other = [node for node in in_place if not zeros(node.args[0])]  # into a tensor that holds other values
+    # out of place onto a base (``out = shared(x); out = out.index_add(0, rows, y)``): the base's values are in
+    # the result, as an in-place write's target's are
+    onto = [node for node in region if node in after_down and not is_inplace(node) and _writes_onto(node)
+            and isinstance(node.args[0], Node) and node.args[0] not in downstream]
+    into_other = [node for node in (*in_place, *onto) if not zeros(strip(node.args[0]))]  # holding other values
     # a zero-filled accumulator the experts' rows are index_add_-ed into, then read (scaled, a shared expert
     # added): it stands for its value after the last write
     accumulators = {node.args[0] for node in in_place if zeros(node.args[0]) and node.args[0] in members}
@@ -641,13 +646,26 @@ def routed_output(region: list[Node], topk: Node, output: Node, experts: ExpertM
     funnel = _funnel(region, routed, after_down, downstream, members, shapes, inside, accumulators, side)
     if into_other and (funnel is None or any(n not in reachable(funnel.users, stop=inside) for n in into_other)):
         node = into_other[0]
+        how = "added in place" if is_inplace(node) else "written onto a copy of another tensor"
         raise NoMatch(
-            f"the routed experts' result is added in place ({node.name} = {getattr(node.target, '__name__', node.target)}) "
+            f"the routed experts' result is {how} ({node.name} = {getattr(node.target, '__name__', node.target)}) "
             f"into {node.args[0].name}, a tensor that holds other values (e.g. a shared expert's output), and no "
-            "single [T, M] result of the experts comes before it; not rewritten (write it out of place: "
-            "out = shared + routed)"
+            "single [T, M] result of the experts comes before it; not rewritten (accumulate the experts into "
+            "zeros and add the rest after: out = shared + routed)"
         )
     return output if funnel is None else funnel
+
+
+#: ops that return their first argument with rows written into it (by index, by mask, added or replaced)
+_WRITE_ONTO_METHODS = ("index_add", "index_copy", "index_put", "index_reduce", "scatter", "scatter_add", "scatter_reduce",
+                       "masked_scatter")
+_WRITE_ONTO = tuple(getattr(torch, name) for name in _WRITE_ONTO_METHODS)
+
+
+def _writes_onto(node: Node) -> bool:
+    """``node`` returns a copy of its first argument with rows written into it (``out.index_add(0, rows, y)``):
+    what it does not overwrite keeps that argument's values."""
+    return is_call(node, *_WRITE_ONTO, method=_WRITE_ONTO_METHODS)
 
 
 def _ancestors_written(ends: list[Node], members: set[Node]) -> set[Node]:

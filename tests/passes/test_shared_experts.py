@@ -164,6 +164,44 @@ class _Accumulated(SharedExpertMoE):
         return final * self.routed_scaling + shared
 
 
+class _OntoShared(SharedExpertMoE):
+    """A loop that starts from the shared expert's output and adds each expert's rows onto it out of place
+    (``out = shared(x); out = out.index_add(0, token, y)``); ``zeros``: from a zero-filled tensor instead, the
+    shared expert added after."""
+
+    zeros = False
+
+    def forward(self, x):
+        scores = torch.sigmoid(self.router(x))
+        weights, chosen = torch.topk(scores, self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        shared = self.s_down(torch.nn.functional.silu(self.s_gate(x)) * self.s_up(x))
+        out = torch.zeros_like(x) if self.zeros else shared
+        for e in range(self.up.shape[0]):
+            token, pick = (chosen == e).nonzero(as_tuple=True)
+            h = self._act(torch.nn.functional.linear(x[token], self.up[e]))
+            out = out.index_add(0, token, torch.nn.functional.linear(h, self.down[e]) * weights[token, pick, None])
+        return out + shared if self.zeros else out
+
+
+@pytest.mark.parametrize("zeros", [False, True])
+def test_experts_added_out_of_place_onto_the_shared_output(zeros, caplog):
+    """Onto the shared output, the routed result has no value of its own: the layer stays as written and the
+    WARNING names the op, without the region check (its rewrite would drop the shared expert); onto zeros it is
+    rewritten. Equal to eager either way."""
+    import logging
+
+    torch.manual_seed(0)
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    layer = _OntoShared(8, 12, 4, shared="plain")
+    layer.zeros = zeros
+    compile_and_compare(layer, torch.randn(10, 8), options={"verify_regions": False}, **TOL)
+    assert moe_compile.counters["regions_rewritten"] == int(zeros), dict(moe_compile.counters)
+    if not zeros:
+        (message,) = [r.getMessage() for r in caplog.records if "left unchanged" in r.getMessage()]
+        assert "written onto a copy of another tensor" in message and "index_add" in message, message
+
+
 def test_experts_accumulated_in_place_then_scaled(tmp_path):
     """The accumulator stands for the routed result: replaced by the canonical ops; the scaling and the
     shared expert after it stay as written; equal to eager forward and backward."""
