@@ -89,7 +89,7 @@ from ..debug import log
 from .checkpoint_bodies import traced_example
 from .agree import Agreement
 from .detect import RUNS_LOCALLY, find_moe_regions, rematch
-from .graph_utils import example_value, is_inplace, reachable, region_boundary, same_shape, shape_of
+from .graph_utils import example_value, is_call, is_inplace, reachable, region_boundary, same_shape, shape_of
 from .fake_values import propagate
 from .manager import PassResult
 from .regions import ExpertLinear, MoERegion, NoMatch, Pick, Skip
@@ -310,10 +310,7 @@ def _kept_weight(call, pick: Pick, env: dict[Node, Node]) -> Node:
 def _canonical_weight(call, linear: ExpertLinear, env: dict[Node, Node], dtype: torch.dtype | None = None) -> Node:
     """The linear's weights as one ``[E, out, in]`` tensor (views of stacked params; stack of a ModuleList),
     cast to ``dtype`` when the model computes the experts in another dtype than its weights'."""
-    if len(linear.weights) == 1:
-        weight = env[linear.weights[0]]
-    else:
-        weight = call(torch.stack, [env[w] for w in linear.weights])
+    weight = _stacked(call, linear.weights, env)
     if linear.transposed:
         weight = call("transpose", weight, 1, 2, method=True)
     if linear.rows is not None:
@@ -324,11 +321,42 @@ def _canonical_weight(call, linear: ExpertLinear, env: dict[Node, Node], dtype: 
     return weight
 
 
+def _stacked(call, parts: list[Node], env: dict[Node, Node]) -> Node:
+    """The experts' ``parts`` as one ``[E, ...]`` tensor: a stored ``[E, ...]`` tensor as it is (one part: the
+    tensor itself; one part per expert, ``w[0], ..., w[E-1]`` read from it in order: the tensor they cover),
+    else ``torch.stack`` of the parts (a ``ModuleList``'s). A stack of ``w[e]`` would copy ``w`` each forward,
+    and its backward write each expert's gradient into a zero-filled ``[E, ...]`` tensor and sum the ``E``::
+
+        Before                                           After
+        stack([w[0], w[1], w[2], w[3]])   (w: [4, A, B])  w
+    """
+    if len(parts) == 1:
+        return env[parts[0]]
+    whole = _covered(parts)
+    if whole is not None and whole in env:
+        return env[whole]
+    return call(torch.stack, [env[p] for p in parts])
+
+
+def _covered(parts: list[Node]) -> Node | None:
+    """``w`` when ``parts`` are ``w[0], w[1], ..., w[n-1]`` (``operator.getitem`` by an int, in order) and ``w``
+    has ``n`` rows; else None."""
+    bases = {p.args[0] for p in parts if is_call(p, operator.getitem) and len(p.args) == 2}
+    if len(bases) != 1 or len(parts) != sum(1 for p in parts if is_call(p, operator.getitem)):
+        return None
+    (base,) = bases
+    value = example_value(base)
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != len(parts):
+        return None
+    indices = [p.args[1] for p in parts]
+    return base if all(type(i) is int and i == e for e, i in enumerate(indices)) else None
+
+
 def _canonical_bias(call, linear: ExpertLinear, env: dict[Node, Node]) -> Node | None:
     """The linear's bias as one ``[E, out]`` tensor (the same feature slice as its weight), or None."""
     if not linear.bias:
         return None
-    bias = env[linear.bias[0]] if len(linear.bias) == 1 else call(torch.stack, [env[b] for b in linear.bias])
+    bias = _stacked(call, linear.bias, env)
     if linear.rows is not None:
         start, stop = linear.rows
         bias = call(operator.getitem, bias, (slice(None), slice(start, stop, linear.row_step)))

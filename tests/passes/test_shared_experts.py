@@ -211,3 +211,6 @@ def test_experts_accumulated_in_place_then_scaled(tmp_path):
     assert moe_compile.counters["regions_rewritten"] == 1, dict(moe_compile.counters)
     code = _after(tmp_path)
     assert code.count("torch.ops.moe.combine.default(") == 1 and "index_add_" not in code and "2.5" in code
+    # up[0], ..., up[E-1] cover the stored [E, H, M] weight: it is read whole, not copied by a stack of its rows
+    # (whose backward would write each expert's gradient into a zero-filled [E, H, M] and sum the E)
+    assert "torch.stack(" not in code, code
