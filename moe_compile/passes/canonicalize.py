@@ -341,15 +341,14 @@ def _stacked(call, parts: list[Node], env: dict[Node, Node]) -> Node:
 def _covered(parts: list[Node]) -> Node | None:
     """``w`` when ``parts`` are ``w[0], w[1], ..., w[n-1]`` (``operator.getitem`` by an int, in order) and ``w``
     has ``n`` rows; else None."""
-    bases = {p.args[0] for p in parts if is_call(p, operator.getitem) and len(p.args) == 2}
-    if len(bases) != 1 or len(parts) != sum(1 for p in parts if is_call(p, operator.getitem)):
+    if not all(is_call(p, operator.getitem) and len(p.args) == 2 for p in parts):
         return None
-    (base,) = bases
+    base = parts[0].args[0]
     value = example_value(base)
     if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != len(parts):
         return None
-    indices = [p.args[1] for p in parts]
-    return base if all(type(i) is int and i == e for e, i in enumerate(indices)) else None
+    in_order = all(p.args[0] is base and type(p.args[1]) is int and p.args[1] == e for e, p in enumerate(parts))
+    return base if in_order else None
 
 
 def _canonical_bias(call, linear: ExpertLinear, env: dict[Node, Node]) -> Node | None:

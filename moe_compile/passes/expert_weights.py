@@ -634,7 +634,7 @@ def routed_output(region: list[Node], topk: Node, output: Node, experts: ExpertM
     # the result, as an in-place write's target's are
     onto = [node for node in region if node in after_down and not is_inplace(node) and _writes_onto(node)
             and isinstance(node.args[0], Node) and node.args[0] not in downstream]
-    into_other = [node for node in (*in_place, *onto) if not zeros(strip(node.args[0]))]  # holding other values
+    into_other = [node for node in (*in_place, *onto) if not zeros(node.args[0])]  # a tensor holding other values
     # a zero-filled accumulator the experts' rows are index_add_-ed into, then read (scaled, a shared expert
     # added): it stands for its value after the last write
     accumulators = {node.args[0] for node in in_place if zeros(node.args[0]) and node.args[0] in members}
