@@ -657,8 +657,8 @@ def routed_output(region: list[Node], topk: Node, output: Node, experts: ExpertM
 
 
 #: ops that return their first argument with rows written into it (by index, by mask, added or replaced)
-_WRITE_ONTO_METHODS = ("index_add", "index_copy", "index_put", "index_reduce", "scatter", "scatter_add", "scatter_reduce",
-                       "masked_scatter")
+_WRITE_ONTO_METHODS = ("index_add", "index_copy", "index_put", "index_reduce", "scatter", "scatter_add",
+                       "scatter_reduce", "masked_scatter")
 _WRITE_ONTO = tuple(getattr(torch, name) for name in _WRITE_ONTO_METHODS)
 
 
